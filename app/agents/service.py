@@ -1,0 +1,52 @@
+"""AgentService: the store-side lifecycle of a generation request.
+
+Resources call it at three moments: a request was rejected, a generation
+starts, a generation finished (or failed). Each call is one short transaction,
+so the worker and other requests are never blocked for long and history
+committed before a crash stays committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.agents.identity import AgentKey
+from app.store import history
+from app.types import Finished
+
+
+class AgentService:
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self._sessions = session_factory
+
+    def reject(self, request_id: str, protocol: str, error_type: str, message: str) -> None:
+        """Record a request refused before generation (bad input, overload)."""
+        with self._sessions.begin() as session:
+            history.fail_request(session, request_id, status="rejected", error_type=error_type,
+                                 message=message, now=history.utcnow(), protocol=protocol)
+
+    def begin(self, request_id: str, agent: AgentKey, *, protocol: str, model: str,
+              served_model: str, stream: bool, n_input_tokens: int) -> None:
+        now = history.utcnow()
+        with self._sessions.begin() as session:
+            history.touch_agent(session, agent.agent_id, agent.origin, now)
+            history.start_request(session, request_id, protocol=protocol, model=model,
+                                  served_model=served_model, stream=stream,
+                                  agent_id=agent.agent_id, n_input_tokens=n_input_tokens, now=now)
+
+    def complete(self, request_id: str, agent: AgentKey, messages: Sequence[tuple[str, Any]],
+                 reply: tuple[str, Any], finished: Finished) -> None:
+        """Record the outcome and append the conversation's new messages and the reply."""
+        now = history.utcnow()
+        with self._sessions.begin() as session:
+            history.finish_request(session, request_id, finished, now)
+            if finished.stop_reason != "cancelled":
+                history.append_history(session, agent.agent_id, [*messages, reply], request_id, now)
+
+    def fail(self, request_id: str, error_type: str, message: str, status: str = "error") -> None:
+        """Record a generation that ended without a result (``status``: error / cancelled)."""
+        with self._sessions.begin() as session:
+            history.fail_request(session, request_id, status=status, error_type=error_type,
+                                 message=message, now=history.utcnow())

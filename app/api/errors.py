@@ -1,0 +1,72 @@
+"""Map exceptions to HTTP statuses and bodies in the request's protocol shape."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import falcon
+
+from app.errors import (ContextTooLong, EngineUnavailable, InvalidModelFile, InvalidRequest,
+                        NotFound, Overloaded, SemanticError)
+from app.protocol import anthropic
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[SemanticError], int] = {
+    ContextTooLong: 400,
+    InvalidRequest: 400,
+    NotFound: 404,
+    Overloaded: 429,
+    EngineUnavailable: 503,
+    InvalidModelFile: 500,
+}
+
+ErrorRenderer = Callable[[int, str], dict[str, Any]]
+RENDERERS: dict[str, ErrorRenderer] = {"anthropic": anthropic.render_error}
+
+
+def status_of(exc: SemanticError) -> int:
+    for kind in type(exc).__mro__:
+        if kind in STATUS:
+            return STATUS[kind]
+    return 500
+
+
+def _render(req: falcon.Request, status: int, message: str) -> dict[str, Any]:
+    protocol = getattr(req.context, "protocol", "anthropic")
+    return RENDERERS.get(protocol, anthropic.render_error)(status, message)
+
+
+def _respond(req: falcon.Request, resp: falcon.Response, status: int, message: str) -> None:
+    resp.status = falcon.code_to_http_status(status)
+    resp.media = _render(req, status, message)
+
+
+def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticError, _params: Any) -> None:
+    status = status_of(exc)
+    if isinstance(exc, Overloaded):
+        resp.set_header("retry-after", str(exc.retry_after_s))
+    if status >= 500:
+        log.error("request %s failed: %s", getattr(req.context, "request_id", "-"), exc)
+    _respond(req, resp, status, str(exc))
+
+
+def handle_http(req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError, _params: Any) -> None:
+    status = int(exc.status_code)
+    message = exc.description or exc.title or "error"
+    for name, value in (exc.headers or {}).items():
+        resp.set_header(name, value)
+    _respond(req, resp, status, message)
+
+
+def handle_unexpected(req: falcon.Request, resp: falcon.Response, exc: Exception, _params: Any) -> None:
+    log.exception("unhandled error in request %s", getattr(req.context, "request_id", "-"))
+    _respond(req, resp, 500, "internal server error")
+
+
+def add_error_handlers(app: falcon.App) -> None:
+    """Most specific handler wins (Falcon picks by exception class)."""
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(falcon.HTTPError, handle_http)
+    app.add_error_handler(SemanticError, handle_semantic)

@@ -1,0 +1,66 @@
+"""Operational endpoints: HEAD /, GET /health, GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import falcon
+
+from app.catalog.registry import list_models
+from app.engine.blas import blas_in_use
+from app.engine.engine import Engine
+from app.settings import Settings
+
+
+class RootResource:
+    """Claude Code probes ``HEAD /`` before its first request."""
+
+    def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.status = falcon.HTTP_200
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"name": "semantic", "health": "/health", "models": "/v1/models"}
+
+
+class HealthResource:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        status = self._engine.status()
+        resp.status = falcon.HTTP_200 if status.healthy else falcon.HTTP_503
+        resp.media = {
+            "status": "ok" if status.healthy else "unavailable",
+            "model": status.model,
+            "backend": status.backend,
+            "blas": blas_in_use(),
+            "dtype": status.dtype,
+            "context_length": status.context_length,
+            "uptime_s": round(time.time() - self._engine.started_at, 1),
+            "queue_depth": status.queue_depth,
+            "active_requests": status.n_active,
+        }
+
+
+class ModelsResource:
+    """Installed models, in a shape both the Anthropic and OpenAI SDKs read."""
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self._settings = settings
+        self._engine = engine
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        served = self._engine.loaded
+        entries = {m.name: m.created_at for m in list_models(self._settings.models_dir)}
+        entries.setdefault(served.name, served.path.stat().st_mtime)
+        data = [
+            {
+                "id": name, "type": "model", "object": "model", "display_name": name,
+                "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z"),
+                "created": int(created), "owned_by": "semantic", "loaded": name == served.name,
+            }
+            for name, created in sorted(entries.items())
+        ]
+        resp.media = {"object": "list", "data": data, "has_more": False,
+                      "first_id": data[0]["id"], "last_id": data[-1]["id"]}

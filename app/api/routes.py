@@ -1,0 +1,27 @@
+"""Every URL of the HTTP API, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import falcon
+
+from app.agents.service import AgentService
+from app.api.health import HealthResource, ModelsResource, RootResource
+from app.api.messages import MessagesResource
+from app.engine.engine import Engine
+from app.settings import Settings
+
+
+@dataclass(frozen=True)
+class Deps:
+    settings: Settings
+    engine: Engine
+    agents: AgentService
+
+
+def add_routes(app: falcon.App, deps: Deps) -> None:
+    app.add_route("/", RootResource())
+    app.add_route("/health", HealthResource(deps.engine))
+    app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
+    app.add_route("/v1/messages", MessagesResource(deps.settings, deps.engine, deps.agents))

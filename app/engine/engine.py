@@ -1,0 +1,83 @@
+"""Engine: the public surface of inference (submit, render, stats, health).
+
+Everything MLX lives behind this class; the API layer holds one Engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from app.engine.model import LoadedModel, backend_name, load_model
+from app.engine.prompting import check_fits, render_chat
+from app.engine.runner import Job, Runner
+from app.errors import EngineUnavailable
+from app.types import ChatMessage, GenerationRequest, Prompt
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    healthy: bool
+    model: str | None
+    backend: str
+    dtype: str | None
+    context_length: int | None
+    queue_depth: int
+    n_active: int
+
+
+class Engine:
+    """Owns the engine thread. Start it, then render prompts and submit them."""
+
+    def __init__(self, model_name: str, model_path: Path, *, dtype: str = "auto",
+                 max_queue: int = 16, prefill_step_size: int = 256) -> None:
+        self._runner = Runner(lambda: load_model(model_name, model_path, dtype),
+                              max_queue=max_queue, prefill_step_size=prefill_step_size)
+        self.started_at = time.time()
+
+    def start(self, timeout_s: float | None = None) -> None:
+        """Start the thread and wait for the model to load.
+
+        Raises:
+            EngineUnavailable: loading failed (the cause is chained).
+        """
+        self._runner.start()
+        self._runner.ready.wait(timeout_s)
+        if self._runner.load_error is not None:
+            raise EngineUnavailable(f"model failed to load: {self._runner.load_error}") from self._runner.load_error
+
+    def stop(self) -> None:
+        self._runner.stop()
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._runner.loaded is None:
+            raise EngineUnavailable("the model is not loaded")
+        return self._runner.loaded
+
+    def render(self, messages: Sequence[ChatMessage]) -> Prompt:
+        """The prompt the model would see for ``messages`` (no generation)."""
+        return render_chat(self.loaded.tokenizer, messages)
+
+    def submit(self, request: GenerationRequest) -> Job:
+        """Queue a generation; iterate ``job.events()`` for its output.
+
+        Raises:
+            ContextTooLong, Overloaded, EngineUnavailable.
+        """
+        check_fits(request.prompt, self.loaded.context_length)
+        return self._runner.submit(request)
+
+    def status(self) -> EngineStatus:
+        loaded = self._runner.loaded
+        return EngineStatus(
+            healthy=self._runner.is_alive() and loaded is not None,
+            model=loaded.name if loaded else None,
+            backend=backend_name(),
+            dtype=loaded.dtype if loaded else None,
+            context_length=loaded.context_length if loaded else None,
+            queue_depth=self._runner.queue_depth,
+            n_active=self._runner.n_active,
+        )

@@ -1,0 +1,43 @@
+"""Chat template -> exact prompt text -> token ids. The tokenizer is passed in.
+
+The template is rendered to text first and that text is tokenized without
+adding special tokens (the template writes BOS itself where the model wants
+it), so the text and the ids always describe the same prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jinja2 import TemplateError
+
+from app.errors import ContextTooLong, InvalidRequest
+from app.types import ChatMessage, Prompt
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> Prompt:
+    """Render ``messages`` with the model's chat template, ready for a reply.
+
+    Raises:
+        InvalidRequest: the model has no chat template or it rejects the
+            conversation (e.g. roles that must alternate).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
+    return Prompt(text, tuple(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def check_fits(prompt: Prompt, context_length: int) -> None:
+    """Reject a prompt that leaves no room for one output token.
+
+    Raises:
+        ContextTooLong: with Anthropic's "prompt is too long" wording.
+    """
+    maximum = context_length - 1
+    if prompt.n_tokens > maximum:
+        raise ContextTooLong(prompt.n_tokens, maximum)

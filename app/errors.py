@@ -1,0 +1,46 @@
+"""The one exception tree of Semantic. Only ``app/api/errors.py`` maps it to HTTP."""
+
+from __future__ import annotations
+
+
+class SemanticError(Exception):
+    """Base of every error Semantic raises on purpose."""
+
+
+class InvalidRequest(SemanticError):
+    """The client sent something malformed; ``field`` names where, if known."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ContextTooLong(InvalidRequest):
+    """The rendered prompt does not fit the model's context window."""
+
+    def __init__(self, n_tokens: int, n_max: int) -> None:
+        super().__init__(f"prompt is too long: {n_tokens} tokens > {n_max} maximum")
+        self.n_tokens = n_tokens
+        self.n_max = n_max
+
+
+class NotFound(SemanticError):
+    """A named resource (model, agent) does not exist."""
+
+
+class EngineUnavailable(SemanticError):
+    """The engine thread died or the model could not be loaded."""
+
+
+class InvalidModelFile(SemanticError):
+    """A model file (GGUF or directory) is unreadable or unsupported."""
+
+
+class ConfigError(SemanticError):
+    """A configuration file or variable has an invalid value."""
+
+
+class Overloaded(SemanticError):
+    """The engine's queue is full; the client should retry later."""
+
+    retry_after_s = 1

@@ -1,0 +1,142 @@
+"""Settings: defaults, overridden by a TOML file, overridden by ``SEMANTIC_*`` variables.
+
+Read once at process start (``load_settings``) and passed down; nothing below
+reads the environment. The TOML file is ``$SEMANTIC_CONFIG`` if set, else
+``$SEMANTIC_HOME/config.toml`` if it exists. Its keys are the field names below
+(``port = 8080``); the variable for a field is ``SEMANTIC_`` + its upper-case
+name (``SEMANTIC_PORT=8080``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, get_type_hints
+
+from app.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every setting of Semantic, with its default. See README "Configuration"."""
+
+    home: Path = field(default_factory=lambda: Path.home() / ".semantic")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The model served: a name under $SEMANTIC_HOME/models or a directory path.
+    model: str = DEFAULT_MODEL
+    # Request model names (e.g. "claude-sonnet-5") that are not installed models
+    # are served by `model`; set false to answer them with 404 instead.
+    map_unknown_models: bool = True
+    # Compute dtype: "auto" = float32 on CPU (fast BLAS path), model's own elsewhere.
+    dtype: str = "auto"
+    # Upper bound for a request's max_tokens; larger values are a 400.
+    max_output_tokens: int = 131072
+    # Tokens per prefill step (bounds peak memory on long prompts).
+    prefill_step_size: int = 256
+    # Requests waiting for the engine before new ones get 429.
+    max_queue: int = 16
+    # Waitress worker threads (each streaming response holds one).
+    threads: int = 8
+    # Reuse KV caches across turns (0 = every prompt is prefilled cold).
+    cache_reuse: bool = True
+    # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
+    blas_library: str = ""
+    log_level: str = "INFO"
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "semantic.db"
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.db_path}"
+
+    @property
+    def huey_path(self) -> Path:
+        return self.home / "huey.db"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def blocks_dir(self) -> Path:
+        return self.home / "blocks"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _coerce(name: str, kind: type, value: Any) -> Any:
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+        if kind is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+        if kind is Path:
+            return Path(text).expanduser()
+    if kind is Path and isinstance(value, str):
+        return Path(value).expanduser()
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+_KINDS: dict[str, type] = get_type_hints(Settings)
+
+
+def config_file(env: Mapping[str, str]) -> Path | None:
+    """The TOML file that applies, if any."""
+    if env.get("SEMANTIC_CONFIG"):
+        return Path(env["SEMANTIC_CONFIG"]).expanduser()
+    home = Path(env["SEMANTIC_HOME"]).expanduser() if env.get("SEMANTIC_HOME") else Settings().home
+    candidate = home / "config.toml"
+    return candidate if candidate.exists() else None
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Build the effective settings: defaults < TOML file < environment < overrides.
+
+    Raises:
+        ConfigError: an unknown key in the file or a value of the wrong type.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file(env)
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        unknown = sorted(set(data) - set(_KINDS))
+        if unknown:
+            raise ConfigError(f"{path}: unknown settings {', '.join(unknown)}")
+        values.update(data)
+    for name in _KINDS:
+        variable = f"SEMANTIC_{name.upper()}"
+        if variable in env:
+            values[name] = env[variable]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    typed = {name: _coerce(name, _KINDS[name], value) for name, value in values.items()}
+    settings = Settings(**typed)
+    if not 0 < settings.port < 65536:
+        raise ConfigError(f"port: {settings.port} is not a valid TCP port")
+    return dataclasses.replace(settings, home=settings.home.expanduser())

@@ -1,0 +1,146 @@
+"""The SQL schema: a public interface (README "SQL schema"), changed only by Alembic.
+
+Times are UTC. JSON columns hold what clients sent, as received.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, ForeignKey, Index, MetaData, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Agent(Base):
+    """An agent: the identity a conversation and its caches belong to."""
+
+    __tablename__ = "agents"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # How the agent was identified: direct / openai / anthropic / content.
+    origin: Mapped[str] = mapped_column(String(16))
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"))
+    created_at: Mapped[datetime]
+    last_access_at: Mapped[datetime] = mapped_column(index=True)
+    # Seconds a cache is kept after last access; NULL = the server's default.
+    ttl_seconds: Mapped[int | None]
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class Request(Base):
+    """One generation request, whatever its protocol and outcome."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), index=True)
+    protocol: Mapped[str] = mapped_column(String(16))  # anthropic / openai / direct
+    model: Mapped[str | None] = mapped_column(String(256))  # as requested
+    served_model: Mapped[str | None] = mapped_column(String(256))
+    stream: Mapped[bool] = mapped_column(default=False)
+    n_input_tokens: Mapped[int | None]  # whole prompt, cached part included
+    n_cached_tokens: Mapped[int | None]  # reused from a cache
+    n_output_tokens: Mapped[int | None]
+    # exact / extend / diverge / shared / miss (NULL when no generation ran).
+    match_outcome: Mapped[str | None] = mapped_column(String(16))
+    ttft_ms: Mapped[float | None]
+    total_ms: Mapped[float | None]
+    # running / ok / error / rejected / cancelled
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    stop_reason: Mapped[str | None] = mapped_column(String(32))
+    error_type: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None]
+    created_at: Mapped[datetime] = mapped_column(index=True)
+    finished_at: Mapped[datetime | None]
+
+
+class Message(Base):
+    """One message of an agent's history, in conversation order."""
+
+    __tablename__ = "messages"
+    __table_args__ = (UniqueConstraint("agent_id", "position"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    position: Mapped[int]
+    role: Mapped[str] = mapped_column(String(16))
+    content: Mapped[Any] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    n_tokens: Mapped[int | None]
+    request_id: Mapped[str | None] = mapped_column(ForeignKey("requests.id", ondelete="SET NULL"), index=True)
+
+
+class Cache(Base):
+    """An agent's KV cache for one model fingerprint."""
+
+    __tablename__ = "caches"
+    __table_args__ = (UniqueConstraint("agent_id", "model_fingerprint"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    model_fingerprint: Mapped[str] = mapped_column(String(64))
+    n_tokens: Mapped[int] = mapped_column(default=0)
+    tier: Mapped[str] = mapped_column(String(8))  # hot / warm / cold
+    # File holding the cache record (tokens, text, char ends) and the private tail.
+    record_path: Mapped[str | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    last_access_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class Block(Base):
+    """A content-addressed block of 256 tokens' KV data, shared by reference."""
+
+    __tablename__ = "blocks"
+
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_fingerprint: Mapped[str] = mapped_column(String(64), index=True)
+    parent_hash: Mapped[str | None] = mapped_column(String(64))
+    n_tokens: Mapped[int]
+    path: Mapped[str | None]
+    nbytes: Mapped[int]
+    checksum: Mapped[str | None] = mapped_column(String(64))
+    ref_count: Mapped[int] = mapped_column(default=0)
+    tier: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime]
+    last_access_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class CacheBlock(Base):
+    """Which blocks, in order, make up a cache."""
+
+    __tablename__ = "cache_blocks"
+
+    cache_id: Mapped[int] = mapped_column(ForeignKey("caches.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(primary_key=True)
+    block_hash: Mapped[str] = mapped_column(ForeignKey("blocks.hash"))
+
+    __table_args__ = (Index("ix_cache_blocks_block_hash", "block_hash"),)
+
+
+class JobRun(Base):
+    """One run of a worker job and what it did."""
+
+    __tablename__ = "job_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(32), index=True)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(String(16))
+    result: Mapped[dict[str, Any]] = mapped_column(default=dict)

@@ -1,0 +1,82 @@
+"""Values that cross layer boundaries: chat messages, sampling, engine events.
+
+Pure: no MLX, no database, no threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message as the chat template sees it (content already flattened to text)."""
+
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_sequences: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A rendered prompt: the exact text and the token ids fed to the model."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    agent_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Prefill is about to start: the prompt's size and how much of it is cached."""
+
+    n_prompt_tokens: int
+    n_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New output text (may span several tokens or none: stop-sequence hold-back)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a generation."""
+
+    stop_reason: StopReason
+    stop_sequence: str | None
+    n_prompt_tokens: int
+    n_cached_tokens: int
+    n_output_tokens: int
+    ttft_s: float
+    total_s: float
+    match_outcome: str = "miss"
+    output_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+
+GenerationEvent = Started | TextDelta | Finished

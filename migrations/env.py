@@ -1,0 +1,52 @@
+"""Alembic environment: the schema is app.store.models.Base.metadata.
+
+The URL comes from the caller (``app.store.db.upgrade``), else ``-x url=...``,
+else the effective Semantic settings.
+"""
+
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+from sqlalchemy import pool
+
+from app.settings import load_settings
+from app.store.db import make_engine
+from app.store.models import Base
+
+target_metadata = Base.metadata
+config = context.config
+if config.config_file_name is not None:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+
+def _url() -> str:
+    return (
+        config.get_main_option("sqlalchemy.url")
+        or context.get_x_argument(as_dictionary=True).get("url")
+        or load_settings().db_url
+    )
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
+                      render_as_batch=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = make_engine(_url(), poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,106 @@
+"""Shared fixtures: real models imported from their PyPI packages, a real server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from app.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    """Where imported models live: $SEMANTIC_HOME/models (imports are reused across runs)."""
+    return load_settings().models_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(models_dir: Path) -> Path:
+    from app.catalog.registry import ensure_embedded
+
+    return ensure_embedded(models_dir, "smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(models_dir: Path) -> Path:
+    from app.catalog.registry import ensure_embedded
+
+    return ensure_embedded(models_dir, "gemma3-270m", progress=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    home: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "semantic.db"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(home: Path, model_dir: Path, extra_env: dict[str, str] | None = None,
+                 timeout_s: float = 180) -> ServerProcess:
+    """Start `semantic serve` as a real process on a free port and wait for /health."""
+    port = free_port()
+    env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_PORT": str(port), **(extra_env or {})}
+    env.pop("SEMANTIC_CONFIG", None)
+    log_path = home / "server.log"
+    home.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", "--model", str(model_dir)],
+            cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", home, process, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    """One real server for the session, serving SmolLM2 from a scratch SEMANTIC_HOME."""
+    running = start_server(tmp_path_factory.mktemp("server-home"), smollm2_dir)
+    yield running
+    stop_server(running)

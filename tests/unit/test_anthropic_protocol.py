@@ -1,0 +1,86 @@
+import json
+from typing import Any
+
+import pytest
+
+from app.errors import InvalidRequest
+from app.protocol import anthropic
+from app.types import ChatMessage, Finished, Started, TextDelta
+
+BASE = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def parse(body: dict[str, Any]) -> anthropic.MessagesRequest:
+    return anthropic.parse_request(body, max_output_tokens=1000)
+
+
+def test_string_and_single_text_block_render_identically() -> None:
+    as_string = parse(BASE)
+    as_block = parse({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert as_string.messages == as_block.messages == (ChatMessage("user", "hi"),)
+
+
+def test_system_string_blocks_and_inline_system_role() -> None:
+    request = parse({
+        **BASE,
+        "system": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "b"}],
+        "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}, {"role": "user", "content": "r"}],
+    })
+    assert [m.role for m in request.messages] == ["system", "user", "system", "user"]
+    assert request.messages[0].content == "a\nb"
+    assert parse({**BASE, "system": "plain"}).messages[0] == ChatMessage("system", "plain")
+
+
+def test_unknown_fields_are_ignored_and_sampling_defaults() -> None:
+    request = parse({**BASE, "thinking": {"type": "adaptive"}, "context_management": {}, "whatever": 1})
+    assert request.sampling.temperature == 1.0 and request.sampling.max_tokens == 16
+
+
+def test_session_from_claude_code_user_id() -> None:
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "S-1"})
+    assert parse({**BASE, "metadata": {"user_id": user_id}}).session_id == "S-1"
+    assert anthropic.session_from_user_id("not json") is None
+
+
+@pytest.mark.parametrize("body, field", [
+    ({k: v for k, v in BASE.items() if k != "model"}, "model"),
+    ({k: v for k, v in BASE.items() if k != "messages"}, "messages"),
+    ({k: v for k, v in BASE.items() if k != "max_tokens"}, "max_tokens"),
+    ({**BASE, "messages": []}, "messages"),
+    ({**BASE, "messages": "hi"}, "messages"),
+    ({**BASE, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({**BASE, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ({**BASE, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0"),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0"),
+    ({**BASE, "max_tokens": "16"}, "max_tokens"),
+    ({**BASE, "max_tokens": 0}, "max_tokens"),
+    ({**BASE, "max_tokens": 10**12}, "max_tokens"),
+    ({**BASE, "temperature": 3}, "temperature"),
+    ({**BASE, "stop_sequences": "END"}, "stop_sequences"),
+    ({**BASE, "stream": "yes"}, "stream"),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+    ([1, 2], "body"),
+])
+def test_malformed_bodies_name_the_field(body: Any, field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(body)
+    assert str(info.value).startswith(field), str(info.value)
+
+
+def test_stream_events_follow_anthropic_order() -> None:
+    finished = Finished("end_turn", None, 10, 0, 3, 0.1, 0.2)
+    events = [Started(10, 0), TextDelta("a"), TextDelta("b"), finished]
+    names = [name for name, _ in anthropic.render_events("msg_1", "m", iter(events))]
+    assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
+                     "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_usage_adds_up_to_the_prompt() -> None:
+    usage = anthropic.usage(100, 30, 5)
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == 100
+
+
+def test_error_shape() -> None:
+    assert anthropic.render_error(400, "bad") == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}

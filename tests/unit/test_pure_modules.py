@@ -1,0 +1,26 @@
+"""Modules marked pure must import with MLX unavailable (layering check)."""
+
+import importlib
+import subprocess
+import sys
+
+PURE = [
+    "app.settings", "app.types", "app.errors", "app.engine.stopping", "app.engine.blas",
+    "app.protocol.anthropic", "app.protocol.validation", "app.agents.identity",
+    "app.catalog.gguf_tokenizer", "app.catalog.gguf_import", "app.store.models",
+    "app.store.history", "worker.tasks",
+]
+
+
+def test_pure_modules_import_without_mlx() -> None:
+    code = (
+        "import sys; sys.modules['mlx'] = None; sys.modules['mlx.core'] = None; sys.modules['mlx_lm'] = None\n"
+        f"import importlib\nfor m in {PURE!r}: importlib.import_module(m)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_pure_modules_exist() -> None:
+    for name in PURE:
+        assert importlib.util.find_spec(name) is not None, name

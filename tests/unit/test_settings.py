@@ -1,0 +1,46 @@
+from pathlib import Path
+
+import pytest
+
+from app.errors import ConfigError
+from app.settings import Settings, load_settings
+
+
+def test_defaults_bind_localhost_port_8000(tmp_path: Path) -> None:
+    settings = load_settings({"SEMANTIC_HOME": str(tmp_path)})
+    assert (settings.host, settings.port, settings.model) == ("127.0.0.1", 8000, Settings().model)
+    assert settings.db_path == tmp_path / "semantic.db"
+
+
+def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('port = 9001\nmodel = "m1"\ncache_reuse = false\n')
+    env = {"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_MODEL": "m2"}
+    settings = load_settings(env)
+    assert (settings.port, settings.model, settings.cache_reuse) == (9001, "m2", False)
+    assert load_settings(env, port=9002).port == 9002
+
+
+def test_explicit_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "other.toml"
+    path.write_text("threads = 3\n")
+    assert load_settings({"SEMANTIC_CONFIG": str(path)}).threads == 3
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SEMANTIC_PORT": "eighty"}, "port: expected an integer"),
+    ({"SEMANTIC_PORT": "70000"}, "not a valid TCP port"),
+    ({"SEMANTIC_CACHE_REUSE": "maybe"}, "cache_reuse: expected a boolean"),
+])
+def test_bad_values_are_named(tmp_path: Path, env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings({"SEMANTIC_HOME": str(tmp_path), **env})
+
+
+def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("prot = 1\n")
+    with pytest.raises(ConfigError, match="unknown settings prot"):
+        load_settings({"SEMANTIC_HOME": str(tmp_path)})
+
+
+def test_cache_reuse_switch_from_environment(tmp_path: Path) -> None:
+    assert load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_CACHE_REUSE": "0"}).cache_reuse is False
