@@ -14,7 +14,11 @@ from typing import Iterator
 import httpx
 import pytest
 
+from app.engine.blas import load_fast_blas
 from app.settings import load_settings
+
+# MLX must bind to OpenBLAS: load it before any test module imports mlx.
+load_fast_blas()
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 from datetime import datetime, timezone
 
@@ -9,8 +11,10 @@ import falcon
 
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
-from app.engine.engine import Engine
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
 
 
 class RootResource:

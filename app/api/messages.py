@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, TYPE_CHECKING
 
 import falcon
 
@@ -13,12 +13,14 @@ from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.sse import SseStream, frame
-from app.engine.engine import Engine
-from app.engine.runner import Job
 from app.errors import NotFound, SemanticError
 from app.protocol import anthropic
 from app.settings import Settings
 from app.types import Finished, GenerationRequest, TextDelta
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
+    from app.engine.runner import Job
 
 log = logging.getLogger(__name__)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 import falcon
@@ -9,8 +11,10 @@ import falcon
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
 from app.api.messages import MessagesResource
-from app.engine.engine import Engine
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -61,16 +61,28 @@ def load_fast_blas(explicit: str = "") -> Path | None:
     return path
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
 def blas_in_use() -> str:
-    """The BLAS library mapped into this process, as the OS sees it."""
+    """Which library MLX's ``cblas_sgemm`` calls resolve to.
+
+    MLX binds BLAS symbols through the global scope, so the library that
+    provides ``cblas_sgemm`` there is the one in use. If none does, MLX uses the
+    reference BLAS bundled with its wheel (loaded privately). Other OpenBLAS
+    copies (numpy's ``scipy_openblas``) use renamed symbols and do not count.
+    """
     if platform.system() == "Darwin":
         return "accelerate"
+    process = ctypes.CDLL(None)
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
+        symbol = process.cblas_sgemm
+    except AttributeError:
+        return "reference (bundled with mlx)" if "mlx.core" in sys.modules else "none"
+    info = _DlInfo()
+    if not process.dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)) or not info.dli_fname:
         return "unknown"
-    libraries = {Path(line.split()[-1]).name for line in maps.splitlines() if "blas" in line.lower()}
-    for name in sorted(libraries):
-        if "openblas" in name:
-            return f"openblas ({name})"
-    return "reference (bundled with mlx)" if libraries or "mlx.core" in sys.modules else "none"
+    name = Path(info.dli_fname.decode()).name
+    return f"openblas ({name})" if "openblas" in name else name

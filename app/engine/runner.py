@@ -115,6 +115,7 @@ class Runner(threading.Thread):
     def run(self) -> None:
         try:
             self.loaded = self._load()
+            self._warm_up(self.loaded)
         except BaseException as exc:  # reported to the starter through load_error
             self.load_error = exc
             return
@@ -129,6 +130,12 @@ class Runner(threading.Thread):
                 job.put(Failed(f"generation failed: {exc}"))
             finally:
                 self.n_active = 0
+
+    @staticmethod
+    def _warm_up(loaded: LoadedModel) -> None:
+        """One tiny forward pass, so the first request does not pay for kernel setup."""
+        cache = make_prompt_cache(loaded.model)
+        mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))
 
     def _prompt_cache(self, job: Job) -> tuple[list, int]:
         """The KV cache to generate on and how many prompt tokens it already holds.

@@ -1,0 +1,37 @@
+"""Shared helpers for benchmark scripts: machine facts, result files, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=RESULTS.parent).stdout.strip()
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "commit": commit,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(name: str, results: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **results}, indent=2))
+    return path
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))

@@ -1,0 +1,106 @@
+"""The official anthropic SDK against a real server process serving SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import ServerProcess
+from support.dbcheck import query, request_row
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# This SDK version has no temperature parameter (newer models ignore it); the server honours it.
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="dummy-key", max_retries=0)
+
+
+def test_non_streaming_message(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    raw = client.messages.with_raw_response.create(
+        model="claude-sonnet-5", max_tokens=64, extra_body=GREEDY, messages=QUESTION)
+    message = raw.parse()
+    assert message.type == "message" and message.role == "assistant"
+    assert message.model == "claude-sonnet-5"
+    assert "Paris" in message.content[0].text
+    assert message.stop_reason == "end_turn"
+    row = request_row(server.db_path, raw.headers["request-id"])
+    assert row["status"] == "ok" and row["protocol"] == "anthropic"
+    assert row["n_input_tokens"] == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert row["n_output_tokens"] == message.usage.output_tokens
+    assert row["ttft_ms"] > 0 and row["total_ms"] >= row["ttft_ms"]
+    history = query(server.db_path, "SELECT position, role, content FROM messages WHERE agent_id = ? ORDER BY position",
+                    row["agent_id"])
+    assert [(p, r) for p, r, _ in history] == [(0, "user"), (1, "assistant")]
+    assert json.loads(history[1][2])[0]["text"] == message.content[0].text
+
+
+def test_streaming_is_incremental(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    arrivals: list[tuple[float, str]] = []
+    running_at_first_delta = None
+    with client.messages.stream(model="claude-sonnet-5", max_tokens=120, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "Count from 1 to 100, separated by commas."}]) as stream:
+        request_id = stream.response.headers["request-id"]
+        for event in stream:
+            arrivals.append((time.monotonic(), event.type))
+            if event.type == "content_block_delta" and running_at_first_delta is None:
+                running_at_first_delta = request_row(server.db_path, request_id)["status"]
+        final = stream.get_final_message()
+    kinds = [kind for _, kind in arrivals]
+    assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    deltas = [t for t, kind in arrivals if kind == "content_block_delta"]
+    assert len(deltas) > 10
+    # The first token reached the client while the server was still generating.
+    assert running_at_first_delta == "running"
+    assert deltas[0] < deltas[-1]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 120
+    assert request_row(server.db_path, request_id)["status"] == "ok"
+
+
+def test_stop_sequence(client: anthropic.Anthropic) -> None:
+    message = client.messages.create(model="m", max_tokens=64, extra_body=GREEDY, messages=QUESTION,
+                                     stop_sequences=["Paris"])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "Paris"
+    assert "Paris" not in message.content[0].text
+
+
+def test_system_as_string_and_blocks_and_inline_system_role(server: ServerProcess) -> None:
+    body = {"model": "m", "max_tokens": 8, "temperature": 0,
+            "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Answer in English."},
+                         {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]}],
+            "thinking": {"type": "adaptive"}, "context_management": {"edits": []}, "output_config": {"effort": "high"}}
+    response = httpx.post(f"{server.url}/v1/messages?beta=true", json=body, timeout=120,
+                          headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,unknown-x"})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["input_tokens"] > 10
+
+
+def test_claude_code_session_identifies_the_agent(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    session = str(uuid.uuid4())
+    user_id = json.dumps({"device_id": "abc", "account_uuid": "", "session_id": session})
+    first = client.messages.create(model="m", max_tokens=8, extra_body=GREEDY, messages=QUESTION,
+                                   metadata={"user_id": user_id})
+    history = [*QUESTION, {"role": "assistant", "content": first.content[0].text},
+               {"role": "user", "content": "And of Italy?"}]
+    client.messages.create(model="m", max_tokens=8, extra_body=GREEDY, messages=history,
+                           extra_headers={"X-Claude-Code-Session-Id": session})
+    rows = query(server.db_path, "SELECT position, role FROM messages WHERE agent_id = ? ORDER BY position", session)
+    assert rows == [(0, "user"), (1, "assistant"), (2, "user"), (3, "assistant")]
+    assert query(server.db_path, "SELECT origin FROM agents WHERE id = ?", session) == [("anthropic",)]
+
+
+def test_prompt_too_long(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hello " * 9000}])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert info.value.body["error"]["message"].startswith("prompt is too long: ")
+    assert info.value.body["error"]["message"].endswith(" tokens > 8191 maximum")

@@ -1,0 +1,83 @@
+"""The `semantic` command as a user runs it: config, models, jobs, worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.catalog.embedded import SMOLLM2, locate_gguf
+from conftest import ROOT
+from support.dbcheck import query
+
+
+def semantic(home: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "SEMANTIC_HOME": str(home), **(env or {})}
+    full_env.pop("SEMANTIC_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_config_prints_effective_settings(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("threads = 3\nport = 9000\n")
+    result = semantic(tmp_path, "config", env={"SEMANTIC_PORT": "9123"})
+    assert result.returncode == 0, result.stderr
+    assert "port = 9123" in result.stdout and "threads = 3" in result.stdout
+    assert str(tmp_path / "config.toml") in result.stdout
+
+
+def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
+    result = semantic(tmp_path, "config", env={"SEMANTIC_PORT": "http"})
+    assert result.returncode == 2 and "port: expected an integer" in result.stderr
+
+
+def test_models_import_and_list(tmp_path: Path) -> None:
+    gguf = locate_gguf(SMOLLM2, tmp_path)
+    result = semantic(tmp_path, "models", "import", str(gguf), "--name", "my-smol")
+    assert result.returncode == 0, result.stderr
+    assert "imported llama model 'my-smol'" in result.stdout
+    model_dir = tmp_path / "models" / "my-smol"
+    assert {p.name for p in model_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"}
+    assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"
+    listing = semantic(tmp_path, "models", "list").stdout
+    assert "my-smol\tllama" in listing and "gemma3-270m\tnot imported" in listing
+
+
+def test_models_import_refuses_a_non_gguf(tmp_path: Path) -> None:
+    bogus = tmp_path / "x.gguf"
+    bogus.write_text("nope")
+    result = semantic(tmp_path, "models", "import", str(bogus))
+    assert result.returncode == 2 and "not a readable GGUF file" in result.stderr
+
+
+def test_jobs_run_compact_records_the_run(tmp_path: Path) -> None:
+    stale = tmp_path / "blocks" / "ab" / "leftover.tmp"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("partial")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    result = semantic(tmp_path, "jobs", "run", "compact")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"removed_temp_files": 1}
+    assert not stale.exists()
+    assert query(tmp_path / "semantic.db", "SELECT name, status FROM job_runs") == [("compact", "ok")]
+
+
+def test_worker_migrates_at_start(tmp_path: Path) -> None:
+    env = {**os.environ, "SEMANTIC_HOME": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, "-m", "app", "worker"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        tables: list[tuple[str]] = []
+        while time.monotonic() < deadline and ("requests",) not in tables:
+            time.sleep(0.5)
+            if (tmp_path / "semantic.db").exists():
+                tables = query(tmp_path / "semantic.db", "SELECT name FROM sqlite_master WHERE type = 'table'")
+        assert ("requests",) in tables and process.poll() is None
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

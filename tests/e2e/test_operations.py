@@ -1,0 +1,31 @@
+"""HEAD /, /health and /v1/models on the real server, read by real clients."""
+
+from __future__ import annotations
+
+import platform
+
+import anthropic
+import httpx
+import openai
+
+from conftest import ServerProcess
+
+
+def test_head_root_answers_200(server: ServerProcess) -> None:
+    assert httpx.head(f"{server.url}/").status_code == 200
+
+
+def test_health_reports_model_backend_blas_uptime(server: ServerProcess) -> None:
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok"
+    assert health["model"] == "smollm2-135m-instruct"
+    assert health["backend"] == "cpu" and health["dtype"] == "float32"
+    assert health["context_length"] == 8192 and health["uptime_s"] >= 0
+    if platform.system() == "Linux":
+        assert health["blas"].startswith("openblas")
+
+
+def test_models_list_for_both_sdks(server: ServerProcess) -> None:
+    anthropic_ids = [m.id for m in anthropic.Anthropic(base_url=server.url, api_key="k").models.list()]
+    openai_ids = [m.id for m in openai.OpenAI(base_url=f"{server.url}/v1", api_key="k").models.list()]
+    assert "smollm2-135m-instruct" in anthropic_ids and anthropic_ids == openai_ids

@@ -1,0 +1,85 @@
+"""The engine on the real SmolLM2: events, sampling limits, stop sequences, cancel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from app.engine.engine import Engine
+from app.errors import ContextTooLong
+from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+QUESTION = (ChatMessage("user", "List five fruits, one per line."),)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Iterator[Engine]:
+    running = Engine("smollm2", smollm2_dir, max_queue=4)
+    running.start()
+    yield running
+    running.stop()
+
+
+def run(engine: Engine, sampling: SamplingParams, prompt: Prompt | None = None) -> tuple[list, str, Finished]:
+    job = engine.submit(GenerationRequest("req_test", prompt or engine.render(QUESTION), sampling))
+    events = list(job.events())
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert isinstance(events[-1], Finished)
+    return events, text, events[-1]
+
+
+def test_events_start_stream_and_finish(engine: Engine) -> None:
+    events, text, finished = run(engine, GREEDY)
+    prompt = engine.render(QUESTION)
+    assert events[0] == Started(prompt.n_tokens, 0)
+    assert sum(isinstance(e, TextDelta) for e in events) > 3
+    assert text.strip()
+    assert finished.n_prompt_tokens == prompt.n_tokens
+    assert 0 < finished.n_output_tokens <= GREEDY.max_tokens
+    assert finished.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < finished.ttft_s <= finished.total_s
+
+
+def test_greedy_is_deterministic(engine: Engine) -> None:
+    assert run(engine, GREEDY)[1] == run(engine, GREEDY)[1]
+
+
+def test_max_tokens_stops_exactly(engine: Engine) -> None:
+    _, _, finished = run(engine, SamplingParams(temperature=0.0, max_tokens=3))
+    assert (finished.stop_reason, finished.n_output_tokens) == ("max_tokens", 3)
+
+
+def test_stop_sequence_truncates_before_it(engine: Engine) -> None:
+    _, full, _ = run(engine, GREEDY)
+    stop = full.strip().split("\n")[1][:3]  # a stop string from the middle of the reply
+    _, text, finished = run(engine, SamplingParams(temperature=0.0, max_tokens=48, stop_sequences=(stop,)))
+    assert finished.stop_reason == "stop_sequence" and finished.stop_sequence == stop
+    assert text == full[: full.index(stop)]
+
+
+def test_end_of_turn_token_ends_generation(engine: Engine) -> None:
+    prompt = engine.render((ChatMessage("user", "What is the capital of France?"),))
+    _, text, finished = run(engine, SamplingParams(temperature=0.0, max_tokens=64), prompt)
+    assert finished.stop_reason == "end_turn"
+    assert "Paris" in text and "<|im_end|>" not in text
+
+
+def test_prompt_longer_than_context_is_refused(engine: Engine) -> None:
+    long_prompt = Prompt("x", tuple([42] * engine.loaded.context_length))
+    with pytest.raises(ContextTooLong, match=r"prompt is too long: 8192 tokens > 8191 maximum"):
+        engine.submit(GenerationRequest("req_long", long_prompt, GREEDY))
+
+
+def test_cancel_stops_generation(engine: Engine) -> None:
+    job = engine.submit(GenerationRequest("req_cancel", engine.render(QUESTION),
+                                          SamplingParams(temperature=0.0, max_tokens=200)))
+    events = job.events()
+    for event in events:
+        if isinstance(event, TextDelta):
+            job.cancel()
+            break
+    finished = [e for e in events if isinstance(e, Finished)][0]
+    assert finished.stop_reason == "cancelled" and finished.n_output_tokens < 200
