@@ -35,19 +35,21 @@ def serve(settings: Settings) -> None:
     import waitress
 
     from app.catalog.registry import ensure_embedded, model_path
-    from app.engine.engine import Engine
+    from app.engine.engine import CacheConfig, Engine
     from app.store.db import make_engine, make_session_factory, upgrade
 
     upgrade(settings.db_url)
     path = model_path(settings.models_dir, settings.model)
     if not (path / "config.json").exists():
         path = ensure_embedded(settings.models_dir, settings.model)
-    engine = Engine(path.name, path, dtype=settings.dtype, max_queue=settings.max_queue,
+    sessions = make_session_factory(make_engine(settings.db_url))
+    cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse)
+    engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     prefill_step_size=settings.prefill_step_size)
     engine.start()
     status = engine.status()
-    log.info("model %s on %s, BLAS: %s", status.model, status.backend, blas_in_use())
-    sessions = make_session_factory(make_engine(settings.db_url))
+    log.info("model %s on %s, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),
+             "on" if settings.cache_reuse else "OFF")
     app = create_app(Deps(settings, engine, AgentService(sessions)))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     log.info("serving on http://%s:%d", settings.host, settings.port)

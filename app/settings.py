@@ -45,6 +45,8 @@ class Settings:
     threads: int = 8
     # Reuse KV caches across turns (0 = every prompt is prefilled cold).
     cache_reuse: bool = True
+    # Bytes of 4-bit KV blocks kept in memory (the hot tier); the rest waits on disk.
+    cache_memory_bytes: int = 2 * 1024**3
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"

@@ -31,10 +31,11 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A rendered prompt: the exact text and the token ids fed to the model."""
+    """A rendered prompt: its exact text, token ids and each token's end offset in the text."""
 
     text: str
     token_ids: tuple[int, ...]
+    ends: tuple[int, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -54,7 +55,8 @@ class Started:
     """Prefill is about to start: the prompt's size and how much of it is cached."""
 
     n_prompt_tokens: int
-    n_cached_tokens: int
+    n_cached_tokens: int  # read from a cache
+    n_cache_written: int  # prompt tokens this turn adds to the agent's cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class Finished:
     stop_sequence: str | None
     n_prompt_tokens: int
     n_cached_tokens: int
+    n_cache_written: int
     n_output_tokens: int
     ttft_s: float
     total_s: float

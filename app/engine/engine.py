@@ -10,11 +10,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.cache.manager import CacheManager, CacheStats
 from app.engine.model import LoadedModel, backend_name, load_model
 from app.engine.prompting import check_fits, render_chat
 from app.engine.runner import Job, Runner
 from app.errors import EngineUnavailable
 from app.types import ChatMessage, GenerationRequest, Prompt
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Where and how the engine keeps KV caches."""
+
+    blocks_dir: Path
+    sessions: sessionmaker[Session]
+    budget_bytes: int
+    enabled: bool = True
+
+    def manager_for(self, loaded: LoadedModel) -> CacheManager:
+        return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
+                            dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
+                            budget_bytes=self.budget_bytes, enabled=self.enabled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +44,15 @@ class EngineStatus:
     context_length: int | None
     queue_depth: int
     n_active: int
+    cache: CacheStats | None
 
 
 class Engine:
     """Owns the engine thread. Start it, then render prompts and submit them."""
 
-    def __init__(self, model_name: str, model_path: Path, *, dtype: str = "auto",
+    def __init__(self, model_name: str, model_path: Path, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256) -> None:
-        self._runner = Runner(lambda: load_model(model_name, model_path, dtype),
+        self._runner = Runner(lambda: load_model(model_name, model_path, dtype), cache.manager_for,
                               max_queue=max_queue, prefill_step_size=prefill_step_size)
         self.started_at = time.time()
 
@@ -48,8 +67,10 @@ class Engine:
         if self._runner.load_error is not None:
             raise EngineUnavailable(f"model failed to load: {self._runner.load_error}") from self._runner.load_error
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60) -> None:
+        """Finish queued work, write pending cache files, stop the thread."""
         self._runner.stop()
+        self._runner.join(timeout_s)
 
     @property
     def loaded(self) -> LoadedModel:
@@ -80,4 +101,9 @@ class Engine:
             context_length=loaded.context_length if loaded else None,
             queue_depth=self._runner.queue_depth,
             n_active=self._runner.n_active,
+            cache=self._runner.caches.stats() if self._runner.caches else None,
         )
+
+    def flush_caches(self, timeout_s: float | None = None) -> bool:
+        """Wait until cache files of finished turns are on disk."""
+        return self._runner.caches.flush(timeout_s) if self._runner.caches else True

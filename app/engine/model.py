@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -10,9 +11,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from app.cache.blocks import KV_FORMAT
+from app.engine.token_text import TokenBytes
 from app.errors import InvalidModelFile
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,55 @@ class LoadedModel:
     context_length: int
     dtype: str
     stop_token_ids: frozenset[int]
+    fingerprint: str
+    token_bytes: TokenBytes
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def compute_dtype(self) -> mx.Dtype:
+        return _param_dtype(self.model)
+
+
+def _param_dtype(model: nn.Module) -> mx.Dtype:
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def model_fingerprint(path: Path, kv_format: str) -> str:
+    """sha256 over the weights, tokenizer, chat template and KV format.
+
+    Hashing the weights takes a second per few hundred MB, so the weights'
+    digest is memoised in ``.fingerprint.json`` keyed by file sizes and times.
+    """
+    weights = sorted(path.glob("*.safetensors"))
+    stamp = [[w.name, w.stat().st_size, w.stat().st_mtime_ns] for w in weights]
+    memo_path = path / ".fingerprint.json"
+    weights_digest = None
+    try:
+        memo = json.loads(memo_path.read_text())
+        if memo.get("stamp") == stamp:
+            weights_digest = memo["weights_sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if weights_digest is None:
+        digest = hashlib.sha256()
+        for weight in weights:
+            with weight.open("rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    digest.update(chunk)
+        weights_digest = digest.hexdigest()
+        try:
+            memo_path.write_text(json.dumps({"stamp": stamp, "weights_sha256": weights_digest}))
+        except OSError:
+            log.warning("cannot write %s; the model will be hashed again next start", memo_path)
+    final = hashlib.sha256(weights_digest.encode())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (path / name).exists():
+            final.update(name.encode() + (path / name).read_bytes())
+    final.update(kv_format.encode())
+    return final.hexdigest()
 
 
 def backend_name() -> str:
@@ -67,6 +120,8 @@ def load_model(name: str, path: Path, dtype: str = "auto") -> LoadedModel:
     context = int(config.get("max_position_embeddings") or tokenizer.model_max_length or 4096)
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
-    used = str(target or "model's own").removeprefix("mlx.core.")
+    used = str(_param_dtype(model)).removeprefix("mlx.core.")
+    fingerprint = model_fingerprint(path, KV_FORMAT)
+    token_bytes = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, context, used)
-    return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids))
+    return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes)

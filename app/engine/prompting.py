@@ -29,7 +29,21 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> Prompt:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except TemplateError as exc:
         raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
-    return Prompt(text, tuple(tokenizer.encode(text, add_special_tokens=False)))
+    return Prompt(text, *tokenize_with_ends(tokenizer, text))
+
+
+def tokenize_with_ends(tokenizer: Any, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Token ids of ``text`` (no special tokens added) and where each ends in it.
+
+    Ends come from the tokenizer's offset mapping; tokens sharing one character
+    (byte-level pieces of an emoji) all end at that character's end.
+    """
+    encoding = tokenizer._tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    ends, furthest = [], 0
+    for _, end in encoding.offsets:
+        furthest = max(furthest, end)
+        ends.append(furthest)
+    return tuple(encoding.ids), tuple(ends)
 
 
 def check_fits(prompt: Prompt, context_length: int) -> None:

@@ -19,8 +19,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from app.cache.manager import CacheManager, Lease
 from app.engine.model import LoadedModel
+from app.engine.prompting import tokenize_with_ends
 from app.engine.stopping import StopMatcher
+from app.engine.token_text import TextTracker, spells
 from app.errors import EngineUnavailable, Overloaded
 from app.types import Finished, GenerationEvent, GenerationRequest, Started, StopReason, TextDelta
 
@@ -79,9 +82,12 @@ class Job:
 class Runner(threading.Thread):
     """Loads the model, then generates for one job at a time, in queue order."""
 
-    def __init__(self, load: Callable[[], LoadedModel], *, max_queue: int, prefill_step_size: int) -> None:
+    def __init__(self, load: Callable[[], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
+                 max_queue: int, prefill_step_size: int) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
+        self._make_caches = make_caches
+        self.caches: CacheManager | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._prefill_step_size = prefill_step_size
         self.ready = threading.Event()
@@ -116,11 +122,13 @@ class Runner(threading.Thread):
         try:
             self.loaded = self._load()
             self._warm_up(self.loaded)
+            self.caches = self._make_caches(self.loaded)
         except BaseException as exc:  # reported to the starter through load_error
             self.load_error = exc
             return
         finally:
             self.ready.set()
+        assert self.caches is not None
         while (job := self._jobs.get()) is not None:
             self.n_active = 1
             try:
@@ -130,6 +138,7 @@ class Runner(threading.Thread):
                 job.put(Failed(f"generation failed: {exc}"))
             finally:
                 self.n_active = 0
+        self.caches.close()
 
     @staticmethod
     def _warm_up(loaded: LoadedModel) -> None:
@@ -137,64 +146,82 @@ class Runner(threading.Thread):
         cache = make_prompt_cache(loaded.model)
         mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))
 
-    def _prompt_cache(self, job: Job) -> tuple[list, int]:
-        """The KV cache to generate on and how many prompt tokens it already holds.
+    def _lease(self, job: Job) -> tuple[Lease, tuple[int, ...], tuple[int, ...], bool]:
+        """The working cache and the prompt tokens still to prefill.
 
-        NOTE: this is the seam where per-agent cache reuse plugs in; for now
-        every prompt is prefilled from an empty cache.
+        Returns (lease, token ids, their ends relative to the unreused text,
+        whether the resulting record may be stored). Reuse is taken only if the
+        reused tokens plus the new ones spell the prompt exactly (Invariant 2).
         """
-        assert self.loaded is not None
-        return make_prompt_cache(self.loaded.model), 0
+        loaded, caches, prompt = self.loaded, self.caches, job.request.prompt
+        assert loaded is not None and caches is not None
+        lease = caches.lease(job.request.agent_id, prompt.text)
+        if lease.n_reused:
+            start = lease.record.ends[-1]
+            ids, ends = tokenize_with_ends(loaded.tokenizer, prompt.text[start:])
+            if spells(loaded.token_bytes, ids, prompt.text[start:]):
+                return lease, ids, ends, True
+            log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold",
+                        job.request.request_id)
+            lease = caches.lease(None, prompt.text)
+        exact = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
+        return lease, prompt.token_ids, prompt.ends, exact
 
     def _generate(self, job: Job) -> None:
-        loaded = self.loaded
-        assert loaded is not None
+        loaded, caches = self.loaded, self.caches
+        assert loaded is not None and caches is not None
         request = job.request
         started = time.perf_counter()
-        cache, n_cached = self._prompt_cache(job)
-        prompt = request.prompt.token_ids[n_cached:]
-        job.put(Started(request.prompt.n_tokens, n_cached))
+        lease, prompt_ids, prompt_ends, storable = self._lease(job)
+        n_prompt = lease.n_reused + len(prompt_ids)
+        n_written = len(prompt_ids) if storable and caches.enabled and request.agent_id else 0
+        job.put(Started(n_prompt, lease.n_reused, n_written))
         sampling = request.sampling
-        max_new = min(sampling.max_tokens, loaded.context_length - request.prompt.n_tokens)
+        max_new = min(sampling.max_tokens, loaded.context_length - n_prompt)
         sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        detokenizer = loaded.tokenizer.detokenizer
-        detokenizer.reset()
+        tracker = TextTracker(loaded.token_bytes)
         stops = StopMatcher(sampling.stop_sequences)
         output: list[int] = []
         ttft = 0.0
         reason: StopReason = "max_tokens"
         stop_sequence: str | None = None
-        steps = generate_step(mx.array(prompt), loaded.model, max_tokens=max_new, sampler=sampler,
-                              prompt_cache=cache, prefill_step_size=self._prefill_step_size)
+        steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_new, sampler=sampler,
+                              prompt_cache=lease.cache, prefill_step_size=self._prefill_step_size)
         for token, _ in steps:
             token = int(token)
             if not output:
                 ttft = time.perf_counter() - started
-            output.append(token)
+            output.append(token)  # every yielded token has been fed to the cache
+            text = tracker.add(token)
             if job.cancelled:
                 reason = "cancelled"
                 break
             if token in loaded.stop_token_ids:
                 reason = "end_turn"
                 break
-            detokenizer.add_token(token)
-            check = stops.feed(detokenizer.last_segment)
+            check = stops.feed(text)
             if check.emit:
                 job.put(TextDelta(check.emit))
             if check.stop_sequence is not None:
                 reason, stop_sequence = "stop_sequence", check.stop_sequence
                 break
-        if reason in ("end_turn", "max_tokens"):
-            detokenizer.finalize()
-            check = stops.feed(detokenizer.last_segment)
+        tail = tracker.finish()
+        if reason == "max_tokens":
+            check = stops.feed(tail)
             if check.stop_sequence is not None:
                 reason, stop_sequence = "stop_sequence", check.stop_sequence
-            tail = check.emit if check.stop_sequence else check.emit + stops.flush()
-            if tail:
-                job.put(TextDelta(tail))
+            rest = check.emit if check.stop_sequence else check.emit + stops.flush()
+            if rest:
+                job.put(TextDelta(rest))
+        elif reason == "end_turn" and (held := stops.flush()):
+            job.put(TextDelta(held))
         job.put(Finished(
             stop_reason=reason, stop_sequence=stop_sequence,
-            n_prompt_tokens=request.prompt.n_tokens, n_cached_tokens=n_cached,
+            n_prompt_tokens=n_prompt, n_cached_tokens=lease.n_reused, n_cache_written=n_written,
             n_output_tokens=len(output), ttft_s=ttft, total_s=time.perf_counter() - started,
-            output_token_ids=tuple(output),
+            match_outcome=lease.outcome, output_token_ids=tuple(output),
         ))
+        if storable:
+            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
+            record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
+            caches.commit(request.agent_id, lease, record, lease.cache)

@@ -8,6 +8,7 @@ names the field (``messages.0.content: Field required``).
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Iterator, Literal, Union
@@ -17,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.errors import InvalidRequest
 from app.protocol.validation import first_error
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -95,6 +98,18 @@ def _flatten(content: str | list[Any], where: str) -> str:
     return "\n".join(parts)
 
 
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+
+def _drop_billing_header(blocks: list[TextBlock]) -> list[TextBlock]:
+    """Claude Code's first system block is billing metadata whose hash part differs
+    per session; keeping it would defeat prefix reuse across sessions."""
+    kept = [b for b in blocks if not b.text.startswith(BILLING_HEADER_PREFIX)]
+    if len(kept) != len(blocks):
+        log.info("dropped %d x-anthropic-billing-header system block(s) from the prompt", len(blocks) - len(kept))
+    return kept
+
+
 def session_from_user_id(user_id: str | None) -> str | None:
     """Claude Code sends ``metadata.user_id`` as a JSON string with a ``session_id``."""
     if not user_id:
@@ -124,8 +139,9 @@ def parse_request(body: Any, *, max_output_tokens: int) -> MessagesRequest:
             "number of output tokens", "max_tokens",
         )
     messages: list[ChatMessage] = []
-    if parsed.system:
-        messages.append(ChatMessage("system", _flatten(parsed.system, "system")))
+    system = parsed.system if isinstance(parsed.system, str) else _drop_billing_header(parsed.system or [])
+    if system:
+        messages.append(ChatMessage("system", _flatten(system, "system")))
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
     sampling = SamplingParams(
@@ -149,11 +165,16 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def usage(n_prompt: int, n_cached: int, n_output: int | None) -> dict[str, int]:
-    """Anthropic usage: input + cache_read + cache_creation = the whole prompt."""
+def usage(n_prompt: int, n_cached: int, n_written: int, n_output: int | None) -> dict[str, int]:
+    """Anthropic usage: input + cache_read + cache_creation = the whole prompt.
+
+    Tokens reused from the agent's cache are ``cache_read``; prompt tokens
+    prefilled now and kept for the next turn are ``cache_creation``; the rest
+    (caching off) are plain ``input_tokens``.
+    """
     result = {
-        "input_tokens": n_prompt - n_cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": n_prompt - n_cached - n_written,
+        "cache_creation_input_tokens": n_written,
         "cache_read_input_tokens": n_cached,
     }
     if n_output is not None:
@@ -175,7 +196,8 @@ def render_message(message_id: str, model: str, text: str, finished: Finished) -
         "content": [{"type": "text", "text": text}],
         "stop_reason": _stop_reason(finished),
         "stop_sequence": finished.stop_sequence,
-        "usage": usage(finished.n_prompt_tokens, finished.n_cached_tokens, finished.n_output_tokens),
+        "usage": usage(finished.n_prompt_tokens, finished.n_cached_tokens, finished.n_cache_written,
+                       finished.n_output_tokens),
     }
 
 
@@ -187,7 +209,7 @@ def render_events(message_id: str, model: str,
             yield "message_start", {"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, 1),
+                "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_cache_written, 1),
             }}
             yield "content_block_start", {"type": "content_block_start", "index": 0,
                                           "content_block": {"type": "text", "text": ""}}
@@ -200,7 +222,8 @@ def render_events(message_id: str, model: str,
             yield "message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
-                "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_output_tokens),
+                "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_cache_written,
+                               event.n_output_tokens),
             }
             yield "message_stop", {"type": "message_stop"}
 

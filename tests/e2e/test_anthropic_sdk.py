@@ -33,7 +33,9 @@ def test_non_streaming_message(client: anthropic.Anthropic, server: ServerProces
     assert message.stop_reason == "end_turn"
     row = request_row(server.db_path, raw.headers["request-id"])
     assert row["status"] == "ok" and row["protocol"] == "anthropic"
-    assert row["n_input_tokens"] == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    usage = message.usage
+    assert row["n_input_tokens"] == (usage.input_tokens + usage.cache_read_input_tokens
+                                     + usage.cache_creation_input_tokens)
     assert row["n_output_tokens"] == message.usage.output_tokens
     assert row["ttft_ms"] > 0 and row["total_ms"] >= row["ttft_ms"]
     history = query(server.db_path, "SELECT position, role, content FROM messages WHERE agent_id = ? ORDER BY position",
@@ -81,7 +83,8 @@ def test_system_as_string_and_blocks_and_inline_system_role(server: ServerProces
     response = httpx.post(f"{server.url}/v1/messages?beta=true", json=body, timeout=120,
                           headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,unknown-x"})
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["input_tokens"] > 10
+    usage = response.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"] > 10
 
 
 def test_claude_code_session_identifies_the_agent(client: anthropic.Anthropic, server: ServerProcess) -> None:

@@ -7,7 +7,8 @@ from typing import Iterator
 
 import pytest
 
-from app.engine.engine import Engine
+from app.engine.engine import CacheConfig, Engine
+from app.store.db import make_engine, make_session_factory, upgrade
 from app.errors import ContextTooLong
 from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
 
@@ -16,8 +17,12 @@ QUESTION = (ChatMessage("user", "List five fruits, one per line."),)
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path) -> Iterator[Engine]:
-    running = Engine("smollm2", smollm2_dir, max_queue=4)
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    home = tmp_path_factory.mktemp("engine-home")
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    cache = CacheConfig(home / "blocks", make_session_factory(make_engine(url)), 1 << 30, enabled=False)
+    running = Engine("smollm2", smollm2_dir, cache, max_queue=4)
     running.start()
     yield running
     running.stop()
@@ -34,7 +39,7 @@ def run(engine: Engine, sampling: SamplingParams, prompt: Prompt | None = None) 
 def test_events_start_stream_and_finish(engine: Engine) -> None:
     events, text, finished = run(engine, GREEDY)
     prompt = engine.render(QUESTION)
-    assert events[0] == Started(prompt.n_tokens, 0)
+    assert events[0] == Started(prompt.n_tokens, 0, 0)
     assert sum(isinstance(e, TextDelta) for e in events) > 3
     assert text.strip()
     assert finished.n_prompt_tokens == prompt.n_tokens

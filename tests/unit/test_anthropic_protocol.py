@@ -69,18 +69,27 @@ def test_malformed_bodies_name_the_field(body: Any, field: str) -> None:
 
 
 def test_stream_events_follow_anthropic_order() -> None:
-    finished = Finished("end_turn", None, 10, 0, 3, 0.1, 0.2)
-    events = [Started(10, 0), TextDelta("a"), TextDelta("b"), finished]
+    finished = Finished("end_turn", None, 10, 0, 10, 3, 0.1, 0.2)
+    events = [Started(10, 0, 10), TextDelta("a"), TextDelta("b"), finished]
     names = [name for name, _ in anthropic.render_events("msg_1", "m", iter(events))]
     assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
 
 def test_usage_adds_up_to_the_prompt() -> None:
-    usage = anthropic.usage(100, 30, 5)
+    usage = anthropic.usage(100, 30, 70, 5)
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == 100
+    assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (30, 70)
+    assert anthropic.usage(100, 0, 0, 5)["input_tokens"] == 100
 
 
 def test_error_shape() -> None:
     assert anthropic.render_error(400, "bad") == {
         "type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+
+
+def test_billing_header_block_is_dropped_from_the_prompt() -> None:
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a3f; cc_entrypoint=sdk-cli;"},
+              {"type": "text", "text": "You are Claude Code."}]
+    request = parse({**BASE, "system": system})
+    assert request.messages[0] == ChatMessage("system", "You are Claude Code.")

@@ -1,0 +1,98 @@
+"""KV data <-> 4-bit blocks (MLX).
+
+A block holds every layer's keys and values for a span of at most
+``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization (4 bits,
+group size 64 along the head dimension; scales and biases kept in float16,
+which is what makes 4-bit 28.1% of FP16). Quantization groups never cross
+tokens, so a span quantizes the same alone or inside a longer cache.
+
+Attention runs on a transient dequantized float32 copy (``to_working_cache``):
+on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+BLOCK_TOKENS = 256
+BITS = 4
+GROUP_SIZE = 64
+SCALE_DTYPE = mx.float16
+# Part of every model fingerprint: caches of another format never match.
+KV_FORMAT = f"affine-q{BITS}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
+
+# Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
+assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
+
+ARRAY_NAMES = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """Quantized KV of one token span: ``layers[i]`` has the six arrays of ARRAY_NAMES."""
+
+    n_tokens: int
+    layers: tuple[tuple[mx.array, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.layers for a in layer)
+
+    def to_arrays(self) -> dict[str, mx.array]:
+        """Flat name -> array mapping, for safetensors."""
+        return {f"{i}.{name}": array for i, layer in enumerate(self.layers)
+                for name, array in zip(ARRAY_NAMES, layer)}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, mx.array], n_layers: int, n_tokens: int) -> KVBlock:
+        """Inverse of ``to_arrays``. Raises KeyError if an array is missing."""
+        layers = tuple(tuple(arrays[f"{i}.{name}"] for name in ARRAY_NAMES) for i in range(n_layers))
+        block = cls(n_tokens, layers)
+        block.check()
+        return block
+
+    def check(self) -> None:
+        """Raise ValueError unless every array covers ``n_tokens`` tokens."""
+        for layer in self.layers:
+            if any(array.ndim != 4 or array.shape[2] != self.n_tokens for array in layer):
+                raise ValueError("block arrays do not match its token count")
+
+
+def _quantize(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=BITS)
+    return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
+
+
+def _dequantize(w: mx.array, s: mx.array, b: mx.array, dtype: mx.Dtype) -> mx.array:
+    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=BITS).astype(dtype)
+
+
+def quantize_span(cache: list[KVCache], start: int, end: int) -> KVBlock:
+    """Quantize tokens ``[start, end)`` of a float working cache into a block."""
+    layers = []
+    for layer in cache:
+        keys, values = layer.keys[..., start:end, :], layer.values[..., start:end, :]
+        layers.append((*_quantize(keys), *_quantize(values)))
+    block = KVBlock(end - start, tuple(layers))
+    mx.eval([a for layer in block.layers for a in layer])
+    return block
+
+
+def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype: mx.Dtype) -> list[KVCache]:
+    """A float KV cache holding the first ``n_tokens`` tokens of ``blocks``.
+
+    With no blocks, an empty cache (one ``KVCache`` per layer: sliding-window
+    layers keep every token too, and the model masks by window).
+    """
+    cache = [KVCache() for _ in range(n_layers)]
+    if n_tokens == 0:
+        return cache
+    for i, layer in enumerate(cache):
+        keys = mx.concatenate([_dequantize(*b.layers[i][:3], dtype) for b in blocks], axis=2)
+        values = mx.concatenate([_dequantize(*b.layers[i][3:], dtype) for b in blocks], axis=2)
+        layer.state = (keys[..., :n_tokens, :], values[..., :n_tokens, :], n_tokens)
+    mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+    return cache

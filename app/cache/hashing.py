@@ -1,0 +1,32 @@
+"""Content addresses of full KV blocks: a sha256 chain. Pure.
+
+A block's id hashes the model fingerprint (the salt: weights, tokenizer,
+template and KV format), its parent block's id and its token ids, so equal ids
+mean equal KV content and identical prefixes share blocks across agents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import NewType, Sequence
+
+BlockHash = NewType("BlockHash", str)
+
+
+def block_hash(fingerprint: str, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    digest = hashlib.sha256()
+    digest.update(fingerprint.encode())
+    digest.update((parent or "root").encode())
+    digest.update(array("q", tokens).tobytes())
+    return BlockHash(digest.hexdigest())
+
+
+def chain_hashes(fingerprint: str, tokens: Sequence[int], block_tokens: int) -> list[BlockHash]:
+    """The ids of every full block of ``tokens``, in order."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = block_hash(fingerprint, parent, tokens[start:start + block_tokens])
+        hashes.append(parent)
+    return hashes

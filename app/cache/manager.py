@@ -1,0 +1,215 @@
+"""CacheManager: the public surface of KV cache reuse, used by the engine thread.
+
+``lease`` finds an agent's cache (in memory, else on disk), matches the new
+prompt against its record by characters and returns a float working cache
+holding the reusable prefix. ``commit`` turns the working cache after a turn
+back into 4-bit blocks (only the blocks that changed), updates the pool and
+hands a snapshot to the background persister.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, quantize_span, to_working_cache
+from app.cache.hashing import block_hash
+from app.cache.matcher import Outcome, match_prompt
+from app.cache.persist import CacheFiles, Persister, Snapshot
+from app.cache.pool import BlockPool
+from app.cache.records import CacheRecord
+from app.store import blockfiles, cache_index
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentCache:
+    record: CacheRecord
+    chain: tuple[str, ...]
+    tail: KVBlock | None
+
+    @property
+    def private_bytes(self) -> int:
+        return self.tail.nbytes if self.tail else 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A working cache for one generation and what it already holds."""
+
+    cache: list[KVCache]
+    record: CacheRecord  # exactly the tokens in ``cache``
+    outcome: Outcome
+
+    @property
+    def n_reused(self) -> int:
+        return self.record.n_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    enabled: bool
+    pool_bytes: int
+    budget_bytes: int
+    n_blocks: int
+    hot_agents: int
+
+
+class CacheManager:
+    def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
+                 sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True) -> None:
+        self.fingerprint = fingerprint
+        self.enabled = enabled
+        self._n_layers = n_layers
+        self._dtype = dtype
+        self._sessions = sessions
+        self._files = CacheFiles(blocks_dir, fingerprint)
+        self._pool = BlockPool(budget_bytes)
+        self._blocks: dict[str, KVBlock] = {}
+        self._agents: dict[str, AgentCache] = {}
+        self._persister = Persister(self._files, sessions)
+        self._persister.start()
+
+    def stats(self) -> CacheStats:
+        return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
+                          len(self._agents))
+
+    def lease(self, agent_id: str | None, prompt_text: str) -> Lease:
+        """The longest reusable prefix of ``agent_id``'s cache for ``prompt_text``."""
+        cold = Lease(to_working_cache([], self._n_layers, 0, self._dtype), CacheRecord.empty(), "miss")
+        if not self.enabled or agent_id is None:
+            return cold
+        agent = self._agents.get(agent_id) or self._load(agent_id)
+        if agent is None:
+            return cold
+        self._pool.touch(agent_id)
+        match = match_prompt(agent.record, prompt_text)
+        if match.n_reused == 0:
+            return Lease(cold.cache, cold.record, match.outcome)
+        n_blocks = -(-match.n_reused // BLOCK_TOKENS)
+        blocks = [self._blocks[h] for h in agent.chain[:n_blocks]]
+        if len(blocks) < n_blocks:
+            assert agent.tail is not None
+            blocks.append(agent.tail)
+        cache = to_working_cache(blocks, self._n_layers, match.n_reused, self._dtype)
+        return Lease(cache, agent.record.truncate(match.n_reused), match.outcome)
+
+    def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache]) -> None:
+        """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds."""
+        if not self.enabled or agent_id is None:
+            return
+        if cache[0].offset != record.n_tokens:
+            log.error("agent %s: cache holds %d tokens but its record %d; not stored",
+                      agent_id, cache[0].offset, record.n_tokens)
+            return
+        previous = self._agents.get(agent_id)
+        kept = 0 if previous is None else min(len(previous.chain), lease.n_reused // BLOCK_TOKENS)
+        chain = list(previous.chain[:kept]) if previous else []
+        for start in range(kept * BLOCK_TOKENS, record.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            parent = chain[-1] if chain else None
+            block = block_hash(self.fingerprint, parent, record.tokens[start:start + BLOCK_TOKENS])
+            if block not in self._blocks:
+                self._blocks[block] = quantize_span(cache, start, start + BLOCK_TOKENS)
+                self._pool.add_block(block, self._blocks[block].nbytes)
+            chain.append(block)
+        full = len(chain) * BLOCK_TOKENS
+        tail = quantize_span(cache, full, record.n_tokens) if record.n_tokens > full else None
+        agent = AgentCache(record, tuple(chain), tail)
+        self._set_hot(agent_id, agent, previous)
+        self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
+                                        {h: self._blocks[h] for h in agent.chain}))
+        self._enforce_budget(keep=agent_id)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for background writes (tests, shutdown)."""
+        return self._persister.flush(timeout_s)
+
+    def close(self) -> None:
+        self._persister.flush(30)
+        self._persister.stop()
+
+    def _set_hot(self, agent_id: str, agent: AgentCache, previous: AgentCache | None) -> None:
+        self._agents[agent_id] = agent
+        freed = self._pool.assign(agent_id, agent.chain, agent.private_bytes, previous.chain if previous else ())
+        for block in freed:
+            self._blocks.pop(block, None)
+
+    def _enforce_budget(self, keep: str) -> None:
+        for victim in self._pool.lru_agents(keep=keep):
+            if not self._pool.over_budget():
+                return
+            self._spill(victim)
+
+    def _spill(self, agent_id: str) -> None:
+        """Hot -> warm: drop from memory (its files are written or queued)."""
+        agent = self._agents.pop(agent_id)
+        for block in self._pool.remove_agent(agent_id, agent.chain):
+            self._blocks.pop(block, None)
+        log.info("agent %s spilled to disk (pool over budget)", agent_id)
+
+    def _load(self, agent_id: str) -> AgentCache | None:
+        """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
+        with self._sessions() as session:
+            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
+        if entry is None:
+            return None
+        try:
+            agent, loaded = self._read_files(entry)
+        except (blockfiles.DamagedFile, KeyError, ValueError) as exc:
+            log.warning("agent %s: cache on disk unusable (%s); treating as a miss", agent_id, exc)
+            self._discard(agent_id)
+            return None
+        for block, data in loaded.items():
+            self._blocks.setdefault(block, data)
+            self._pool.add_block(block, data.nbytes)
+        self._set_hot(agent_id, agent, None)
+        log.info("agent %s: loaded %d cached tokens from disk", agent_id, agent.record.n_tokens)
+        return agent
+
+    def _read_files(self, entry: cache_index.CacheEntry) -> tuple[AgentCache, dict[str, KVBlock]]:
+        arrays, meta = blockfiles.read(Path(entry.record_path))
+        record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
+                             tuple(int(e) for e in arrays["ends"]))
+        chain = tuple(json.loads(meta["chain"]))
+        if chain != tuple(b.hash for b in entry.blocks):
+            raise ValueError("record file and index disagree on the block chain")
+        loaded: dict[str, KVBlock] = {}
+        for row in entry.blocks:
+            if row.hash in self._blocks:
+                continue
+            block_arrays, block_meta = blockfiles.read(Path(row.path), row.checksum or None)
+            if block_meta.get("fingerprint") != self.fingerprint or block_meta.get("hash") != row.hash:
+                raise ValueError(f"block file {row.path} belongs to another model or block")
+            loaded[row.hash] = KVBlock.from_arrays(_to_mx(block_arrays), self._n_layers, BLOCK_TOKENS)
+        tail_tokens = int(meta["tail_tokens"])
+        tail = None
+        if tail_tokens:
+            tail_arrays = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")}
+            tail = KVBlock.from_arrays(_to_mx(tail_arrays), self._n_layers, tail_tokens)
+        if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
+            raise ValueError("blocks do not cover the record")
+        return AgentCache(record, chain, tail), loaded
+
+    def _discard(self, agent_id: str) -> None:
+        with self._sessions.begin() as session:
+            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
+            cache_index.drop_cache(session, agent_id, self.fingerprint)
+        if entry is None:
+            return
+        for path in [Path(entry.record_path), *(Path(b.path) for b in entry.blocks)]:
+            try:
+                blockfiles.read(path)
+            except blockfiles.DamagedFile:
+                blockfiles.quarantine(path, self._files.root)
+
+
+def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    return {name: mx.array(array) for name, array in arrays.items()}

@@ -1,0 +1,52 @@
+"""CacheRecord: what is in a KV cache, token by token (SPEC Invariant 1). Pure.
+
+For the tokens whose keys and values are in the cache, in order: the ids fed
+to the model, the exact text they spell in the rendered conversation, and the
+character offset in that text at which each token ends. Tokens that split one
+character (byte-level BPE emitting half an emoji) all end where that
+character ends, so ``ends`` is non-decreasing and the first ``k`` tokens always
+spell exactly ``text[:ends[k-1]]``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRecord:
+    tokens: tuple[int, ...]
+    text: str
+    ends: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.ends), "one end per token"
+        assert all(a <= b for a, b in zip(self.ends, self.ends[1:])), "ends must not decrease"
+        assert not self.ends or self.ends[-1] == len(self.text), "the tokens spell the whole text"
+
+    @classmethod
+    def empty(cls) -> CacheRecord:
+        return cls((), "", ())
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def n_tokens_within(self, n_chars: int) -> int:
+        """How many leading tokens end at or before character ``n_chars``."""
+        return bisect_right(self.ends, n_chars)
+
+    def truncate(self, n_tokens: int) -> CacheRecord:
+        """The record of the first ``n_tokens`` tokens."""
+        if n_tokens >= self.n_tokens:
+            return self
+        end = self.ends[n_tokens - 1] if n_tokens else 0
+        return CacheRecord(self.tokens[:n_tokens], self.text[:end], self.ends[:n_tokens])
+
+    def extend(self, tokens: Sequence[int], text: str, ends: Sequence[int]) -> CacheRecord:
+        """Append tokens spelling ``text``; ``ends`` are offsets within ``text``."""
+        base = len(self.text)
+        return CacheRecord(self.tokens + tuple(tokens), self.text + text,
+                           self.ends + tuple(base + e for e in ends))

@@ -1,0 +1,98 @@
+"""The SQL index of cache files: which agent holds which blocks of which model.
+
+Functions take a Session and do not commit. Reference counts are recomputed
+from ``cache_blocks`` for the blocks a change touched, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable, Sequence
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from app.store.models import Block, Cache, CacheBlock
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRow:
+    hash: str
+    parent_hash: str | None
+    n_tokens: int
+    path: str
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """What is needed to load an agent's cache from disk."""
+
+    record_path: str
+    n_tokens: int
+    blocks: tuple[BlockRow, ...]
+
+
+def _refresh_ref_counts(session: Session, hashes: Iterable[str]) -> None:
+    for block_hash in set(hashes):
+        count = session.scalar(select(func.count()).where(CacheBlock.block_hash == block_hash)) or 0
+        block = session.get(Block, block_hash)
+        if block is not None:
+            block.ref_count = count
+
+
+def save_cache(session: Session, agent_id: str, fingerprint: str, n_tokens: int, record_path: str,
+               blocks: Sequence[BlockRow], now: datetime) -> None:
+    """Record an agent's cache (replacing its previous block list)."""
+    for row in blocks:
+        existing = session.get(Block, row.hash)
+        if existing is None:
+            session.add(Block(hash=row.hash, model_fingerprint=fingerprint, parent_hash=row.parent_hash,
+                              n_tokens=row.n_tokens, path=row.path, nbytes=row.nbytes, checksum=row.checksum,
+                              ref_count=0, tier="warm", created_at=now, last_access_at=now))
+        else:
+            existing.last_access_at = now
+    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
+    if cache is None:
+        cache = Cache(agent_id=agent_id, model_fingerprint=fingerprint, created_at=now, tier="warm",
+                      n_tokens=0, updated_at=now, last_access_at=now)
+        session.add(cache)
+        session.flush()
+    old = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
+    session.execute(delete(CacheBlock).where(CacheBlock.cache_id == cache.id))
+    session.add_all(CacheBlock(cache_id=cache.id, position=i, block_hash=row.hash) for i, row in enumerate(blocks))
+    session.flush()
+    cache.n_tokens, cache.record_path, cache.updated_at, cache.last_access_at = n_tokens, record_path, now, now
+    _refresh_ref_counts(session, [*old, *(row.hash for row in blocks)])
+
+
+def load_cache(session: Session, agent_id: str, fingerprint: str) -> CacheEntry | None:
+    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint,
+                                               Cache.tier != "cold"))
+    if cache is None or cache.record_path is None:
+        return None
+    rows = session.execute(
+        select(Block).join(CacheBlock, CacheBlock.block_hash == Block.hash)
+        .where(CacheBlock.cache_id == cache.id).order_by(CacheBlock.position)
+    ).scalars()
+    blocks = tuple(BlockRow(b.hash, b.parent_hash, b.n_tokens, b.path or "", b.nbytes, b.checksum or "") for b in rows)
+    return CacheEntry(cache.record_path, cache.n_tokens, blocks)
+
+
+def drop_cache(session: Session, agent_id: str, fingerprint: str) -> None:
+    """Forget an agent's cache for one model (files are the caller's to delete)."""
+    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
+    if cache is None:
+        return
+    hashes = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
+    session.delete(cache)
+    session.flush()
+    _refresh_ref_counts(session, hashes)
+
+
+def set_tier(session: Session, agent_id: str, fingerprint: str, tier: str, now: datetime) -> None:
+    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
+    if cache is not None:
+        cache.tier, cache.last_access_at = tier, now
