@@ -61,6 +61,28 @@ class KVBlock:
                 raise ValueError("block arrays do not match its token count")
 
 
+def join_blocks(blocks: list[KVBlock]) -> KVBlock:
+    """One block spanning ``blocks`` in order (quantized data is per token, so
+    concatenating along the token axis is exact)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    layers = tuple(tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=2) for a in range(len(ARRAY_NAMES)))
+                   for i in range(len(blocks[0].layers)))
+    mx.eval([a for layer in layers for a in layer])  # evaluated here, on the engine thread
+    return KVBlock(sum(b.n_tokens for b in blocks), layers)
+
+
+def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
+    """Tokens ``[start, end)`` of a block, still quantized, in arrays of their own
+    (not views that would keep the whole source alive)."""
+    if (start, end) == (0, block.n_tokens):
+        return block
+    sliced = KVBlock(end - start, tuple(tuple(mx.contiguous(a[:, :, start:end]) for a in layer)
+                                        for layer in block.layers))
+    mx.eval([a for layer in sliced.layers for a in layer])
+    return sliced
+
+
 def _quantize(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=BITS)
     return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)

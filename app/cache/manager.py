@@ -19,13 +19,15 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock, quantize_span, to_working_cache
-from app.cache.hashing import block_hash
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, join_blocks, quantize_span, slice_block, to_working_cache
+from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, match_prompt
 from app.cache.persist import CacheFiles, Persister, Snapshot
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
+from app.store.models import Block
+from app.types import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class Lease:
     cache: list[KVCache]
     record: CacheRecord  # exactly the tokens in ``cache``
     outcome: Outcome
+    blocks: tuple[KVBlock, ...] = ()  # the 4-bit data the reused prefix came from
+    chain: tuple[str, ...] = ()  # ids of the full blocks among ``blocks``
 
     @property
     def n_reused(self) -> int:
@@ -82,25 +86,71 @@ class CacheManager:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
                           len(self._agents))
 
-    def lease(self, agent_id: str | None, prompt_text: str) -> Lease:
-        """The longest reusable prefix of ``agent_id``'s cache for ``prompt_text``."""
-        cold = Lease(to_working_cache([], self._n_layers, 0, self._dtype), CacheRecord.empty(), "miss")
+    def record(self, agent_id: str) -> CacheRecord | None:
+        """What the agent's hot cache holds (None if not hot)."""
+        agent = self._agents.get(agent_id)
+        return agent.record if agent else None
+
+    def lease(self, agent_id: str | None, prompt: Prompt) -> Lease:
+        """The longest reusable prefix for ``prompt``: the agent's own cache by
+        characters, else (a new agent) the longest chain of shared blocks."""
         if not self.enabled or agent_id is None:
-            return cold
+            return self._cold()
         agent = self._agents.get(agent_id) or self._load(agent_id)
         if agent is None:
-            return cold
+            return self._shared(prompt)
         self._pool.touch(agent_id)
-        match = match_prompt(agent.record, prompt_text)
+        match = match_prompt(agent.record, prompt.text)
         if match.n_reused == 0:
-            return Lease(cold.cache, cold.record, match.outcome)
+            return self._cold(match.outcome)
         n_blocks = -(-match.n_reused // BLOCK_TOKENS)
         blocks = [self._blocks[h] for h in agent.chain[:n_blocks]]
         if len(blocks) < n_blocks:
             assert agent.tail is not None
             blocks.append(agent.tail)
         cache = to_working_cache(blocks, self._n_layers, match.n_reused, self._dtype)
-        return Lease(cache, agent.record.truncate(match.n_reused), match.outcome)
+        return Lease(cache, agent.record.truncate(match.n_reused), match.outcome, tuple(blocks),
+                     agent.chain[:n_blocks])
+
+    def _cold(self, outcome: Outcome = "miss") -> Lease:
+        return Lease(to_working_cache([], self._n_layers, 0, self._dtype), CacheRecord.empty(), outcome)
+
+    def _shared(self, prompt: Prompt) -> Lease:
+        """Start a new agent from blocks other agents hold for the same prefix."""
+        if not prompt.ends:
+            return self._cold()
+        usable = []
+        for block in chain_hashes(self.fingerprint, prompt.token_ids, BLOCK_TOKENS):
+            if block not in self._blocks and not self._load_shared_block(block):
+                break
+            usable.append(block)
+        n_reused = min(len(usable) * BLOCK_TOKENS, prompt.n_tokens - 1)
+        if n_reused <= 0:
+            return self._cold()
+        blocks = [self._blocks[h] for h in usable]
+        cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
+        record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
+                             prompt.ends[:n_reused])
+        return Lease(cache, record, "shared", tuple(blocks), tuple(usable))
+
+    def _load_shared_block(self, block: str) -> bool:
+        """Bring a block another agent stored on disk into memory, if it verifies."""
+        with self._sessions() as session:
+            row = session.get(Block, block)
+            path, digest = (row.path, row.checksum) if row is not None and row.path else (None, None)
+        if path is None:
+            return False
+        try:
+            arrays, meta = blockfiles.read(Path(path), digest or None)
+            if meta.get("fingerprint") != self.fingerprint:
+                return False
+            data = KVBlock.from_arrays(_to_mx(arrays), self._n_layers, BLOCK_TOKENS)
+        except (blockfiles.DamagedFile, KeyError, ValueError) as exc:
+            log.warning("shared block %s unusable: %s", block, exc)
+            return False
+        self._blocks[block] = data
+        self._pool.add_block(block, data.nbytes)
+        return True
 
     def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache]) -> None:
         """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds."""
@@ -111,17 +161,25 @@ class CacheManager:
                       agent_id, cache[0].offset, record.n_tokens)
             return
         previous = self._agents.get(agent_id)
-        kept = 0 if previous is None else min(len(previous.chain), lease.n_reused // BLOCK_TOKENS)
-        chain = list(previous.chain[:kept]) if previous else []
-        for start in range(kept * BLOCK_TOKENS, record.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        kept = lease.n_reused // BLOCK_TOKENS
+        chain = list(lease.chain[:kept])
+        # Reused tokens keep their 4-bit data as is (quantizing dequantized values
+        # again would add error every turn); only tokens computed now are quantized.
+        start = kept * BLOCK_TOKENS
+        pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, lease.n_reused - start)] \
+            if lease.n_reused > start else []
+        pending.append(quantize_span(cache, lease.n_reused, record.n_tokens))
+        fresh = join_blocks(pending)
+        for offset in range(0, fresh.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
             parent = chain[-1] if chain else None
-            block = block_hash(self.fingerprint, parent, record.tokens[start:start + BLOCK_TOKENS])
+            at = start + offset
+            block = block_hash(self.fingerprint, parent, record.tokens[at:at + BLOCK_TOKENS])
             if block not in self._blocks:
-                self._blocks[block] = quantize_span(cache, start, start + BLOCK_TOKENS)
+                self._blocks[block] = slice_block(fresh, offset, offset + BLOCK_TOKENS)
                 self._pool.add_block(block, self._blocks[block].nbytes)
             chain.append(block)
         full = len(chain) * BLOCK_TOKENS
-        tail = quantize_span(cache, full, record.n_tokens) if record.n_tokens > full else None
+        tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         agent = AgentCache(record, tuple(chain), tail)
         self._set_hot(agent_id, agent, previous)
         self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,

@@ -104,6 +104,22 @@ class Engine:
             cache=self._runner.caches.stats() if self._runner.caches else None,
         )
 
-    def flush_caches(self, timeout_s: float | None = None) -> bool:
-        """Wait until cache files of finished turns are on disk."""
-        return self._runner.caches.flush(timeout_s) if self._runner.caches else True
+    @property
+    def caches(self) -> CacheManager:
+        """The cache manager (owned by the engine thread; read-only use elsewhere)."""
+        if self._runner.caches is None:
+            raise EngineUnavailable("the engine is not running")
+        return self._runner.caches
+
+    def wait_idle(self, timeout_s: float = 60) -> bool:
+        """Wait until queued generations are done, their caches committed included."""
+        deadline = time.monotonic() + timeout_s
+        while self._runner.n_active or self._runner.queue_depth:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def flush_caches(self, timeout_s: float = 60) -> bool:
+        """Wait until the caches of finished turns are committed and on disk."""
+        return self.wait_idle(timeout_s) and (self._runner.caches.flush(timeout_s) if self._runner.caches else True)

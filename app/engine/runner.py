@@ -155,15 +155,15 @@ class Runner(threading.Thread):
         """
         loaded, caches, prompt = self.loaded, self.caches, job.request.prompt
         assert loaded is not None and caches is not None
-        lease = caches.lease(job.request.agent_id, prompt.text)
+        lease = caches.lease(job.request.agent_id, prompt)
         if lease.n_reused:
             start = lease.record.ends[-1]
             ids, ends = tokenize_with_ends(loaded.tokenizer, prompt.text[start:])
-            if spells(loaded.token_bytes, ids, prompt.text[start:]):
+            if spells(loaded.token_bytes, lease.record.tokens + ids, prompt.text):
                 return lease, ids, ends, True
             log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold",
                         job.request.request_id)
-            lease = caches.lease(None, prompt.text)
+            lease = caches.lease(None, prompt)
         exact = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
         return lease, prompt.token_ids, prompt.ends, exact
 

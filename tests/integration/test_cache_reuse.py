@@ -1,0 +1,224 @@
+"""Cache reuse on the real SmolLM2 through the engine: warm equals cold, restart,
+damaged files, sharing between agents, and the off switch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache
+from app.engine.engine import CacheConfig, Engine
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.history import touch_agent, utcnow
+from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+from support.dbcheck import query
+
+SYSTEM = ChatMessage("system", "You are a helpful assistant. " + "Answer briefly and precisely. " * 90)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def make_engine_at(home: Path, model_dir: Path, enabled: bool = True, budget: int = 1 << 30) -> Engine:
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        for agent in ("wc", "logits", "restart", "damaged", "share-a", "share-b", "off"):
+            touch_agent(session, agent, "direct", utcnow())
+    engine = Engine("smollm2", model_dir, CacheConfig(home / "blocks", sessions, budget, enabled))
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache-home")
+
+
+@pytest.fixture(scope="module")
+def engine(home: Path, smollm2_dir: Path) -> Iterator[Engine]:
+    running = make_engine_at(home, smollm2_dir)
+    yield running
+    running.stop()
+
+
+def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams = GREEDY) -> tuple[str, Finished]:
+    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages), sampling, agent))
+    events = list(job.events())
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    assert engine.wait_idle()  # the turn's cache is committed
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
+
+
+def conversation(engine: Engine, agent: str) -> tuple[list[ChatMessage], Finished, Finished]:
+    first = [SYSTEM, ChatMessage("user", "Name three primary colors.")]
+    reply, f1 = turn(engine, agent, first)
+    second = [*first, ChatMessage("assistant", reply), ChatMessage("user", "Now name three animals.")]
+    _, f2 = turn(engine, agent, second)
+    return second, f1, f2
+
+
+def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], n_tokens: int) -> tuple[mx.array, list[int]]:
+    """What a cold server computes for the same token split and cache format.
+
+    ``tokens[:splits[-1]]`` is prefilled from scratch in the segments the warm
+    path saw (one per turn, ``splits`` are the turn boundaries), passing the
+    cache through the 4-bit format at every boundary, as a stored cache is.
+    Then the rest of ``tokens`` is prefilled and ``n_tokens`` are generated
+    greedily. Returns the logits after ``tokens`` and the generated tokens.
+    """
+    loaded = engine.loaded
+    cache = to_working_cache([], loaded.n_layers, 0, mx.float32)
+    stored: list = []  # 4-bit segments; earlier ones are never quantized again
+    done = 0
+    for split in splits:
+        for start in range(done, split, BLOCK_TOKENS):
+            mx.eval(loaded.model(mx.array([tokens[start:min(start + BLOCK_TOKENS, split)]]), cache=cache))
+        stored.append(quantize_span(cache, done, split))
+        cache = to_working_cache(stored, loaded.n_layers, split, mx.float32)
+        done = split
+    logits = loaded.model(mx.array([tokens[done:]]), cache=cache)[0, -1]
+    first = int(mx.argmax(logits))
+    tokens_out = [first] + [int(t) for t, _ in generate_step(mx.array([first]), loaded.model, max_tokens=n_tokens - 1,
+                                                             sampler=lambda lp: mx.argmax(lp, axis=-1), prompt_cache=cache)]
+    return logits, tokens_out
+
+
+def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> None:
+    _, f1, f2 = conversation(engine, "wc")
+    assert f1.n_cache_written == f1.n_prompt_tokens - f1.n_cached_tokens
+    assert f2.match_outcome == "extend"
+    # Turn 1's prompt and its whole reply were reused.
+    assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
+    record = engine.caches.record("wc")
+    assert record is not None
+    prompt = record.tokens[:f2.n_prompt_tokens]
+    splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})  # one per turn
+    _, cold_tokens = cold_same_split(engine, prompt, splits, f2.n_output_tokens)
+    assert tuple(cold_tokens) == f2.output_token_ids
+
+
+def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
+    _, f1, f2 = conversation(engine, "logits")
+    record = engine.caches.record("logits")
+    assert record is not None
+    k = record.n_tokens - 10  # inside turn 2's reply: turn 1 and turn 2 both shaped it
+    from app.types import Prompt
+    text = record.text[:record.ends[k - 1]] + "\u0000diverge"
+    lease = engine.caches.lease("logits", Prompt(text, (), ()))
+    assert lease.n_reused == k
+    suffix = record.tokens[k:]
+    warm = engine.loaded.model(mx.array([suffix]), cache=lease.cache)[0, -1]
+    cold, _ = cold_same_split(engine, record.tokens, sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens, k) if n}), 1)
+    assert int(mx.argmax(warm)) == int(mx.argmax(cold))
+    warm_p, cold_p = mx.softmax(warm), mx.softmax(cold)
+    top = mx.argsort(cold)[-20:]
+    # Only float noise differs (chunking), which 4-bit rounding can amplify a little.
+    assert float(mx.max(mx.abs(mx.log(warm_p[top]) - mx.log(cold_p[top])))) < 0.05
+    assert float(mx.sum(mx.abs(warm_p - cold_p))) / 2 < 0.01
+
+
+def test_restart_resumes_from_disk_with_the_same_answer(tmp_path: Path, smollm2_dir: Path) -> None:
+    uninterrupted = make_engine_at(tmp_path / "a", smollm2_dir)  # turns 1, 2, 3 in one engine
+    try:
+        messages, _, _ = conversation(uninterrupted, "restart")
+        record = uninterrupted.caches.record("restart")
+        assert record is not None
+        marker = "<|im_start|>assistant\n"
+        reply_2 = record.text[record.text.rindex(marker) + len(marker):].removesuffix("<|im_end|>")
+        third = [*messages, ChatMessage("assistant", reply_2), ChatMessage("user", "And fruits?")]
+        expected_text, expected = turn(uninterrupted, "restart", third)
+    finally:
+        uninterrupted.stop()
+
+    first = make_engine_at(tmp_path / "b", smollm2_dir)  # turns 1, 2, stop, restart, turn 3
+    conversation(first, "restart")
+    first.stop()
+    restarted = make_engine_at(tmp_path / "b", smollm2_dir)
+    try:
+        text, finished = turn(restarted, "restart", third)
+        assert (finished.n_cached_tokens, finished.match_outcome) == (expected.n_cached_tokens, "extend")
+        assert finished.output_token_ids == expected.output_token_ids and text == expected_text
+    finally:
+        restarted.stop()
+
+
+@pytest.mark.parametrize("damage", ["corrupt block", "truncate record", "delete block", "wrong fingerprint"])
+def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_dir: Path, damage: str,
+                                                       engine: Engine) -> None:
+    first = make_engine_at(tmp_path, smollm2_dir)
+    messages, _, f2 = conversation(first, "damaged")
+    first.stop()
+    model_dir = smollm2_dir
+    blocks = sorted(p for p in (tmp_path / "blocks").rglob("*.safetensors") if "agents" not in p.parts)
+    record = next((tmp_path / "blocks").rglob("agents/*.safetensors"))
+    if damage == "corrupt block":
+        data = bytearray(blocks[0].read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blocks[0].write_bytes(bytes(data))
+    elif damage == "truncate record":
+        os.truncate(record, record.stat().st_size // 2)
+    elif damage == "delete block":
+        blocks[0].unlink()
+    else:  # the same weights with an edited chat template: another model fingerprint
+        changed = tmp_path / "changed-model"
+        changed.mkdir()
+        for item in smollm2_dir.iterdir():
+            (changed / item.name).symlink_to(item)
+        (changed / "tokenizer_config.json").unlink()
+        config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+        config["chat_template"] = config["chat_template"].replace("You are a helpful AI assistant", "You are an AI")
+        (changed / "tokenizer_config.json").write_text(json.dumps(config))
+        model_dir = changed
+    second = make_engine_at(tmp_path, model_dir)
+    try:
+        text, finished = turn(second, "damaged", messages)
+        # Never the agent's own (damaged) cache; at most undamaged shared blocks.
+        assert finished.match_outcome in ("miss", "shared")
+        if finished.match_outcome == "miss":
+            assert text == turn(engine, None, messages)[0]  # a cold prefill of the same prompt
+        else:
+            record = second.caches.record("damaged")
+            assert record is not None
+            _, tokens = cold_same_split(second, record.tokens[:finished.n_prompt_tokens],
+                                        [finished.n_cached_tokens], finished.n_output_tokens)
+            assert tuple(tokens) == finished.output_token_ids
+        if damage in ("corrupt block", "truncate record"):
+            assert list((tmp_path / "blocks" / "quarantine").iterdir())
+        if damage == "wrong fingerprint":
+            assert second.loaded.fingerprint != engine.loaded.fingerprint
+    finally:
+        second.stop()
+
+
+def test_agents_with_the_same_system_prompt_share_blocks(engine: Engine, home: Path) -> None:
+    _, fa = turn(engine, "share-a", [SYSTEM, ChatMessage("user", "Hello from A.")])
+    blocks_after_a = engine.caches.stats().n_blocks
+    pool_after_a = engine.caches.stats().pool_bytes
+    _, fb = turn(engine, "share-b", [SYSTEM, ChatMessage("user", "Hello from B, a different question.")])
+    assert fb.match_outcome == "shared" and fb.n_cached_tokens >= BLOCK_TOKENS
+    stats = engine.caches.stats()
+    shared_blocks = fb.n_cached_tokens // BLOCK_TOKENS
+    new_full_blocks = (fb.n_prompt_tokens + fb.n_output_tokens) // BLOCK_TOKENS - shared_blocks
+    assert stats.n_blocks == blocks_after_a + new_full_blocks  # shared blocks are held once
+    assert stats.pool_bytes - pool_after_a < 0.8 * pool_after_a
+    assert engine.flush_caches(60)
+    rows = query(home / "semantic.db", "SELECT ref_count FROM blocks ORDER BY ref_count DESC LIMIT 1")
+    assert rows[0][0] >= 2
+
+
+def test_reuse_switch_off_prefills_everything(tmp_path: Path, smollm2_dir: Path) -> None:
+    engine = make_engine_at(tmp_path, smollm2_dir, enabled=False)
+    try:
+        _, f1, f2 = conversation(engine, "off")
+        assert f2.n_cached_tokens == 0 and f2.n_cache_written == 0 and f2.match_outcome == "miss"
+        assert not (tmp_path / "blocks").exists() or not list((tmp_path / "blocks").rglob("*.safetensors"))
+    finally:
+        engine.stop()

@@ -1,0 +1,138 @@
+"""Tiny random models of each supported family: trim / extend / persist / reload.
+
+Structural properties need no trained weights: for llama, qwen2, gemma3
+(sliding window) and gpt_oss (attention sinks, sliding window) a prefix served
+from the cache manager, in memory or reloaded from disk by a new manager,
+gives exactly the logits of a cold prefill with the same token split and the
+same 4-bit cache format.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache
+from app.cache.manager import CacheManager
+from app.cache.records import CacheRecord
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.types import Prompt
+
+VOCAB = 300
+FAMILIES = {
+    "llama": dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB),
+    "qwen2": dict(model_type="qwen2", hidden_size=256, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  tie_word_embeddings=True),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=256, num_hidden_layers=3, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=VOCAB,
+                        sliding_window=48, sliding_window_pattern=3, query_pre_attn_scalar=64),
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=256, num_hidden_layers=2, intermediate_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=48,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def build(family: str):  # type: ignore[no-untyped-def]
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(7)
+    model = module.Model(module.ModelArgs.from_dict(FAMILIES[family]))
+    model.set_dtype(mx.float32)
+    if family == "gpt_oss":  # non-zero sinks, so they matter
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def as_prompt(tokens: list[int]) -> Prompt:
+    """One character per token: the text spells the tokens, ends are 1..n."""
+    return Prompt("".join(chr(0x4E00 + t) for t in tokens), tuple(tokens), tuple(range(1, len(tokens) + 1)))
+
+
+def forward(model, cache, tokens: list[int]) -> mx.array:  # type: ignore[no-untyped-def]
+    """Prefill in chunks of 64 like the engine, return the last position's logits."""
+    logits = None
+    for start in range(0, len(tokens), 64):
+        logits = model(mx.array([tokens[start:start + 64]]), cache=cache)
+        mx.eval(logits)
+    assert logits is not None
+    return logits[0, -1]
+
+
+def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int]) -> mx.array:  # type: ignore[no-untyped-def]
+    """Prefill the prefix cold, pass it through the 4-bit format, then the suffix."""
+    cache = to_working_cache([], n_layers, 0, mx.float32)
+    forward(model, cache, prefix)
+    return forward(model, to_working_cache([quantize_span(cache, 0, len(prefix))], n_layers, len(prefix), mx.float32),
+                   suffix)
+
+
+def manager(home: Path, n_layers: int, fingerprint: str = "fp-test") -> CacheManager:
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:  # agents must exist (foreign key), as the API ensures
+        from app.store.history import touch_agent, utcnow
+        for agent in ("a", "b"):
+            touch_agent(session, agent, "direct", utcnow())
+    return CacheManager(fingerprint=fingerprint, n_layers=n_layers, dtype=mx.float32, blocks_dir=home / "blocks",
+                        sessions=sessions, budget_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> None:
+    model = build(family)
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, VOCAB, 300).tolist()  # one full block and a partial tail
+    more = rng.integers(0, VOCAB, 40).tolist()
+    caches = manager(tmp_path, n_layers)
+
+    lease = caches.lease("a", as_prompt(first))
+    assert lease.n_reused == 0
+    forward(model, lease.cache, first)
+    caches.commit("a", lease, CacheRecord(*_record_fields(first)), lease.cache)
+
+    # EXTEND in memory: every cached token reused, same logits as cold with the same split.
+    lease = caches.lease("a", as_prompt(first + more))
+    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    warm = forward(model, lease.cache, more)
+    assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more))
+
+    # Trim: diverge inside the tail.
+    edited = first[:280] + [(first[280] + 1) % VOCAB] + more
+    lease = caches.lease("a", as_prompt(edited))
+    assert (lease.n_reused, lease.outcome) == (280, "diverge")
+    assert mx.array_equal(forward(model, lease.cache, edited[280:]), cold_same_split(model, n_layers, first[:280], edited[280:]))
+
+    # Persist and reload in a new manager (a restart): the same logits, bit for bit.
+    caches.flush(30)
+    reloaded = manager(tmp_path, n_layers)
+    lease = reloaded.lease("a", as_prompt(first + more))
+    assert lease.n_reused == 300
+    assert mx.array_equal(forward(model, lease.cache, more), warm)
+    reloaded.close()
+    caches.close()
+
+
+def _record_fields(tokens: list[int]) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
+    prompt = as_prompt(tokens)
+    return prompt.token_ids, prompt.text, prompt.ends
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_full_caches_match_the_models_own_sliding_window_caches(family: str) -> None:
+    """Semantic keeps every token for sliding-window layers (so any prefix can be
+    reused) and relies on the window mask; the result equals mlx-lm's rotating cache."""
+    model = build(family)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 200).tolist()
+    native = forward(model, model.make_cache(), tokens)
+    ours = forward(model, to_working_cache([], len(model.layers), 0, mx.float32), tokens)
+    assert mx.allclose(native, ours, atol=1e-4, rtol=1e-4)
