@@ -3,7 +3,8 @@
 Order (SPEC "Agent identity"): the direct API's URL id; OpenAI ``session_id`` /
 ``X-Session-ID``; Anthropic ``X-Claude-Code-Session-Id``, the ``session_id``
 inside ``metadata.user_id``, or ``X-Session-ID``. Without any of these a new
-agent is created (content-based resumption arrives with the cache).
+agent's conversation is recognised by content (the agent service), or a new
+agent is created.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ class AgentKey:
     origin: str  # direct / openai / anthropic / content
 
 
-def anthropic_agent(headers: Mapping[str, str], metadata_session: str | None) -> AgentKey:
-    """Resolve the agent of an Anthropic Messages request.
+def anthropic_agent(headers: Mapping[str, str], metadata_session: str | None) -> AgentKey | None:
+    """The agent an Anthropic Messages request names, if it names one.
 
-    ``headers`` must be keyed in upper case (as Falcon presents them).
+    ``headers`` must be keyed in upper case (as Falcon presents them). None
+    means: resolve by content, else create a new agent (``new_agent``).
     """
     for candidate in (headers.get("X-CLAUDE-CODE-SESSION-ID"), metadata_session, headers.get("X-SESSION-ID")):
         if candidate:
             return AgentKey(candidate, "anthropic")
+    return None
+
+
+def new_agent() -> AgentKey:
     return AgentKey(f"agent-{uuid.uuid4().hex}", "content")

@@ -8,18 +8,45 @@ committed before a crash stays committed.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.identity import AgentKey
-from app.store import history
+from app.cache.hashing import chain_hashes
+from app.store import blockfiles, cache_index, history
 from app.types import Finished
 
 
 class AgentService:
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self._sessions = session_factory
+
+    def resume_by_content(self, fingerprint: str, token_ids: Sequence[int], text: str,
+                          block_tokens: int) -> AgentKey | None:
+        """The agent a stateless request continues, found by its content.
+
+        An agent qualifies when its whole cached block chain starts the prompt's
+        chain and its cached text is a prefix of the prompt (the request resends
+        that agent's conversation and adds to it). A shared system prompt alone
+        does not qualify: the other agent's text would not be a prefix.
+        """
+        chain = chain_hashes(fingerprint, token_ids, block_tokens)
+        with self._sessions() as session:
+            candidates = cache_index.candidates_for_chain(session, fingerprint, chain)
+        for agent_id, record_path, _ in candidates:
+            try:
+                cached_text = blockfiles.read_metadata(Path(record_path)).get("text", "")
+            except blockfiles.DamagedFile:
+                continue
+            if cached_text and text.startswith(cached_text):
+                return AgentKey(agent_id, "content")
+        return None
+
+    def n_stored_caches(self, fingerprint: str) -> int:
+        with self._sessions() as session:
+            return cache_index.count_caches(session, fingerprint)
 
     def reject(self, request_id: str, protocol: str, error_type: str, message: str) -> None:
         """Record a request refused before generation (bad input, overload)."""

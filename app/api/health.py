@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import falcon
 
+from app.agents.service import AgentService
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
 from app.settings import Settings
@@ -28,8 +29,9 @@ class RootResource:
 
 
 class HealthResource:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, agents: AgentService) -> None:
         self._engine = engine
+        self._agents = agents
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         status = self._engine.status()
@@ -45,6 +47,16 @@ class HealthResource:
             "queue_depth": status.queue_depth,
             "active_requests": status.n_active,
         }
+        if status.cache is not None:
+            stored = self._agents.n_stored_caches(self._engine.loaded.fingerprint)
+            resp.media["cache"] = {
+                "reuse": status.cache.enabled,
+                "pool_bytes": status.cache.pool_bytes,
+                "pool_budget_bytes": status.cache.budget_bytes,
+                "blocks_in_memory": status.cache.n_blocks,
+                # hot = in the memory pool; warm = only on disk.
+                "agents": {"hot": status.cache.hot_agents, "warm": max(stored - status.cache.hot_agents, 0)},
+            }
 
 
 class ModelsResource:

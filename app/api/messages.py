@@ -8,11 +8,12 @@ from typing import Any, Iterator, TYPE_CHECKING
 
 import falcon
 
-from app.agents.identity import AgentKey, anthropic_agent
+from app.agents.identity import AgentKey, anthropic_agent, new_agent
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.sse import SseStream, frame
+from app.cache.hashing import BLOCK_TOKENS
 from app.errors import NotFound, SemanticError
 from app.protocol import anthropic
 from app.settings import Settings
@@ -46,7 +47,10 @@ class MessagesResource:
             parsed = anthropic.parse_request(read_json(req), max_output_tokens=self._settings.max_output_tokens)
             self._check_model(parsed.model)
             prompt = self._engine.render(parsed.messages)
-            agent = anthropic_agent(req.headers, parsed.session_id)
+            agent = (anthropic_agent(req.headers, parsed.session_id)
+                     or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
+                                                       prompt.text, BLOCK_TOKENS)
+                     or new_agent())
             generation = GenerationRequest(request_id, prompt, parsed.sampling, agent.agent_id)
             job = self._engine.submit(generation)
         except SemanticError as exc:

@@ -26,6 +26,6 @@ class Deps:
 
 def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
-    app.add_route("/health", HealthResource(deps.engine))
+    app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
     app.add_route("/v1/messages", MessagesResource(deps.settings, deps.engine, deps.agents))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-BLOCK_TOKENS = 256
+from app.cache.hashing import BLOCK_TOKENS
+
 BITS = 4
 GROUP_SIZE = 64
 SCALE_DTYPE = mx.float16

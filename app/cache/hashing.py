@@ -13,6 +13,9 @@ from typing import NewType, Sequence
 
 BlockHash = NewType("BlockHash", str)
 
+# Tokens per KV block (the one definition; app.cache.blocks asserts mlx-lm agrees).
+BLOCK_TOKENS = 256
+
 
 def block_hash(fingerprint: str, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.sha256()

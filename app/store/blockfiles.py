@@ -58,20 +58,27 @@ def write(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -
     return digest, path.stat().st_size
 
 
+def read_metadata(path: Path) -> dict[str, str]:
+    """A file's metadata only (its header), unverified. Raises DamagedFile."""
+    try:
+        with open(path, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            return dict(json.loads(handle.read(header_size)).get("__metadata__") or {})
+    except (OSError, ValueError) as exc:
+        raise DamagedFile(f"{path}: unreadable ({exc})") from exc
+
+
 def read(path: Path, expected_checksum: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read and verify a file.
 
     Raises:
         DamagedFile: missing, unreadable, or the checksum does not match.
     """
+    metadata = read_metadata(path)
     try:
-        with open(path, "rb") as handle:
-            header_size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_size))
         arrays = load_file(str(path))
     except (OSError, ValueError, SafetensorError) as exc:
         raise DamagedFile(f"{path}: unreadable ({exc})") from exc
-    metadata = dict(header.get("__metadata__") or {})
     stored = metadata.pop(CHECKSUM_KEY, None)
     actual = checksum(arrays, metadata)
     if stored != actual or (expected_checksum and expected_checksum != actual):

@@ -96,3 +96,34 @@ def set_tier(session: Session, agent_id: str, fingerprint: str, tier: str, now: 
     cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
     if cache is not None:
         cache.tier, cache.last_access_at = tier, now
+
+
+def candidates_for_chain(session: Session, fingerprint: str, chain: Sequence[str]) -> list[tuple[str, str, int]]:
+    """Agents whose whole cached block chain is a prefix of ``chain``, longest first.
+
+    Returns (agent id, record path, chain length) triples.
+    """
+    if not chain:
+        return []
+    found: list[tuple[str, str, int]] = []
+    rows = session.execute(
+        select(Cache.agent_id, Cache.record_path, func.count(CacheBlock.position), Cache.last_access_at)
+        .join(CacheBlock, CacheBlock.cache_id == Cache.id)
+        .where(Cache.model_fingerprint == fingerprint, Cache.tier != "cold",
+               CacheBlock.position == 0, CacheBlock.block_hash == chain[0])
+        .group_by(Cache.id)
+    ).all()
+    for agent_id, record_path, _, _ in rows:
+        hashes = list(session.scalars(
+            select(CacheBlock.block_hash).join(Cache, Cache.id == CacheBlock.cache_id)
+            .where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint)
+            .order_by(CacheBlock.position)))
+        if hashes == list(chain[:len(hashes)]) and record_path:
+            found.append((agent_id, record_path, len(hashes)))
+    return sorted(found, key=lambda item: -item[2])
+
+
+def count_caches(session: Session, fingerprint: str) -> int:
+    """Agents with a stored (warm or hot) cache for this model."""
+    return session.scalar(select(func.count()).select_from(Cache).where(
+        Cache.model_fingerprint == fingerprint, Cache.tier != "cold")) or 0
