@@ -51,15 +51,15 @@ class MessagesResource:
                      or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
                                                        prompt.text, BLOCK_TOKENS)
                      or new_agent())
-            generation = GenerationRequest(request_id, prompt, parsed.sampling, agent.agent_id)
-            job = self._engine.submit(generation)
+            # The agent row exists before the engine can store a cache for it.
+            self._agents.begin(request_id, agent, protocol="anthropic", model=parsed.model,
+                               served_model=self._engine.loaded.name, stream=parsed.stream,
+                               n_input_tokens=prompt.n_tokens)
+            job = self._engine.submit(GenerationRequest(request_id, prompt, parsed.sampling, agent.agent_id))
         except SemanticError as exc:
             status = status_of(exc)
             self._agents.reject(request_id, "anthropic", anthropic.ERROR_TYPES.get(status, "api_error"), str(exc))
             raise
-        self._agents.begin(request_id, agent, protocol="anthropic", model=parsed.model,
-                           served_model=self._engine.loaded.name, stream=parsed.stream,
-                           n_input_tokens=prompt.n_tokens)
         turn = Turn(request_id, agent, parsed)
         message_id = anthropic.new_message_id()
         if parsed.stream:

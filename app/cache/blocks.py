@@ -119,3 +119,14 @@ def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype:
         layer.state = (keys[..., :n_tokens, :], values[..., :n_tokens, :], n_tokens)
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
     return cache
+
+
+def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int) -> None:
+    """Replace tokens ``[start, start + block.n_tokens)`` of a working cache with
+    the dequantized block, so the float copy holds exactly what a reload from
+    disk would give (the next turn must not depend on which of the two it got)."""
+    end = start + block.n_tokens
+    for layer, data in zip(cache, block.layers):
+        layer.keys[..., start:end, :] = _dequantize(*data[:3], layer.keys.dtype)
+        layer.values[..., start:end, :] = _dequantize(*data[3:], layer.values.dtype)
+    mx.eval([x for layer in cache for x in (layer.keys, layer.values)])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock, join_blocks, quantize_span, slice_block, to_working_cache
+from app.cache.blocks import (BLOCK_TOKENS, KVBlock, join_blocks, overwrite_with_stored, quantize_span,
+                              slice_block, to_working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, match_prompt
 from app.cache.persist import CacheFiles, Persister, Snapshot
@@ -69,7 +71,8 @@ class CacheStats:
 
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
-                 sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True) -> None:
+                 sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
+                 working_copies: int = 1) -> None:
         self.fingerprint = fingerprint
         self.enabled = enabled
         self._n_layers = n_layers
@@ -79,6 +82,10 @@ class CacheManager:
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
         self._agents: dict[str, AgentCache] = {}
+        # Float copies of the most recent agents' caches, equal to their dequantized
+        # blocks: their next turn skips dequantization (about 0.2 s per 1K tokens on CPU).
+        self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
+        self._working_copies = working_copies
         self._persister = Persister(self._files, sessions)
         self._persister.start()
 
@@ -108,7 +115,12 @@ class CacheManager:
         if len(blocks) < n_blocks:
             assert agent.tail is not None
             blocks.append(agent.tail)
-        cache = to_working_cache(blocks, self._n_layers, match.n_reused, self._dtype)
+        cache = self._working.pop(agent_id, None)  # the lease owns it until commit
+        if cache is not None and cache[0].offset == agent.record.n_tokens:
+            for layer in cache:
+                layer.trim(layer.offset - match.n_reused)
+        else:
+            cache = to_working_cache(blocks, self._n_layers, match.n_reused, self._dtype)
         return Lease(cache, agent.record.truncate(match.n_reused), match.outcome, tuple(blocks),
                      agent.chain[:n_blocks])
 
@@ -168,7 +180,8 @@ class CacheManager:
         start = kept * BLOCK_TOKENS
         pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, lease.n_reused - start)] \
             if lease.n_reused > start else []
-        pending.append(quantize_span(cache, lease.n_reused, record.n_tokens))
+        computed = quantize_span(cache, lease.n_reused, record.n_tokens)
+        pending.append(computed)
         fresh = join_blocks(pending)
         for offset in range(0, fresh.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
             parent = chain[-1] if chain else None
@@ -182,6 +195,7 @@ class CacheManager:
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         agent = AgentCache(record, tuple(chain), tail)
         self._set_hot(agent_id, agent, previous)
+        self._keep_working_copy(agent_id, cache, computed, lease.n_reused)
         self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
                                         {h: self._blocks[h] for h in agent.chain}))
         self._enforce_budget(keep=agent_id)
@@ -200,6 +214,14 @@ class CacheManager:
         for block in freed:
             self._blocks.pop(block, None)
 
+    def _keep_working_copy(self, agent_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
+        if self._working_copies <= 0:
+            return
+        overwrite_with_stored(cache, computed, start)
+        self._working[agent_id] = cache
+        while len(self._working) > self._working_copies:
+            self._working.popitem(last=False)
+
     def _enforce_budget(self, keep: str) -> None:
         for victim in self._pool.lru_agents(keep=keep):
             if not self._pool.over_budget():
@@ -209,6 +231,7 @@ class CacheManager:
     def _spill(self, agent_id: str) -> None:
         """Hot -> warm: drop from memory (its files are written or queued)."""
         agent = self._agents.pop(agent_id)
+        self._working.pop(agent_id, None)
         for block in self._pool.remove_agent(agent_id, agent.chain):
             self._blocks.pop(block, None)
         log.info("agent %s spilled to disk (pool over budget)", agent_id)

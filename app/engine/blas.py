@@ -49,6 +49,8 @@ def load_fast_blas(explicit: str = "") -> Path | None:
     if platform.system() != "Linux" or explicit == "none":
         return None
     if "mlx.core" in sys.modules:
+        if blas_in_use().startswith("openblas"):
+            return None  # already loaded first, by an earlier call
         log.warning("MLX was imported before the BLAS library could be chosen")
     path = find_openblas(explicit)
     if path is None:

@@ -136,3 +136,29 @@ def test_full_caches_match_the_models_own_sliding_window_caches(family: str) -> 
     native = forward(model, model.make_cache(), tokens)
     ours = forward(model, to_working_cache([], len(model.layers), 0, mx.float32), tokens)
     assert mx.allclose(native, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(2)
+    caches = manager(tmp_path, n_layers)
+    prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "b")}
+    for agent, tokens in prompts.items():
+        lease = caches.lease(agent, as_prompt(tokens))
+        forward(model, lease.cache, tokens)
+        caches.commit(agent, lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    one_agent = caches.stats().pool_bytes // 2
+    caches._pool.budget_bytes = int(one_agent * 1.5)  # room for one agent only
+    more = rng.integers(0, VOCAB, 20).tolist()
+    lease = caches.lease("b", as_prompt(prompts["b"] + more))
+    forward(model, lease.cache, more)
+    record = CacheRecord(*_record_fields(prompts["b"] + more))
+    caches.flush(30)
+    caches.commit("b", lease, record, lease.cache)
+    assert caches.stats().hot_agents == 1 and caches.record("a") is None  # "a" went warm
+    caches.flush(30)
+    lease = caches.lease("a", as_prompt(prompts["a"] + more))  # warm -> hot from disk
+    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
+    caches.close()

@@ -1,0 +1,99 @@
+"""Records, matching, hashing and the block pool, with plain values (no MLX)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.cache.hashing import block_hash, chain_hashes
+from app.cache.matcher import common_prefix_length, match_prompt
+from app.cache.pool import BlockPool
+from app.cache.records import CacheRecord
+
+
+def chars(text: str) -> CacheRecord:
+    """One token per character."""
+    return CacheRecord(tuple(ord(c) for c in text), text, tuple(range(1, len(text) + 1)))
+
+
+def test_record_invariants_are_enforced() -> None:
+    with pytest.raises(AssertionError):
+        CacheRecord((1, 2), "ab", (2, 1))
+    with pytest.raises(AssertionError):
+        CacheRecord((1,), "ab", (1,))
+
+
+def test_extend_and_truncate() -> None:
+    record = CacheRecord((1, 2), "abcd", (2, 4)).extend((3,), "ef", (2,))
+    assert record == CacheRecord((1, 2, 3), "abcdef", (2, 4, 6))
+    assert record.truncate(2) == CacheRecord((1, 2), "abcd", (2, 4))
+    assert record.truncate(0) == CacheRecord.empty()
+
+
+def test_outcomes() -> None:
+    record = chars("hello world")
+    assert match_prompt(record, "hello world, again").outcome == "extend"
+    assert match_prompt(record, "hello world, again").n_reused == 11
+    assert match_prompt(record, "hello there").outcome == "diverge"
+    assert match_prompt(record, "hello there").n_reused == 6
+    exact = match_prompt(record, "hello world")
+    assert (exact.outcome, exact.n_reused) == ("exact", 10)
+    assert match_prompt(record, "goodbye").outcome == "miss"
+    assert match_prompt(CacheRecord.empty(), "x").outcome == "miss"
+
+
+def test_tokens_straddling_the_match_are_dropped() -> None:
+    record = CacheRecord((1, 2, 3), "abcdef", (2, 4, 6))  # tokens "ab", "cd", "ef"
+    match = match_prompt(record, "abcX")
+    assert (match.n_reused, match.n_chars) == (1, 2)  # "cd" is only half inside
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_reused_tokens_always_spell_a_prefix_of_the_prompt(cached: str, prompt: str) -> None:
+    record = chars(cached)
+    match = match_prompt(record, prompt)
+    assert prompt.startswith(record.text[:match.n_chars])
+    assert match.n_reused < len(prompt) or match.n_reused == 0
+    assert common_prefix_length(cached, prompt) >= match.n_chars
+
+
+def test_block_hashes_chain_and_salt() -> None:
+    tokens = list(range(600))
+    chain = chain_hashes("fp", tokens, 256)
+    assert len(chain) == 2
+    assert chain[1] == block_hash("fp", chain[0], tokens[256:512])
+    assert chain_hashes("other", tokens, 256)[0] != chain[0]
+    assert chain_hashes("fp", [9] + tokens[1:], 256)[1] != chain[1]  # the parent changes every later id
+
+
+def test_pool_counts_shared_blocks_once_and_frees_at_zero() -> None:
+    pool = BlockPool(budget_bytes=1000)
+    for block in ("s", "a", "b"):
+        pool.add_block(block, 100)
+    assert pool.assign("A", ["s", "a"], private_bytes=10) == []
+    assert pool.assign("B", ["s", "b"], private_bytes=10) == []
+    assert pool.nbytes == 3 * 100 + 20
+    assert pool.remove_agent("A", ["s", "a"]) == ["a"]  # "s" is still B's
+    assert pool.contains("s") and not pool.contains("a")
+    assert pool.remove_agent("B", ["s", "b"]) == ["s", "b"]
+    assert pool.nbytes == 0
+
+
+def test_pool_lru_order_and_budget() -> None:
+    pool = BlockPool(budget_bytes=250)
+    for agent in ("A", "B", "C"):
+        pool.add_block(agent.lower(), 100)
+        pool.assign(agent, [agent.lower()], private_bytes=0)
+    pool.touch("A")
+    assert pool.over_budget()
+    assert pool.lru_agents(keep="C") == ["B", "A"]
+
+
+def test_reference_counts_never_go_negative() -> None:
+    pool = BlockPool(budget_bytes=10)
+    pool.add_block("x", 1)
+    pool.assign("A", ["x"], 0)
+    pool.remove_agent("A", ["x"])
+    with pytest.raises(AssertionError):
+        pool.remove_agent("A", ["x"])
