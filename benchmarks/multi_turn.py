@@ -155,7 +155,15 @@ def main() -> None:
         stop_server(warm_server)
         stop_server(cold_server)
     print_table(["turn", "context", "new", "warm s", "cold s", "token-level s", "floor s", "warm/floor", "cold/warm"], rows)
-    print(f"wrote {write_results('multi_turn', {'args': vars(args), 'turns': results})}")
+    ratios = sorted(r["warm_s"] / r["floor_s"] for r in results)
+    last = results[-1]
+    summary = {"median_warm_over_floor": ratios[len(ratios) // 2], "at_max_context": {
+        "context": last["context"], "warm_over_floor": last["warm_s"] / last["floor_s"],
+        "cold_over_warm": last["cold_s"] / last["warm_s"], "cold_over_floor": last["cold_s"] / last["floor_s"]}}
+    print(f"median warm/floor over all turns: {summary['median_warm_over_floor']:.2f}; at {last['context']} tokens: "
+          f"warm/floor {summary['at_max_context']['warm_over_floor']:.2f}, cold/warm "
+          f"{summary['at_max_context']['cold_over_warm']:.1f}x, cold/floor {summary['at_max_context']['cold_over_floor']:.1f}x")
+    print(f"wrote {write_results('multi_turn', {'args': vars(args), 'summary': summary, 'turns': results})}")
     plot(results)
 
 

@@ -84,8 +84,9 @@ class Persister(threading.Thread):
         """Wait until everything submitted so far is on disk."""
         return self._idle.wait(timeout_s)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> None:
         self._queue.put(None)
+        self.join(timeout_s)
 
     def run(self) -> None:
         while (snapshot := self._queue.get()) is not None:
