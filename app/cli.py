@@ -46,6 +46,14 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
+    from app.store.readonly import format_table, run_readonly
+
+    columns, rows = run_readonly(settings.db_path, args.query)
+    print(format_table(columns, rows))
+    return 0
+
+
 def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     import os
 
@@ -108,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = job_commands.add_parser("run", help="run one job now")
     run.add_argument("name")
     run.set_defaults(handler=cmd_jobs_run)
+
+    sql = commands.add_parser("sql", help="run a read-only SQL query over the history (writes are refused)")
+    sql.add_argument("query")
+    sql.set_defaults(handler=cmd_sql)
 
     commands.add_parser("config", help="print the effective settings").set_defaults(handler=cmd_config)
 

@@ -44,3 +44,11 @@ class Overloaded(SemanticError):
     """The engine's queue is full; the client should retry later."""
 
     retry_after_s = 1
+
+
+class Unauthorized(SemanticError):
+    """An API key is configured and the request did not carry it."""
+
+
+class RequestTooLarge(SemanticError):
+    """The request body exceeds the configured limit."""

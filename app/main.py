@@ -10,7 +10,7 @@ import falcon
 
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
-from app.api.middleware import RequestContextMiddleware
+from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
 from app.settings import Settings
 
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 def create_app(deps: Deps) -> falcon.App:
     """The WSGI application. Tests build it with their own dependencies."""
-    app = falcon.App(middleware=[RequestContextMiddleware()])
+    app = falcon.App(middleware=[RequestContextMiddleware(), AuthMiddleware(deps.settings.api_key),
+                                 BodyLimitMiddleware(deps.settings.max_body_bytes)])
     app.req_options.strip_url_path_trailing_slash = True
     add_routes(app, deps)
     add_error_handlers(app)

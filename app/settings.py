@@ -47,6 +47,10 @@ class Settings:
     cache_reuse: bool = True
     # Bytes of 4-bit KV blocks kept in memory (the hot tier); the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
+    # When set, every API request must carry it (x-api-key or Authorization: Bearer).
+    api_key: str = ""
+    # Largest accepted request body.
+    max_body_bytes: int = 32 * 1024 * 1024
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"

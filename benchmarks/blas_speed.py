@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
 
 MODES = {"openblas": "", "reference": "none"}
 
@@ -79,12 +79,8 @@ def main() -> None:
 
 
 def plot(runs: dict[str, dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, title in zip(axes, ("prompt_tps", "gen_tps"), ("prompt tokens/s", "generated tokens/s")):

@@ -35,3 +35,16 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib.pyplot with a file-only backend, or None (the bench extra is not installed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -25,7 +25,7 @@ from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache  # no
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -67,11 +67,8 @@ def main() -> None:
         "q4_vs_fp16": q4_per_token / fp16_per_token, "deviation_from_theory": deviation,
         "agents_that_fit": {r[0]: r[3] for r in rows}, "budget_gib": args.budget_gib, "context": args.context})
     print(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar([r[0] for r in rows], [r[1] / 1024 for r in rows], color=["tab:gray", "tab:blue", "tab:green", "tab:olive"])

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 WORDS = ("cache token agent memory server prefix block model turn reply disk quantize layer "
@@ -168,11 +168,8 @@ def main() -> None:
 
 
 def plot(results: list[dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     context = [r["context"] for r in results]

@@ -18,7 +18,6 @@ import random
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,19 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
 from benchmarks.multi_turn import stream_ttft, user_message  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
-from support.dbcheck import query  # noqa: E402
-
-
-def wait_persisted(db: Path, agent: str, n_tokens: int) -> None:
-    for _ in range(600):
-        rows = query(db, "SELECT n_tokens FROM caches WHERE agent_id = ?", agent)
-        if rows and rows[0][0] >= n_tokens:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"cache of {agent} was not persisted")
+from support.dbcheck import wait_persisted  # noqa: E402
 
 
 def main() -> None:
@@ -87,11 +77,8 @@ def main() -> None:
     print_table(["agent", "context", "hot new", "hot s", "restart new", "restart s", "re-prefill s",
                  "restart/hot", "re-prefill/restart"], rows)
     print(f"wrote {write_results('restart', {'args': vars(args), 'agents': results})}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(results)

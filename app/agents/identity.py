@@ -32,5 +32,13 @@ def anthropic_agent(headers: Mapping[str, str], metadata_session: str | None) ->
     return None
 
 
+def openai_agent(headers: Mapping[str, str], body_session: str | None) -> AgentKey | None:
+    """The agent an OpenAI request names: ``session_id`` in the body, else ``X-Session-ID``."""
+    for candidate in (body_session, headers.get("X-SESSION-ID")):
+        if candidate:
+            return AgentKey(candidate, "openai")
+    return None
+
+
 def new_agent() -> AgentKey:
     return AgentKey(f"agent-{uuid.uuid4().hex}", "content")

@@ -8,14 +8,16 @@ from typing import Any, Callable
 import falcon
 
 from app.errors import (ContextTooLong, EngineUnavailable, InvalidModelFile, InvalidRequest,
-                        NotFound, Overloaded, SemanticError)
-from app.protocol import anthropic
+                        NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized)
+from app.protocol import anthropic, openai
 
 log = logging.getLogger(__name__)
 
 STATUS: dict[type[SemanticError], int] = {
     ContextTooLong: 400,
     InvalidRequest: 400,
+    Unauthorized: 401,
+    RequestTooLarge: 413,
     NotFound: 404,
     Overloaded: 429,
     EngineUnavailable: 503,
@@ -23,7 +25,7 @@ STATUS: dict[type[SemanticError], int] = {
 }
 
 ErrorRenderer = Callable[[int, str], dict[str, Any]]
-RENDERERS: dict[str, ErrorRenderer] = {"anthropic": anthropic.render_error}
+RENDERERS: dict[str, ErrorRenderer] = {"anthropic": anthropic.render_error, "openai": openai.render_error}
 
 
 def status_of(exc: SemanticError) -> int:

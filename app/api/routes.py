@@ -10,7 +10,10 @@ import falcon
 
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
-from app.api.messages import MessagesResource
+from app.api.chat import OPENAI
+from app.api.generation import GenerationResource
+from app.api.messages import ANTHROPIC
+from app.api.metrics import Metrics, MetricsResource
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -28,4 +31,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
-    app.add_route("/v1/messages", MessagesResource(deps.settings, deps.engine, deps.agents))
+    metrics = Metrics(deps.engine)
+    app.add_route("/metrics", MetricsResource(metrics))
+    for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
+        app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))

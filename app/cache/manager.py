@@ -67,6 +67,7 @@ class CacheStats:
     budget_bytes: int
     n_blocks: int
     hot_agents: int
+    n_spilled: int
 
 
 class CacheManager:
@@ -86,12 +87,13 @@ class CacheManager:
         # blocks: their next turn skips dequantization (about 0.2 s per 1K tokens on CPU).
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
         self._working_copies = working_copies
+        self._n_spilled = 0
         self._persister = Persister(self._files, sessions)
         self._persister.start()
 
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
-                          len(self._agents))
+                          len(self._agents), self._n_spilled)
 
     def record(self, agent_id: str) -> CacheRecord | None:
         """What the agent's hot cache holds (None if not hot)."""
@@ -231,6 +233,7 @@ class CacheManager:
     def _spill(self, agent_id: str) -> None:
         """Hot -> warm: drop from memory (its files are written or queued)."""
         agent = self._agents.pop(agent_id)
+        self._n_spilled += 1
         self._working.pop(agent_id, None)
         for block in self._pool.remove_agent(agent_id, agent.chain):
             self._blocks.pop(block, None)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from dataclasses import dataclass
 from typing import Annotated, Any, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
+from app.protocol.turn import ParsedTurn
 from app.protocol.validation import first_error
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
 
@@ -67,18 +67,6 @@ class MessagesBody(_Strict):
     metadata: Metadata | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class MessagesRequest:
-    """A validated Messages request, in Semantic's own terms."""
-
-    model: str
-    messages: tuple[ChatMessage, ...]
-    sampling: SamplingParams
-    stream: bool
-    session_id: str | None  # from metadata.user_id, if it carries one
-    raw_messages: tuple[dict[str, Any], ...]  # as received, for history
-
-
 def _flatten(content: str | list[Any], where: str) -> str:
     if isinstance(content, str):
         return content
@@ -122,7 +110,7 @@ def session_from_user_id(user_id: str | None) -> str | None:
     return session if isinstance(session, str) and session else None
 
 
-def parse_request(body: Any, *, max_output_tokens: int) -> MessagesRequest:
+def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
     """Validate a decoded JSON body.
 
     Raises:
@@ -151,7 +139,7 @@ def parse_request(body: Any, *, max_output_tokens: int) -> MessagesRequest:
         max_tokens=parsed.max_tokens,
         stop_sequences=tuple(parsed.stop_sequences),
     )
-    return MessagesRequest(
+    return ParsedTurn(
         model=parsed.model,
         messages=tuple(messages),
         sampling=sampling,

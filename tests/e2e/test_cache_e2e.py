@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, start_server, stop_server
-from support.dbcheck import query, request_row
+from support.dbcheck import query, request_row, wait_persisted
 
 GREEDY = {"temperature": 0}
 SYSTEM = "You are a terse assistant for a hardware store. " + "Always answer in one short sentence. " * 50
@@ -27,16 +26,6 @@ def ask(server: ServerProcess, history: list[dict], session: str | None = None) 
     headers = {"X-Claude-Code-Session-Id": session} if session else {}
     return client_for(server).messages.create(model="claude-sonnet-5", max_tokens=24, system=SYSTEM,
                                               messages=history, extra_body=GREEDY, extra_headers=headers)
-
-
-def wait_persisted(server: ServerProcess, agent_id: str, n_tokens: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rows = query(server.db_path, "SELECT n_tokens FROM caches WHERE agent_id = ?", agent_id)
-        if rows and rows[0][0] >= n_tokens:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"cache of {agent_id} not persisted")
 
 
 def three_turns(server: ServerProcess, session: str) -> list[anthropic.types.Message]:
@@ -77,7 +66,7 @@ def test_stateless_requests_are_resumed_by_content(server: ServerProcess) -> Non
 
     history = [{"role": "user", "content": f"Quote {uuid.uuid4().hex[:6]}: do you sell saws?"}]
     first, first_row = stateless(history)
-    wait_persisted(server, first_row["agent_id"], total_input(first))
+    wait_persisted(server.db_path, first_row["agent_id"], total_input(first))
     history += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Which brands?"}]
     second, second_row = stateless(history)
     assert second_row["agent_id"] == first_row["agent_id"]
@@ -104,7 +93,7 @@ def test_restart_resumes_from_disk(tmp_path: Path, smollm2_dir: Path, kill: sign
 
     server = start_server(tmp_path / "restarted", smollm2_dir)
     three_turns(server, "s")
-    wait_persisted(server, "s", total_input(second) + second.usage.output_tokens)
+    wait_persisted(server.db_path, "s", total_input(second) + second.usage.output_tokens)
     os.kill(server.process.pid, kill)
     server.process.wait(timeout=30)
     server = start_server(tmp_path / "restarted", smollm2_dir)

@@ -81,3 +81,13 @@ def test_worker_migrates_at_start(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_sql_prints_a_table_and_refuses_writes(tmp_path: Path) -> None:
+    assert semantic(tmp_path, "jobs", "run", "compact").returncode == 0  # creates the database
+    result = semantic(tmp_path, "sql", "SELECT name, status FROM job_runs")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].split() == ["name", "status"] and "compact  ok" in result.stdout
+    refused = semantic(tmp_path, "sql", "DELETE FROM job_runs")
+    assert refused.returncode == 2 and "refused" in refused.stderr
+    assert "(1 row)" in semantic(tmp_path, "sql", "SELECT * FROM job_runs").stdout

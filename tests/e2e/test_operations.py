@@ -29,3 +29,19 @@ def test_models_list_for_both_sdks(server: ServerProcess) -> None:
     anthropic_ids = [m.id for m in anthropic.Anthropic(base_url=server.url, api_key="k").models.list()]
     openai_ids = [m.id for m in openai.OpenAI(base_url=f"{server.url}/v1", api_key="k").models.list()]
     assert "smollm2-135m-instruct" in anthropic_ids and anthropic_ids == openai_ids
+
+
+def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    httpx.post(f"{server.url}/v1/messages", json={"model": "m"})  # rejected
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    for name in ("semantic_requests", "semantic_ttft_seconds", "semantic_cache_match_outcomes",
+                 "semantic_cache_read_tokens", "semantic_cache_pool_bytes", "semantic_cache_evictions",
+                 "semantic_decode_tokens_per_second"):
+        assert name in families, name
+    statuses = {s.labels.get("status") for s in families["semantic_requests"].samples if s.value > 0}
+    assert {"ok", "rejected"} <= statuses
+    assert [s.value for s in families["semantic_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1

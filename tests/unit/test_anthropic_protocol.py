@@ -5,12 +5,13 @@ import pytest
 
 from app.errors import InvalidRequest
 from app.protocol import anthropic
+from app.protocol.turn import ParsedTurn
 from app.types import ChatMessage, Finished, Started, TextDelta
 
 BASE = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def parse(body: dict[str, Any]) -> anthropic.MessagesRequest:
+def parse(body: dict[str, Any]) -> ParsedTurn:
     return anthropic.parse_request(body, max_output_tokens=1000)
 
 

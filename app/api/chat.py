@@ -1,0 +1,33 @@
+"""POST /v1/chat/completions: the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+from app.agents.identity import AgentKey, openai_agent
+from app.api.generation import Dialect
+from app.api.sse import frame
+from app.protocol import openai
+from app.protocol.turn import ParsedTurn
+from app.types import GenerationEvent
+
+
+def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
+    return openai_agent(headers, parsed.session_id)
+
+
+def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
+    for chunk in openai.render_chunks(completion_id, parsed.model, parsed.include_usage, events):
+        yield frame(None, chunk)
+
+
+OPENAI = Dialect(
+    name="openai",
+    parse=openai.parse_request,
+    named_agent=_named_agent,
+    new_id=openai.new_completion_id,
+    render_message=openai.render_message,
+    render_stream=_stream,
+    render_stream_error=lambda status, message: frame(None, openai.render_error(status, message)),
+    error_types=openai.ERROR_TYPES,
+)

@@ -1,0 +1,68 @@
+"""GET /metrics: Prometheus text format, from a registry owned by the app (not global)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import falcon
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from app.types import Finished
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+class Metrics:
+    """Counters and histograms the generation endpoints feed, and pool gauges read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("semantic_requests", "Generation requests by protocol and outcome",
+                                ["protocol", "status"], registry=r)
+        self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)
+        self.cache_read_tokens = Counter("semantic_cache_read_tokens", "Prompt tokens reused from a cache", registry=r)
+        self.output_tokens = Counter("semantic_output_tokens", "Generated tokens", registry=r)
+        self.outcomes = Counter("semantic_cache_match_outcomes", "Cache match outcomes", ["outcome"], registry=r)
+        self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
+                                     buckets=RATE_BUCKETS, registry=r)
+        for name, doc, read in (
+            ("semantic_cache_pool_bytes", "4-bit KV bytes in the memory pool",
+             lambda s: s.pool_bytes),
+            ("semantic_cache_pool_budget_bytes", "Memory pool budget", lambda s: s.budget_bytes),
+            ("semantic_cache_hot_agents", "Agents whose cache is in memory", lambda s: s.hot_agents),
+            ("semantic_cache_evictions", "Agents spilled from memory to disk since start", lambda s: s.n_spilled),
+        ):
+            Gauge(name, doc, registry=r).set_function(
+                lambda read=read: float(read(engine.status().cache)) if engine.status().cache else 0.0)
+        Gauge("semantic_queue_depth", "Requests waiting for the engine", registry=r).set_function(
+            lambda: float(engine.status().queue_depth))
+
+    def observe(self, protocol: str, finished: Finished) -> None:
+        self.requests.labels(protocol, "cancelled" if finished.stop_reason == "cancelled" else "ok").inc()
+        self.prompt_tokens.inc(finished.n_prompt_tokens)
+        self.cache_read_tokens.inc(finished.n_cached_tokens)
+        self.output_tokens.inc(finished.n_output_tokens)
+        self.outcomes.labels(finished.match_outcome).inc()
+        self.ttft.observe(finished.ttft_s)
+        decode_s = finished.total_s - finished.ttft_s
+        if finished.n_output_tokens > 1 and decode_s > 0:
+            self.decode_rate.observe((finished.n_output_tokens - 1) / decode_s)
+
+    def rejected(self, protocol: str) -> None:
+        self.requests.labels(protocol, "rejected").inc()
+
+
+class MetricsResource:
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type = CONTENT_TYPE_LATEST
+        resp.data = generate_latest(self._metrics.registry)

@@ -1,0 +1,50 @@
+"""Optional API key and the body size limit, on a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import ServerProcess, start_server, stop_server
+
+KEY = "sk-local-test-key"
+BODY = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("locked"), smollm2_dir,
+                          {"SEMANTIC_API_KEY": KEY, "SEMANTIC_MAX_BODY_BYTES": "4096"})
+    yield server
+    stop_server(server)
+
+
+def test_missing_or_wrong_key_gets_401_in_anthropic_shape(locked: ServerProcess) -> None:
+    for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}):
+        response = httpx.post(f"{locked.url}/v1/messages", json=BODY, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=locked.url, api_key="wrong", max_retries=0).messages.create(**BODY)
+
+
+def test_key_as_x_api_key_or_bearer(locked: ServerProcess) -> None:
+    assert anthropic.Anthropic(base_url=locked.url, api_key=KEY).messages.create(**BODY).content
+    bearer = httpx.post(f"{locked.url}/v1/messages", json=BODY, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+    assert bearer.status_code == 200
+
+
+def test_probes_stay_open(locked: ServerProcess) -> None:
+    assert httpx.head(f"{locked.url}/").status_code == 200
+    assert httpx.get(f"{locked.url}/health").status_code == 200
+
+
+def test_oversized_body_gets_413(locked: ServerProcess) -> None:
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    response = httpx.post(f"{locked.url}/v1/messages", json=big, headers={"x-api-key": KEY})
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"

@@ -1,0 +1,55 @@
+"""`semantic sql`: read-only queries and the documented views, on a real SQLite file."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from app.errors import InvalidRequest
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.models import Agent, Request
+from app.store.readonly import format_table, run_readonly
+
+
+@pytest.fixture()
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "semantic.db"
+    upgrade(f"sqlite:///{path}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{path}"))
+    now = datetime(2026, 11, 21, 12, 0)
+    with sessions.begin() as session:
+        session.add(Agent(id="a", origin="direct", created_at=now, last_access_at=now, status="active", metadata_json={}))
+        for i, (cached, total) in enumerate([(0, 100), (90, 120)]):
+            session.add(Request(id=f"r{i}", agent_id="a", protocol="anthropic", status="ok", created_at=now,
+                                n_input_tokens=total, n_cached_tokens=cached, n_output_tokens=10))
+        session.add(Request(id="bad", protocol="anthropic", status="rejected", created_at=now))
+    return path
+
+
+def test_views_answer_the_common_questions(db: Path) -> None:
+    assert run_readonly(db, "SELECT agent_id, turns, input_tokens FROM agent_turns")[1] == [("a", 2, 220)]
+    assert run_readonly(db, "SELECT hit_rate FROM agent_cache_hits WHERE agent_id = 'a'")[1] == [(round(90 / 220, 4),)]
+    assert run_readonly(db, "SELECT day, requests, output_tokens FROM tokens_per_day")[1] == [("2026-11-21", 2, 20)]
+
+
+@pytest.mark.parametrize("statement", [
+    "INSERT INTO agents (id, origin, created_at, last_access_at, status, metadata_json) VALUES ('x','d','t','t','a','{}')",
+    "UPDATE requests SET status = 'ok'",
+    "DELETE FROM requests",
+    "DROP TABLE requests",
+    "CREATE TABLE t (x)",
+    "ATTACH DATABASE ':memory:' AS other",
+    "PRAGMA journal_mode = DELETE",
+    "PRAGMA query_only = OFF",
+])
+def test_writes_and_side_doors_are_refused(db: Path, statement: str) -> None:
+    with pytest.raises(InvalidRequest, match="refused or invalid SQL"):
+        run_readonly(db, statement)
+    assert run_readonly(db, "SELECT count(*) FROM requests")[1] == [(3,)]
+
+
+def test_table_output() -> None:
+    text = format_table(["a", "bb"], [(1, None), (22, "x")])
+    assert text.splitlines() == ["a   bb", "--  --", "1", "22  x", "(2 rows)"]
