@@ -1,15 +1,21 @@
-"""POST /v1/messages: the Anthropic Messages API (Claude Code's endpoint)."""
+"""POST /v1/messages (Claude Code's endpoint) and /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import falcon
 
 from app.agents.identity import AgentKey, anthropic_agent
+from app.api.body import read_json
 from app.api.generation import Dialect
 from app.api.sse import frame
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
 from app.types import GenerationEvent
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
 
 
 def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
@@ -31,3 +37,18 @@ ANTHROPIC = Dialect(
     render_stream_error=lambda status, message: frame("error", anthropic.render_error(status, message)),
     error_types=anthropic.ERROR_TYPES,
 )
+
+
+class CountTokensResource:
+    """The exact number of tokens the messages endpoint would prefill cold."""
+
+    def __init__(self, engine: Engine, max_output_tokens: int) -> None:
+        self._engine = engine
+        self._max_output_tokens = max_output_tokens
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        body = read_json(req)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}  # not required here
+        parsed = anthropic.parse_request(body, max_output_tokens=self._max_output_tokens)
+        resp.media = {"input_tokens": self._engine.render(parsed.messages).n_tokens}

@@ -12,7 +12,7 @@ from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
 from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
-from app.api.messages import ANTHROPIC
+from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
 from app.settings import Settings
 
@@ -31,6 +31,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
+    app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.max_output_tokens))
     metrics = Metrics(deps.engine)
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):

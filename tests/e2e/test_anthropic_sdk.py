@@ -107,3 +107,13 @@ def test_prompt_too_long(client: anthropic.Anthropic) -> None:
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert info.value.body["error"]["message"].startswith("prompt is too long: ")
     assert info.value.body["error"]["message"].endswith(" tokens > 8191 maximum")
+
+
+def test_count_tokens_equals_the_cold_prefill(client: anthropic.Anthropic) -> None:
+    system = f"Count me {uuid.uuid4().hex}."  # a prompt no agent has cached
+    counted = client.messages.count_tokens(model="m", system=system, messages=QUESTION)
+    message = client.messages.create(model="m", max_tokens=4, system=system, messages=QUESTION, extra_body=GREEDY)
+    usage = message.usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model="m", messages=[])
