@@ -15,6 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.identity import AgentKey
 from app.cache.hashing import chain_hashes
+from app.errors import InvalidRequest, NotFound
+from app.store import agents as agents_store
 from app.store import blockfiles, cache_index, history
 from app.types import Finished
 
@@ -47,6 +49,38 @@ class AgentService:
     def n_stored_caches(self, fingerprint: str) -> int:
         with self._sessions() as session:
             return cache_index.count_caches(session, fingerprint)
+
+    def create(self, agent_id: str, metadata: dict[str, Any], ttl_seconds: int | None) -> agents_store.AgentView:
+        """Raises InvalidRequest if the id is taken."""
+        with self._sessions.begin() as session:
+            if not agents_store.create(session, agent_id, metadata, ttl_seconds, history.utcnow()):
+                raise InvalidRequest(f"id: agent {agent_id!r} already exists", "id")
+        return self.get(agent_id)
+
+    def get(self, agent_id: str) -> agents_store.AgentView:
+        """Raises NotFound."""
+        with self._sessions() as session:
+            found = agents_store.view(session, agent_id)
+        if found is None:
+            raise NotFound(f"agent {agent_id!r} does not exist")
+        return found
+
+    def list(self, limit: int, offset: int) -> list[agents_store.AgentView]:
+        with self._sessions() as session:
+            ids = agents_store.list_ids(session, limit, offset)
+            return [v for v in (agents_store.view(session, i) for i in ids) if v is not None]
+
+    def history(self, agent_id: str) -> list[dict[str, Any]]:
+        self.get(agent_id)
+        with self._sessions() as session:
+            return [{"position": m.position, "role": m.role, "content": m.content,
+                     "created_at": m.created_at.isoformat() + "Z", "request_id": m.request_id}
+                    for m in agents_store.history(session, agent_id)]
+
+    def delete(self, agent_id: str) -> None:
+        self.get(agent_id)
+        with self._sessions.begin() as session:
+            agents_store.remove(session, agent_id)
 
     def reject(self, request_id: str, protocol: str, error_type: str, message: str) -> None:
         """Record a request refused before generation (bad input, overload)."""

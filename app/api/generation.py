@@ -65,7 +65,13 @@ class GenerationResource:
         self._agents = agents
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        turn, job = self._start(req)
+        self.respond(req, resp, lambda: read_json(req))
+
+    def respond(self, req: falcon.Request, resp: falcon.Response, body: Callable[[], Any],
+                agent: AgentKey | None = None) -> None:
+        """Serve one generation whose request body ``body()`` returns; ``agent``
+        overrides identity resolution (the direct API names it in the URL)."""
+        turn, job = self._start(req, body, agent)
         message_id = self._dialect.new_id()
         if turn.parsed.stream:
             resp.content_type = "text/event-stream"
@@ -75,13 +81,13 @@ class GenerationResource:
         text, finished = self._collect(turn, job)
         resp.media = self._dialect.render_message(message_id, turn.parsed.model, text, finished)
 
-    def _start(self, req: falcon.Request) -> tuple[Turn, Job]:
+    def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
         try:
-            parsed = self._dialect.parse(read_json(req), max_output_tokens=self._settings.max_output_tokens)
+            parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens)
             self._check_model(parsed.model)
             prompt = self._engine.render(parsed.messages)
-            agent = (self._dialect.named_agent(req.headers, parsed)
+            agent = (agent or self._dialect.named_agent(req.headers, parsed)
                      or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
                                                        prompt.text, BLOCK_TOKENS)
                      or new_agent())

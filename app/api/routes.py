@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import falcon
 
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
+from app.api.agents import AgentGenerateResource, AgentHistoryResource, AgentResource, AgentsResource
 from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
@@ -36,3 +37,8 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))
+    direct = GenerationResource(replace(ANTHROPIC, name="direct"), deps.settings, deps.engine, deps.agents, metrics)
+    app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
+    app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))
+    app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct))
+    app.add_route("/v1/agents/{agent_id}/history", AgentHistoryResource(deps.agents))

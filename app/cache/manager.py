@@ -202,6 +202,24 @@ class CacheManager:
                                         {h: self._blocks[h] for h in agent.chain}))
         self._enforce_budget(keep=agent_id)
 
+    def forget(self, agent_id: str) -> None:
+        """Delete everything of this agent's cache: memory, its files, its rows.
+
+        Blocks other agents still reference stay (they are theirs too).
+        """
+        if agent_id in self._agents:
+            self._spill(agent_id)
+            self._n_spilled -= 1  # a deletion, not an eviction
+        self._persister.flush(60)  # no queued write may bring the cache back
+        with self._sessions.begin() as session:
+            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
+            orphans = cache_index.drop_cache(session, agent_id, self.fingerprint)
+        if entry is not None:
+            Path(entry.record_path).unlink(missing_ok=True)
+        for path in orphans:
+            Path(path).unlink(missing_ok=True)
+        log.info("agent %s: cache deleted (%d block files removed)", agent_id, len(orphans))
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
         return self._persister.flush(timeout_s)
@@ -285,7 +303,7 @@ class CacheManager:
     def _discard(self, agent_id: str) -> None:
         with self._sessions.begin() as session:
             entry = cache_index.load_cache(session, agent_id, self.fingerprint)
-            cache_index.drop_cache(session, agent_id, self.fingerprint)
+            orphans = cache_index.drop_cache(session, agent_id, self.fingerprint)
         if entry is None:
             return
         for path in [Path(entry.record_path), *(Path(b.path) for b in entry.blocks)]:
@@ -293,6 +311,8 @@ class CacheManager:
                 blockfiles.read(path)
             except blockfiles.DamagedFile:
                 blockfiles.quarantine(path, self._files.root)
+        for path in orphans:  # intact blocks nobody references any more
+            Path(path).unlink(missing_ok=True)
 
 
 def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:

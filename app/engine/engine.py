@@ -111,6 +111,10 @@ class Engine:
             raise EngineUnavailable("the engine is not running")
         return self._runner.caches
 
+    def forget_agent(self, agent_id: str) -> None:
+        """Delete the agent's caches: memory, files and index rows (engine thread)."""
+        self._runner.call(lambda caches: caches.forget(agent_id))
+
     def wait_idle(self, timeout_s: float = 60) -> bool:
         """Wait until queued generations are done, their caches committed included."""
         deadline = time.monotonic() + timeout_s

@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -79,6 +80,14 @@ class Job:
                 return
 
 
+@dataclass(frozen=True)
+class Call:
+    """Work on the cache manager that must run on the engine thread (between generations)."""
+
+    fn: Callable[[CacheManager], Any]
+    result: Future = field(default_factory=Future)
+
+
 class Runner(threading.Thread):
     """Loads the model, then generates for one job at a time, in queue order."""
 
@@ -88,7 +97,7 @@ class Runner(threading.Thread):
         self._load = load
         self._make_caches = make_caches
         self.caches: CacheManager | None = None
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._jobs: queue.Queue[Job | Call | None] = queue.Queue(maxsize=max_queue)
         self._prefill_step_size = prefill_step_size
         self.ready = threading.Event()
         self.loaded: LoadedModel | None = None
@@ -115,6 +124,14 @@ class Runner(threading.Thread):
             raise Overloaded(f"{self._jobs.maxsize} requests are already waiting") from None
         return job
 
+    def call(self, fn: Callable[[CacheManager], Any], timeout_s: float = 120) -> Any:
+        """Run ``fn(cache_manager)`` on the engine thread and return its result."""
+        if not self.is_alive():
+            raise EngineUnavailable("the engine is not running")
+        call = Call(fn)
+        self._jobs.put(call)
+        return call.result.result(timeout_s)
+
     def stop(self) -> None:
         self._jobs.put(None)
 
@@ -130,6 +147,12 @@ class Runner(threading.Thread):
             self.ready.set()
         assert self.caches is not None
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, Call):
+                try:
+                    job.result.set_result(job.fn(self.caches))
+                except Exception as exc:  # handed to the caller
+                    job.result.set_exception(exc)
+                continue
             self.n_active = 1
             try:
                 self._generate(job)

@@ -81,15 +81,26 @@ def load_cache(session: Session, agent_id: str, fingerprint: str) -> CacheEntry 
     return CacheEntry(cache.record_path, cache.n_tokens, blocks)
 
 
-def drop_cache(session: Session, agent_id: str, fingerprint: str) -> None:
-    """Forget an agent's cache for one model (files are the caller's to delete)."""
+def drop_cache(session: Session, agent_id: str, fingerprint: str) -> list[str]:
+    """Forget an agent's cache for one model.
+
+    Returns:
+        Paths of block files no cache references any more; their rows are
+        deleted and the files are the caller's to delete.
+    """
     cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
     if cache is None:
-        return
+        return []
     hashes = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
     session.delete(cache)
     session.flush()
     _refresh_ref_counts(session, hashes)
+    orphans = []
+    for block in session.scalars(select(Block).where(Block.hash.in_(hashes), Block.ref_count == 0)):
+        if block.path:
+            orphans.append(block.path)
+        session.delete(block)
+    return orphans
 
 
 def set_tier(session: Session, agent_id: str, fingerprint: str, tier: str, now: datetime) -> None:
