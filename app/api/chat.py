@@ -27,6 +27,7 @@ OPENAI = Dialect(
     named_agent=_named_agent,
     new_id=openai.new_completion_id,
     render_message=openai.render_message,
+    reply_content=lambda _id, _parsed, text: text,
     render_stream=_stream,
     render_stream_error=lambda status, message: frame(None, openai.render_error(status, message)),
     error_types=openai.ERROR_TYPES,

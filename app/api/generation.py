@@ -40,7 +40,8 @@ class Dialect:
     parse: Callable[..., ParsedTurn]
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
-    render_message: Callable[[str, str, str, Finished], dict[str, Any]]
+    render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
+    reply_content: Callable[[str, ParsedTurn, str], Any]  # the reply as history stores it
     render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Iterator[bytes]]
     render_stream_error: Callable[[int, str], bytes]
     error_types: Mapping[int, str]
@@ -51,6 +52,7 @@ class Turn:
     """What a finished turn needs in order to be recorded."""
 
     request_id: str
+    message_id: str
     agent: AgentKey
     parsed: ParsedTurn
 
@@ -72,14 +74,13 @@ class GenerationResource:
         """Serve one generation whose request body ``body()`` returns; ``agent``
         overrides identity resolution (the direct API names it in the URL)."""
         turn, job = self._start(req, body, agent)
-        message_id = self._dialect.new_id()
         if turn.parsed.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("cache-control", "no-cache")
-            resp.stream = SseStream(self._stream(turn, job, message_id), job.cancel)
+            resp.stream = SseStream(self._stream(turn, job), job.cancel)
             return
         text, finished = self._collect(turn, job)
-        resp.media = self._dialect.render_message(message_id, turn.parsed.model, text, finished)
+        resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
 
     def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
@@ -101,14 +102,14 @@ class GenerationResource:
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
             self._metrics.rejected(self._dialect.name)
             raise
-        return Turn(request_id, agent, parsed), job
+        return Turn(request_id, self._dialect.new_id(), agent, parsed), job
 
     def _check_model(self, model: str) -> None:
         if model != self._engine.loaded.name and not self._settings.map_unknown_models:
             raise NotFound(f"model: {model!r} is not served here (serving {self._engine.loaded.name!r})")
 
     def _record(self, turn: Turn, text: str, finished: Finished) -> None:
-        reply = ("assistant", [{"type": "text", "text": text}])
+        reply = ("assistant", self._dialect.reply_content(turn.message_id, turn.parsed, text))
         received = [(m["role"], m.get("content")) for m in turn.parsed.raw_messages]
         self._agents.complete(turn.request_id, turn.agent, received, reply, finished)
         self._metrics.observe(self._dialect.name, finished)
@@ -128,7 +129,7 @@ class GenerationResource:
             raise
         raise AssertionError("engine events ended without Finished")
 
-    def _stream(self, turn: Turn, job: Job, message_id: str) -> Iterator[bytes]:
+    def _stream(self, turn: Turn, job: Job) -> Iterator[bytes]:
         parts: list[str] = []
 
         def observed() -> Iterator[GenerationEvent]:
@@ -140,7 +141,7 @@ class GenerationResource:
                 yield event
 
         try:
-            yield from self._dialect.render_stream(message_id, turn.parsed, observed())
+            yield from self._dialect.render_stream(turn.message_id, turn.parsed, observed())
         except SemanticError as exc:
             # The status line is gone; report in-stream, as the protocols do.
             log.error("stream %s failed: %s", turn.request_id, exc)

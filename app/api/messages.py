@@ -23,7 +23,7 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
 
 
 def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-    for name, data in anthropic.render_events(message_id, parsed.model, events):
+    for name, data in anthropic.render_events(message_id, parsed, events):
         yield frame(name, data)
 
 
@@ -33,6 +33,7 @@ ANTHROPIC = Dialect(
     named_agent=_named_agent,
     new_id=anthropic.new_message_id,
     render_message=anthropic.render_message,
+    reply_content=lambda message_id, parsed, text: anthropic.content_blocks(message_id, text, parsed.parse_tools),
     render_stream=_stream,
     render_stream_error=lambda status, message: frame("error", anthropic.render_error(status, message)),
     error_types=anthropic.ERROR_TYPES,

@@ -7,6 +7,7 @@ names the field (``messages.0.content: Field required``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
+from app.protocol import tools
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import first_error
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
@@ -36,13 +38,34 @@ class ImageBlock(_Strict):
     source: dict[str, Any]
 
 
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]]] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(_Strict):
+    """Earlier reasoning; not part of the prompt a text-only template renders."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 class UnsupportedBlock(_Strict):
     """Block types this server version does not render yet."""
 
-    type: Literal["tool_use", "tool_result", "thinking", "redacted_thinking", "document"]
+    type: Literal["document"]
 
 
-Block = Annotated[Union[TextBlock, ImageBlock, UnsupportedBlock], Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, UnsupportedBlock],
+                  Field(discriminator="type")]
 
 
 class MessageIn(_Strict):
@@ -65,6 +88,8 @@ class MessagesBody(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 def _flatten(content: str | list[Any], where: str) -> str:
@@ -82,7 +107,12 @@ def _flatten(content: str | list[Any], where: str) -> str:
                 f"{where}.{i}.type: '{block.type}' blocks are not supported by this server yet",
                 f"{where}.{i}.type",
             )
-        parts.append(block.text)
+        if isinstance(block, ToolUseBlock):
+            parts.append(tools.render_call(block.name, block.input))
+        elif isinstance(block, ToolResultBlock):
+            parts.append(tools.render_result(_flatten(block.content, f"{where}.{i}.content"), block.is_error))
+        elif isinstance(block, TextBlock):
+            parts.append(block.text)
     return "\n".join(parts)
 
 
@@ -128,8 +158,12 @@ def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
         )
     messages: list[ChatMessage] = []
     system = parsed.system if isinstance(parsed.system, str) else _drop_billing_header(parsed.system or [])
-    if system:
-        messages.append(ChatMessage("system", _flatten(system, "system")))
+    system_text = _flatten(system, "system") if system else ""
+    use_tools = bool(parsed.tools) and (parsed.tool_choice or {}).get("type") != "none"
+    if use_tools:
+        system_text = "\n\n".join(p for p in (system_text, tools.render_tools_system(parsed.tools or [])) if p)
+    if system_text:
+        messages.append(ChatMessage("system", system_text))
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
     sampling = SamplingParams(
@@ -146,6 +180,7 @@ def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
         stream=parsed.stream,
         session_id=session_from_user_id(parsed.metadata.user_id if parsed.metadata else None),
         raw_messages=tuple(body["messages"]),
+        parse_tools=use_tools,
     )
 
 
@@ -170,46 +205,121 @@ def usage(n_prompt: int, n_cached: int, n_written: int, n_output: int | None) ->
     return result
 
 
-def _stop_reason(finished: Finished) -> str:
-    return "end_turn" if finished.stop_reason == "cancelled" else finished.stop_reason
+def _stop_reason(finished: Finished, used_tool: bool) -> str:
+    if finished.stop_reason == "cancelled":
+        return "end_turn"
+    if used_tool and finished.stop_reason in ("end_turn", "stop_sequence"):
+        return "tool_use"
+    return finished.stop_reason
 
 
-def render_message(message_id: str, model: str, text: str, finished: Finished) -> dict[str, Any]:
+def _tool_id(message_id: str, index: int) -> str:
+    return "toolu_" + hashlib.sha256(f"{message_id}:{index}".encode()).hexdigest()[:24]
+
+
+def content_blocks(message_id: str, text: str, parse_tools: bool) -> list[dict[str, Any]]:
+    """The reply's content blocks: text, and tool_use blocks when tools were offered."""
+    if not parse_tools:
+        return [{"type": "text", "text": text}]
+    parser = tools.ToolCallParser()
+    blocks: list[dict[str, Any]] = []
+    for segment in [*parser.feed(text), *parser.finish()]:
+        if isinstance(segment, tools.ToolCall):
+            blocks.append({"type": "tool_use", "id": _tool_id(message_id, len(blocks)), "name": segment.name,
+                           "input": segment.arguments})
+        elif blocks and blocks[-1]["type"] == "text":
+            blocks[-1]["text"] += segment
+        elif segment.strip():
+            blocks.append({"type": "text", "text": segment})
+    return blocks or [{"type": "text", "text": ""}]
+
+
+def render_message(message_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     """The non-streaming response body."""
+    blocks = content_blocks(message_id, text, parsed.parse_tools)
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
-        "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": _stop_reason(finished),
+        "model": parsed.model,
+        "content": blocks,
+        "stop_reason": _stop_reason(finished, any(b["type"] == "tool_use" for b in blocks)),
         "stop_sequence": finished.stop_sequence,
         "usage": usage(finished.n_prompt_tokens, finished.n_cached_tokens, finished.n_cache_written,
                        finished.n_output_tokens),
     }
 
 
-def render_events(message_id: str, model: str,
+class _Blocks:
+    """Content block bookkeeping for a stream: indexes, and which block is open."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_text = False
+        self.used_tool = False
+
+    def start_text(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        self.index += 1
+        self.open_text = True
+        yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                      "content_block": {"type": "text", "text": ""}}
+
+    def stop(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        if self.open_text:
+            self.open_text = False
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def text(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        if not self.open_text:
+            yield from self.start_text()
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "text_delta", "text": text}}
+
+    def tool(self, message_id: str, call: tools.ToolCall) -> Iterator[tuple[str, dict[str, Any]]]:
+        yield from self.stop()
+        self.index += 1
+        self.used_tool = True
+        block = {"type": "tool_use", "id": _tool_id(message_id, self.index), "name": call.name, "input": {}}
+        yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+
+def render_events(message_id: str, parsed: ParsedTurn,
                   events: Iterator[Started | TextDelta | Finished]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Engine events -> (event name, data) pairs of Anthropic's SSE stream."""
+    parser = tools.ToolCallParser() if parsed.parse_tools else None
+    blocks = _Blocks()
+
+    def segments(parts: list[tools.Segment]) -> Iterator[tuple[str, dict[str, Any]]]:
+        for part in parts:
+            if isinstance(part, tools.ToolCall):
+                yield from blocks.tool(message_id, part)
+            elif part and (blocks.open_text or part.strip()):
+                yield from blocks.text(part)
+
     for event in events:
         if isinstance(event, Started):
             yield "message_start", {"type": "message_start", "message": {
-                "id": message_id, "type": "message", "role": "assistant", "model": model,
+                "id": message_id, "type": "message", "role": "assistant", "model": parsed.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_cache_written, 1),
             }}
-            yield "content_block_start", {"type": "content_block_start", "index": 0,
-                                          "content_block": {"type": "text", "text": ""}}
+            if parser is None:
+                yield from blocks.start_text()
             yield "ping", {"type": "ping"}
         elif isinstance(event, TextDelta):
-            yield "content_block_delta", {"type": "content_block_delta", "index": 0,
-                                          "delta": {"type": "text_delta", "text": event.text}}
+            yield from segments(parser.feed(event.text) if parser else [event.text])
         else:
-            yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+            if parser is not None:
+                yield from segments(parser.finish())
+            if blocks.index < 0:
+                yield from blocks.start_text()
+            yield from blocks.stop()
             yield "message_delta", {
                 "type": "message_delta",
-                "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
+                "delta": {"stop_reason": _stop_reason(event, blocks.used_tool), "stop_sequence": event.stop_sequence},
                 "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_cache_written,
                                event.n_output_tokens),
             }

@@ -95,9 +95,9 @@ def usage(finished: Finished) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": finished.n_cached_tokens}}
 
 
-def render_message(completion_id: str, model: str, text: str, finished: Finished) -> dict[str, Any]:
+def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     return {
-        "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": parsed.model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": FINISH_REASONS[finished.stop_reason], "logprobs": None}],
         "usage": usage(finished),

@@ -17,3 +17,4 @@ class ParsedTurn:
     session_id: str | None  # named by the body (metadata.user_id / session_id)
     raw_messages: tuple[dict[str, Any], ...]  # as received, for history
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    parse_tools: bool = False  # tools were offered: look for tool calls in the reply

@@ -117,3 +117,21 @@ def test_count_tokens_equals_the_cold_prefill(client: anthropic.Anthropic) -> No
     assert counted.input_tokens == usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model="m", messages=[])
+
+
+def test_conversation_carrying_tool_use_and_results(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    tools = [{"name": "Bash", "description": "Run a shell command",
+              "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+    history = [
+        {"role": "user", "content": "How many files are here?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01", "name": "Bash",
+                                           "input": {"command": "ls | wc -l"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": "3"}]},
+    ]
+    raw = client.messages.with_raw_response.create(model="m", max_tokens=24, tools=tools, messages=history,
+                                                   extra_body=GREEDY)
+    message = raw.parse()
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use") and message.content
+    stored = query(server.db_path, "SELECT content FROM messages WHERE request_id = ? ORDER BY position",
+                   raw.headers["request-id"])
+    assert json.loads(stored[1][0])[0]["type"] == "tool_use"  # history keeps the blocks as received

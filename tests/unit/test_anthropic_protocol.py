@@ -54,6 +54,10 @@ def test_session_from_claude_code_user_id() -> None:
     ({**BASE, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({**BASE, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0"),
     ({**BASE, "messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content.0"),
+    ({**BASE, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ({**BASE, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "x"}]}]},
+     "messages.0.content.0.input"),
     ({**BASE, "max_tokens": "16"}, "max_tokens"),
     ({**BASE, "max_tokens": 0}, "max_tokens"),
     ({**BASE, "max_tokens": 10**12}, "max_tokens"),
@@ -72,7 +76,7 @@ def test_malformed_bodies_name_the_field(body: Any, field: str) -> None:
 def test_stream_events_follow_anthropic_order() -> None:
     finished = Finished("end_turn", None, 10, 0, 10, 3, 0.1, 0.2)
     events = [Started(10, 0, 10), TextDelta("a"), TextDelta("b"), finished]
-    names = [name for name, _ in anthropic.render_events("msg_1", "m", iter(events))]
+    names = [name for name, _ in anthropic.render_events("msg_1", parse(BASE), iter(events))]
     assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
@@ -94,3 +98,58 @@ def test_billing_header_block_is_dropped_from_the_prompt() -> None:
               {"type": "text", "text": "You are Claude Code."}]
     request = parse({**BASE, "system": system})
     assert request.messages[0] == ChatMessage("system", "You are Claude Code.")
+
+
+TOOLS = [{"name": "Bash", "description": "Run a shell command",
+          "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+TOOL_HISTORY = [
+    {"role": "user", "content": "List files."},
+    {"role": "assistant", "content": [{"type": "text", "text": "Sure."},
+                                      {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt\nb.txt"},
+                                 {"type": "text", "text": "Which is bigger?"}]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                      {"type": "text", "text": "Let me check."}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                                  "content": [{"type": "text", "text": "permission denied"}]}]},
+]
+
+
+def test_tool_history_renders_through_the_template_text() -> None:
+    request = parse({**BASE, "tools": TOOLS, "messages": TOOL_HISTORY})
+    assert request.parse_tools and '"name": "Bash"' in request.messages[0].content
+    assert request.messages[2].content == 'Sure.\n<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    assert request.messages[3].content == "<tool_response>\na.txt\nb.txt\n</tool_response>\nWhich is bigger?"
+    assert request.messages[4].content == "Let me check."  # thinking is not re-rendered
+    assert request.messages[5].content == "<tool_response>\nError: permission denied\n</tool_response>"
+    assert not parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "none"}}).parse_tools
+
+
+REPLY = 'I will look. <tool_call>\n{"name": "Bash", "arguments": {"command": "du -h a.txt"}}\n</tool_call>'
+
+
+def test_streamed_tool_call_split_anywhere_is_one_tool_use_block() -> None:
+    request = parse({**BASE, "tools": TOOLS})
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    for cut in range(len(REPLY) + 1):
+        events = [Started(10, 0, 10), TextDelta(REPLY[:cut]), TextDelta(REPLY[cut:]), finished]
+        out = list(anthropic.render_events("msg_1", request, iter(events)))
+        starts = [d["content_block"] for n, d in out if n == "content_block_start"]
+        assert [b["type"] for b in starts] == ["text", "tool_use"], cut
+        assert starts[1]["name"] == "Bash"
+        json_parts = [d["delta"]["partial_json"] for n, d in out if n == "content_block_delta"
+                      and d["delta"]["type"] == "input_json_delta"]
+        assert json.loads("".join(json_parts)) == {"command": "du -h a.txt"}
+        text = "".join(d["delta"]["text"] for n, d in out if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
+        assert text == "I will look. "
+        assert [d for n, d in out if n == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
+        assert [d["index"] for n, d in out if n == "content_block_stop"] == [0, 1]
+
+
+def test_non_streaming_tool_use() -> None:
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    body = anthropic.render_message("msg_1", parse({**BASE, "tools": TOOLS}), REPLY, finished)
+    assert [b["type"] for b in body["content"]] == ["text", "tool_use"]
+    assert body["content"][1]["input"] == {"command": "du -h a.txt"} and body["stop_reason"] == "tool_use"
+    plain = anthropic.render_message("msg_1", parse(BASE), REPLY, finished)  # no tools offered: plain text
+    assert plain["content"] == [{"type": "text", "text": REPLY}] and plain["stop_reason"] == "end_turn"

@@ -1,0 +1,114 @@
+"""Tool calls for chat templates without tool support: a documented text format. Pure.
+
+Tools are described in the system prompt; the model calls one by writing
+
+    <tool_call>
+    {"name": "Bash", "arguments": {"command": "ls"}}
+    </tool_call>
+
+(the JSON tool-call format of mlx-lm's ``json_tools`` parser, Hermes/Qwen
+style). Earlier calls and their results are rendered back the same way, with
+results inside ``<tool_response>`` tags. ``ToolCallParser`` finds calls in
+streamed text split at arbitrary points.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Union
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+RESULT_START = "<tool_response>"
+RESULT_END = "</tool_response>"
+
+
+def render_tools_system(tools: list[dict[str, Any]]) -> str:
+    """The system prompt section that offers ``tools`` (Anthropic tool definitions)."""
+    described = [{"name": t.get("name"), "description": t.get("description", ""),
+                  "parameters": t.get("input_schema", {})} for t in tools]
+    return ("You can call tools. To call one, answer with exactly\n"
+            f"{CALL_START}\n{{\"name\": <tool name>, \"arguments\": <JSON object>}}\n{CALL_END}\n"
+            "and nothing after it. Available tools:\n" + json.dumps(described, ensure_ascii=False))
+
+
+def render_call(name: str, arguments: Any) -> str:
+    return f"{CALL_START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_END}"
+
+
+def render_result(content: str, is_error: bool) -> str:
+    return f"{RESULT_START}\n{'Error: ' if is_error else ''}{content}\n{RESULT_END}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+Segment = Union[str, ToolCall]
+
+
+def _as_call(body: str) -> ToolCall | None:
+    try:
+        data = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    return ToolCall(data["name"], arguments if isinstance(arguments, dict) else {"value": arguments})
+
+
+class ToolCallParser:
+    """Split streamed text into plain text and complete tool calls.
+
+    Text that might be the start of ``<tool_call>`` is held back; a call is
+    emitted once its closing tag arrives. A call whose body is not a JSON
+    object with a name is passed through as text.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._inside = False
+
+    def feed(self, text: str) -> list[Segment]:
+        self._buffer += text
+        out: list[Segment] = []
+        while True:
+            if self._inside:
+                end = self._buffer.find(CALL_END)
+                if end < 0:
+                    return out
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_END):]
+                self._inside = False
+                call = _as_call(body)
+                out.append(call if call else CALL_START + body + CALL_END)
+                continue
+            start = self._buffer.find(CALL_START)
+            if start >= 0:
+                if start:
+                    out.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(CALL_START):]
+                self._inside = True
+                continue
+            keep = _partial_suffix(self._buffer, CALL_START)
+            ready = self._buffer[:len(self._buffer) - keep]
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            if ready:
+                out.append(ready)
+            return out
+
+    def finish(self) -> list[Segment]:
+        """Whatever is left when generation ends (an unfinished call stays text)."""
+        rest = (CALL_START if self._inside else "") + self._buffer
+        self._buffer, self._inside = "", False
+        return [rest] if rest else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
