@@ -35,6 +35,9 @@ class Settings:
     map_unknown_models: bool = True
     # Compute dtype: "auto" = float32 on CPU (fast BLAS path), model's own elsewhere.
     dtype: str = "auto"
+    # Temperature for requests that name none (Anthropic and OpenAI default to 1.0;
+    # small models given a long agent prompt ramble at 1.0 and stop sooner at 0).
+    default_temperature: float = 1.0
     # Upper bound for a request's max_tokens; larger values are a 400.
     max_output_tokens: int = 131072
     # Tokens per prefill step (bounds peak memory on long prompts).
@@ -95,10 +98,19 @@ def _coerce(name: str, kind: type, value: Any) -> Any:
                 raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
         if kind is Path:
             return Path(text).expanduser()
+        if kind is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
     if kind is Path and isinstance(value, str):
         return Path(value).expanduser()
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and not isinstance(value, float):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if kind is str and not isinstance(value, str):

@@ -85,7 +85,8 @@ class GenerationResource:
     def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
         try:
-            parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens)
+            parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens,
+                                         default_temperature=self._settings.default_temperature)
             self._check_model(parsed.model)
             prompt = self._engine.render(parsed.messages)
             agent = (agent or self._dialect.named_agent(req.headers, parsed)

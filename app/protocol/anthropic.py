@@ -140,7 +140,7 @@ def session_from_user_id(user_id: str | None) -> str | None:
     return session if isinstance(session, str) and session else None
 
 
-def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
+def parse_request(body: Any, *, max_output_tokens: int, default_temperature: float = 1.0) -> ParsedTurn:
     """Validate a decoded JSON body.
 
     Raises:
@@ -167,7 +167,7 @@ def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
     sampling = SamplingParams(
-        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        temperature=default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=parsed.top_k or 0,
         max_tokens=parsed.max_tokens,

@@ -50,7 +50,7 @@ class ChatBody(_Strict):
     session_id: str | None = None
 
 
-def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
+def parse_request(body: Any, *, max_output_tokens: int, default_temperature: float = 1.0) -> ParsedTurn:
     """Validate a decoded JSON body.
 
     Raises:
@@ -73,7 +73,7 @@ def parse_request(body: Any, *, max_output_tokens: int) -> ParsedTurn:
     )
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
-        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        temperature=default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, stop_sequences=stops,
     )

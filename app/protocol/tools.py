@@ -24,13 +24,27 @@ RESULT_START = "<tool_response>"
 RESULT_END = "</tool_response>"
 
 
+DESCRIPTION_CHARS = 300
+
+
+def _compact(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool definition small enough for a small model's context: the first
+    paragraph of its description and its parameters' names, types and whether
+    they are required (full JSON schemas of real clients run to thousands of tokens)."""
+    description = str(tool.get("description", "")).strip().split("\n\n")[0][:DESCRIPTION_CHARS]
+    schema = tool.get("input_schema") or {}
+    required = set(schema.get("required", []))
+    parameters = {name: f"{spec.get('type', 'any')}{'' if name in required else ' (optional)'}"
+                  for name, spec in (schema.get("properties") or {}).items() if isinstance(spec, dict)}
+    return {"name": tool.get("name"), "description": description, "parameters": parameters}
+
+
 def render_tools_system(tools: list[dict[str, Any]]) -> str:
     """The system prompt section that offers ``tools`` (Anthropic tool definitions)."""
-    described = [{"name": t.get("name"), "description": t.get("description", ""),
-                  "parameters": t.get("input_schema", {})} for t in tools]
     return ("You can call tools. To call one, answer with exactly\n"
             f"{CALL_START}\n{{\"name\": <tool name>, \"arguments\": <JSON object>}}\n{CALL_END}\n"
-            "and nothing after it. Available tools:\n" + json.dumps(described, ensure_ascii=False))
+            "and nothing after it. Available tools:\n"
+            + json.dumps([_compact(t) for t in tools], ensure_ascii=False))
 
 
 def render_call(name: str, arguments: Any) -> str:

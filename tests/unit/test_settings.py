@@ -44,3 +44,9 @@ def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
 
 def test_cache_reuse_switch_from_environment(tmp_path: Path) -> None:
     assert load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_CACHE_REUSE": "0"}).cache_reuse is False
+
+
+def test_float_settings(tmp_path: Path) -> None:
+    assert load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_DEFAULT_TEMPERATURE": "0"}).default_temperature == 0.0
+    with pytest.raises(ConfigError, match="default_temperature: expected a number"):
+        load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_DEFAULT_TEMPERATURE": "warm"})
