@@ -46,7 +46,7 @@ def serve(settings: Settings) -> None:
     sessions = make_session_factory(make_engine(settings.db_url))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse)
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
-                    prefill_step_size=settings.prefill_step_size)
+                    prefill_step_size=settings.prefill_step_size, repetition_penalty=settings.repetition_penalty)
     engine.start()
     status = engine.status()
     log.info("model %s on %s, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),

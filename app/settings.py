@@ -38,6 +38,9 @@ class Settings:
     # Temperature for requests that name none (Anthropic and OpenAI default to 1.0;
     # small models given a long agent prompt ramble at 1.0 and stop sooner at 0).
     default_temperature: float = 1.0
+    # Multiplicative penalty on the last 20 tokens' logits (1.0 = off); small models
+    # under long agent prompts fall into loops without it.
+    repetition_penalty: float = 1.0
     # Upper bound for a request's max_tokens; larger values are a 400.
     max_output_tokens: int = 131072
     # Tokens per prefill step (bounds peak memory on long prompts).

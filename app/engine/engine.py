@@ -51,9 +51,10 @@ class Engine:
     """Owns the engine thread. Start it, then render prompts and submit them."""
 
     def __init__(self, model_name: str, model_path: Path, cache: CacheConfig, *, dtype: str = "auto",
-                 max_queue: int = 16, prefill_step_size: int = 256) -> None:
+                 max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0) -> None:
         self._runner = Runner(lambda: load_model(model_name, model_path, dtype), cache.manager_for,
-                              max_queue=max_queue, prefill_step_size=prefill_step_size)
+                              max_queue=max_queue, prefill_step_size=prefill_step_size,
+                              repetition_penalty=repetition_penalty)
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

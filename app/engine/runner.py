@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from app.cache.manager import CacheManager, Lease
 from app.engine.model import LoadedModel
@@ -92,13 +92,15 @@ class Runner(threading.Thread):
     """Loads the model, then generates for one job at a time, in queue order."""
 
     def __init__(self, load: Callable[[], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
-                 max_queue: int, prefill_step_size: int) -> None:
+                 max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._make_caches = make_caches
         self.caches: CacheManager | None = None
         self._jobs: queue.Queue[Job | Call | None] = queue.Queue(maxsize=max_queue)
         self._prefill_step_size = prefill_step_size
+        self._processors = make_logits_processors(repetition_penalty=repetition_penalty) \
+            if repetition_penalty != 1.0 else None
         self.ready = threading.Event()
         self.loaded: LoadedModel | None = None
         self.load_error: BaseException | None = None
@@ -209,7 +211,8 @@ class Runner(threading.Thread):
         reason: StopReason = "max_tokens"
         stop_sequence: str | None = None
         steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_new, sampler=sampler,
-                              prompt_cache=lease.cache, prefill_step_size=self._prefill_step_size)
+                              logits_processors=self._processors, prompt_cache=lease.cache,
+                              prefill_step_size=self._prefill_step_size)
         for token, _ in steps:
             token = int(token)
             if not output:

@@ -1,0 +1,67 @@
+"""The real Claude Code CLI (npm, pinned) against a real server and the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import ROOT, ServerProcess, start_server, stop_server
+from support.dbcheck import query
+
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+INSTALL_DIR = ROOT / ".cache" / "claude-code-2.1.197"
+
+
+@pytest.fixture(scope="module")
+def claude() -> Path:
+    """The CLI, installed from the npm registry into the repository's cache once."""
+    binary = INSTALL_DIR / "node_modules" / ".bin" / "claude"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        assert npm, "npm is required for the Claude Code test (Node.js 18+)"
+        subprocess.run([npm, "install", "--prefix", str(INSTALL_DIR), CLAUDE_CODE], check=True,
+                       capture_output=True, timeout=600)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    # Claude Code sends no temperature; greedy with a repetition penalty lets SmolLM2 end its turn.
+    running = start_server(tmp_path_factory.mktemp("claude-code-home"), smollm2_dir,
+                           {"SEMANTIC_DEFAULT_TEMPERATURE": "0", "SEMANTIC_REPETITION_PENALTY": "1.3"})
+    yield running
+    stop_server(running)
+
+
+def run_claude(claude: Path, server: ServerProcess, workdir: Path, home: Path, *args: str) -> dict:
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.url,
+           "ANTHROPIC_API_KEY": "dummy-key", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+           "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
+           "IS_SANDBOX": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300"}
+    result = subprocess.run([str(claude), *args, "--output-format", "json", "--max-turns", "2",
+                             "--tools", "Bash,Read", "--model", "claude-sonnet-5"],
+                            cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout, result.stderr, server.log()[-2000:])
+    return json.loads(result.stdout)
+
+
+def test_headless_turns_and_the_second_reads_from_cache(claude: Path, server: ServerProcess, tmp_path: Path) -> None:
+    workdir, home = tmp_path / "work", tmp_path / "home"
+    workdir.mkdir()
+    home.mkdir()
+    first = run_claude(claude, server, workdir, home, "-p", "say hello")
+    assert not first["is_error"] and first["result"].strip()
+    second = run_claude(claude, server, workdir, home, "-c", "-p", "and goodbye")
+    assert not second["is_error"] and second["result"].strip()
+    assert second["session_id"] == first["session_id"]
+    rows = query(server.db_path, "SELECT n_cached_tokens, n_input_tokens, match_outcome FROM requests "
+                 "WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", first["session_id"])
+    assert len(rows) >= 2
+    cached, total, outcome = rows[-1]
+    assert cached / total >= 0.9 and outcome == "extend"
