@@ -28,9 +28,6 @@ class BlockPool:
     def n_blocks(self) -> int:
         return len(self._sizes)
 
-    def hot_agents(self) -> list[str]:
-        return list(self._agents)
-
     def contains(self, block: str) -> bool:
         return block in self._sizes
 

@@ -103,12 +103,6 @@ def drop_cache(session: Session, agent_id: str, fingerprint: str) -> list[str]:
     return orphans
 
 
-def set_tier(session: Session, agent_id: str, fingerprint: str, tier: str, now: datetime) -> None:
-    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
-    if cache is not None:
-        cache.tier, cache.last_access_at = tier, now
-
-
 def candidates_for_chain(session: Session, fingerprint: str, chain: Sequence[str]) -> list[tuple[str, str, int]]:
     """Agents whose whole cached block chain is a prefix of ``chain``, longest first.
 
