@@ -25,8 +25,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 256
-    stop_sequences: tuple[str, ...] = ()
+    max_tokens: int = 256  # 0: no output, prefill only
+    stop_sequences: tuple[str, ...] = ()  # end the turn before these (not sent)
+    end_after: tuple[str, ...] = ()  # end the turn once the output has one of these (sent): a tool call's end
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,10 @@ class Prompt:
 class GenerationRequest:
     request_id: str
     prompt: Prompt
-    sampling: SamplingParams
+    sampling: SamplingParams  # max_tokens 0: only prefill the prompt into the agent's cache
     agent_id: str | None = None
+    whole_blocks: bool = False  # reuse only whole shared blocks (OpenAI cache_mode "prefix")
+    persist: bool = True  # write the agent's cache to disk (OpenAI ttl 0: memory only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,10 +89,12 @@ class AgentService:
                                  message=message, now=history.utcnow(), protocol=protocol)
 
     def begin(self, request_id: str, agent: AgentKey, *, protocol: str, model: str,
-              served_model: str, stream: bool, n_input_tokens: int) -> None:
+              served_model: str, stream: bool, n_input_tokens: int, ttl_seconds: int | None = None,
+              hot_ttl_seconds: int | None = None) -> None:
         now = history.utcnow()
         with self._sessions.begin() as session:
-            history.touch_agent(session, agent.agent_id, agent.origin, now)
+            history.touch_agent(session, agent.agent_id, agent.origin, now, ttl_seconds=ttl_seconds,
+                                hot_ttl_seconds=hot_ttl_seconds)
             history.start_request(session, request_id, protocol=protocol, model=model,
                                   served_model=served_model, stream=stream,
                                   agent_id=agent.agent_id, n_input_tokens=n_input_tokens, now=now)

@@ -6,32 +6,54 @@ POST /v1/agents/{id}/generate, GET /v1/agents/{id}/history.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import falcon
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.agents.identity import AgentKey
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.generation import GenerationResource
 from app.errors import InvalidRequest
+from app.protocol.validation import first_error
 from app.store.agents import AgentView
+from app.types import Finished, GenerationRequest, Prompt, SamplingParams
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
 
-SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata")
+SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
+                   "tools", "tool_choice", "thinking")
 DEFAULT_MAX_TOKENS = 1024
 
+log = logging.getLogger(__name__)
 
-def render_agent(agent: AgentView, hot: bool) -> dict[str, Any]:
-    tier = "hot" if hot else ("warm" if any(tier != "cold" for _, _, tier in agent.caches) else "cold")
+
+class CreateAgent(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    system_prompt: str | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    prefill: bool = True  # compute the system prompt's cache now, so the first turn is warm
+
+
+def render_agent(agent: AgentView, hot_tokens: int | None, fingerprint: str) -> dict[str, Any]:
+    """An agent's status: ``hot_tokens`` is what its in-memory cache holds (None: not in memory)."""
+    caches = [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in agent.caches
+              if hot_tokens is None or fp != fingerprint]
+    if hot_tokens is not None:
+        caches.insert(0, {"model_fingerprint": fingerprint, "cached_tokens": hot_tokens, "tier": "hot"})
+    tier = "hot" if hot_tokens is not None else ("warm" if any(c["tier"] != "cold" for c in caches) else "cold")
     return {
         "id": agent.id, "type": "agent", "origin": agent.origin, "status": agent.status, "tier": tier,
         "created_at": agent.created_at.isoformat() + "Z", "last_access_at": agent.last_access_at.isoformat() + "Z",
-        "ttl_seconds": agent.ttl_seconds, "metadata": agent.metadata, "n_messages": agent.n_messages,
-        "caches": [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in agent.caches],
+        "ttl_seconds": agent.ttl_seconds, "hot_ttl_seconds": agent.hot_ttl_seconds, "metadata": agent.metadata,
+        "n_messages": agent.n_messages, "caches": caches,
     }
 
 
@@ -46,34 +68,48 @@ class _AgentsBase:
         self._agents = agents
         self._engine = engine
 
-    def _is_hot(self, agent_id: str) -> bool:
-        return self._engine.caches.record(agent_id) is not None
+    def _render(self, agent: AgentView) -> dict[str, Any]:
+        record = self._engine.caches.record(agent.id)
+        return render_agent(agent, record.n_tokens if record else None, self._engine.loaded.fingerprint)
 
 
 class AgentsResource(_AgentsBase):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = _object(read_json(req)) if req.content_length else {}
-        agent_id = body.get("id") or f"agent-{uuid.uuid4().hex}"
-        system = body.get("system_prompt")
-        ttl = body.get("ttl_seconds")
-        if not isinstance(agent_id, str) or (system is not None and not isinstance(system, str)):
-            raise InvalidRequest("id and system_prompt must be strings", "id")
-        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0):
-            raise InvalidRequest("ttl_seconds: must be a positive integer", "ttl_seconds")
-        metadata = {**(body.get("metadata") or {}), **({"system_prompt": system} if system else {})}
+        try:
+            create = CreateAgent.model_validate(body)
+        except ValidationError as exc:
+            where, message = first_error(exc, body)
+            raise InvalidRequest(f"{where}: {message}", where) from None
+        metadata = {**create.metadata, **({"system_prompt": create.system_prompt} if create.system_prompt else {})}
+        agent_id = create.id or f"agent-{uuid.uuid4().hex}"
+        start = self._engine.render_start(create.system_prompt) if create.system_prompt and create.prefill else None
+        if start is not None:
+            self._engine.check_fits(start)
+        self._agents.create(agent_id, metadata, create.ttl_seconds)
+        if start is not None:
+            self._prefill(agent_id, start)
         resp.status = falcon.HTTP_201
-        resp.media = render_agent(self._agents.create(agent_id, metadata, ttl), hot=False)
+        resp.media = self._render(self._agents.get(agent_id))
+
+    def _prefill(self, agent_id: str, start: Prompt) -> None:
+        """Prefill what every conversation of this agent starts with, and wait for it."""
+        job = self._engine.submit(GenerationRequest(f"prefill-{agent_id}", start, SamplingParams(max_tokens=0),
+                                                    agent_id))
+        for event in job.events():
+            if isinstance(event, Finished):
+                log.info("agent %s: system prompt prefilled (%d tokens, %.2f s)", agent_id,
+                         event.n_prompt_tokens, event.total_s)
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         limit = req.get_param_as_int("limit", min_value=1, max_value=1000, default=100)
         offset = req.get_param_as_int("offset", min_value=0, default=0)
-        resp.media = {"object": "list", "data": [render_agent(a, self._is_hot(a.id))
-                                                 for a in self._agents.list(limit, offset)]}
+        resp.media = {"object": "list", "data": [self._render(a) for a in self._agents.list(limit, offset)]}
 
 
 class AgentResource(_AgentsBase):
     def on_get(self, req: falcon.Request, resp: falcon.Response, agent_id: str) -> None:
-        resp.media = render_agent(self._agents.get(agent_id), self._is_hot(agent_id))
+        resp.media = self._render(self._agents.get(agent_id))
 
     def on_delete(self, req: falcon.Request, resp: falcon.Response, agent_id: str) -> None:
         self._agents.get(agent_id)

@@ -17,7 +17,7 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
 
 
 def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-    for chunk in openai.render_chunks(completion_id, parsed.model, parsed.include_usage, events):
+    for chunk in openai.render_chunks(completion_id, parsed, events):
         yield frame(None, chunk)
 
 
@@ -27,7 +27,7 @@ OPENAI = Dialect(
     named_agent=_named_agent,
     new_id=openai.new_completion_id,
     render_message=openai.render_message,
-    reply_content=lambda _id, _parsed, text: text,
+    reply_content=openai.history_content,
     render_stream=_stream,
     render_stream_error=lambda status, message: frame(None, openai.render_error(status, message)),
     error_types=openai.ERROR_TYPES,

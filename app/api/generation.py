@@ -47,6 +47,13 @@ class Dialect:
     error_types: Mapping[int, str]
 
 
+def _stored_content(message: dict[str, Any]) -> Any:
+    """A received message as history keeps it: its content, or the message
+    without its role when it carries more (OpenAI ``tool_calls``, ``tool_call_id``)."""
+    rest = {k: v for k, v in message.items() if k != "role"}
+    return message.get("content") if rest.keys() <= {"content"} else rest
+
+
 @dataclass(frozen=True)
 class Turn:
     """What a finished turn needs in order to be recorded."""
@@ -88,7 +95,7 @@ class GenerationResource:
             parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens,
                                          default_temperature=self._settings.default_temperature)
             self._check_model(parsed.model)
-            prompt = self._engine.render(parsed.messages)
+            prompt = self._engine.render(parsed.messages, parsed.reply_prefix)
             agent = (agent or self._dialect.named_agent(req.headers, parsed)
                      or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
                                                        prompt.text, BLOCK_TOKENS)
@@ -96,8 +103,11 @@ class GenerationResource:
             # The agent row exists before the engine can store a cache for it.
             self._agents.begin(request_id, agent, protocol=self._dialect.name, model=parsed.model,
                                served_model=self._engine.loaded.name, stream=parsed.stream,
-                               n_input_tokens=prompt.n_tokens)
-            job = self._engine.submit(GenerationRequest(request_id, prompt, parsed.sampling, agent.agent_id))
+                               n_input_tokens=prompt.n_tokens, ttl_seconds=parsed.ttl_seconds,
+                               hot_ttl_seconds=parsed.hot_ttl_seconds)
+            job = self._engine.submit(GenerationRequest(
+                request_id, prompt, parsed.sampling, agent.agent_id,
+                whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0))
         except SemanticError as exc:
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
@@ -111,7 +121,7 @@ class GenerationResource:
 
     def _record(self, turn: Turn, text: str, finished: Finished) -> None:
         reply = ("assistant", self._dialect.reply_content(turn.message_id, turn.parsed, text))
-        received = [(m["role"], m.get("content")) for m in turn.parsed.raw_messages]
+        received = [(m["role"], _stored_content(m)) for m in turn.parsed.raw_messages]
         self._agents.complete(turn.request_id, turn.agent, received, reply, finished)
         self._metrics.observe(self._dialect.name, finished)
 

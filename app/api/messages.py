@@ -33,7 +33,7 @@ ANTHROPIC = Dialect(
     named_agent=_named_agent,
     new_id=anthropic.new_message_id,
     render_message=anthropic.render_message,
-    reply_content=lambda message_id, parsed, text: anthropic.content_blocks(message_id, text, parsed.parse_tools),
+    reply_content=anthropic.content_blocks,
     render_stream=_stream,
     render_stream_error=lambda status, message: frame("error", anthropic.render_error(status, message)),
     error_types=anthropic.ERROR_TYPES,
@@ -52,4 +52,4 @@ class CountTokensResource:
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # not required here
         parsed = anthropic.parse_request(body, max_output_tokens=self._max_output_tokens)
-        resp.media = {"input_tokens": self._engine.render(parsed.messages).n_tokens}
+        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_prefix).n_tokens}

@@ -100,9 +100,10 @@ class CacheManager:
         agent = self._agents.get(agent_id)
         return agent.record if agent else None
 
-    def lease(self, agent_id: str | None, prompt: Prompt) -> Lease:
+    def lease(self, agent_id: str | None, prompt: Prompt, whole_blocks: bool = False) -> Lease:
         """The longest reusable prefix for ``prompt``: the agent's own cache by
-        characters, else (a new agent) the longest chain of shared blocks."""
+        characters, else (a new agent) the longest chain of shared blocks.
+        ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
         if not self.enabled or agent_id is None:
             return self._cold()
         agent = self._agents.get(agent_id) or self._load(agent_id)
@@ -110,9 +111,10 @@ class CacheManager:
             return self._shared(prompt)
         self._pool.touch(agent_id)
         match = match_prompt(agent.record, prompt.text)
-        if match.n_reused == 0:
+        n_reused = match.n_reused - match.n_reused % BLOCK_TOKENS if whole_blocks else match.n_reused
+        if n_reused == 0:
             return self._cold(match.outcome)
-        n_blocks = -(-match.n_reused // BLOCK_TOKENS)
+        n_blocks = -(-n_reused // BLOCK_TOKENS)
         blocks = [self._blocks[h] for h in agent.chain[:n_blocks]]
         if len(blocks) < n_blocks:
             assert agent.tail is not None
@@ -120,11 +122,10 @@ class CacheManager:
         cache = self._working.pop(agent_id, None)  # the lease owns it until commit
         if cache is not None and cache[0].offset == agent.record.n_tokens:
             for layer in cache:
-                layer.trim(layer.offset - match.n_reused)
+                layer.trim(layer.offset - n_reused)
         else:
-            cache = to_working_cache(blocks, self._n_layers, match.n_reused, self._dtype)
-        return Lease(cache, agent.record.truncate(match.n_reused), match.outcome, tuple(blocks),
-                     agent.chain[:n_blocks])
+            cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
+        return Lease(cache, agent.record.truncate(n_reused), match.outcome, tuple(blocks), agent.chain[:n_blocks])
 
     def _cold(self, outcome: Outcome = "miss") -> Lease:
         return Lease(to_working_cache([], self._n_layers, 0, self._dtype), CacheRecord.empty(), outcome)
@@ -166,8 +167,10 @@ class CacheManager:
         self._pool.add_block(block, data.nbytes)
         return True
 
-    def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache]) -> None:
-        """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds."""
+    def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache],
+               persist: bool = True) -> None:
+        """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds.
+        Without ``persist`` it stays in memory only (gone on restart or eviction)."""
         if not self.enabled or agent_id is None:
             return
         if cache[0].offset != record.n_tokens:
@@ -198,8 +201,9 @@ class CacheManager:
         agent = AgentCache(record, tuple(chain), tail)
         self._set_hot(agent_id, agent, previous)
         self._keep_working_copy(agent_id, cache, computed, lease.n_reused)
-        self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
-                                        {h: self._blocks[h] for h in agent.chain}))
+        if persist:
+            self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
+                                            {h: self._blocks[h] for h in agent.chain}))
         self._enforce_budget(keep=agent_id)
 
     def forget(self, agent_id: str) -> None:

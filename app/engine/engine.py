@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.manager import CacheManager, CacheStats
 from app.engine.model import LoadedModel, backend_name, load_model
-from app.engine.prompting import check_fits, render_chat
+from app.engine.prompting import check_fits, render_chat, render_conversation_start
 from app.engine.runner import Job, Runner
 from app.errors import EngineUnavailable
 from app.types import ChatMessage, GenerationRequest, Prompt
@@ -79,9 +79,14 @@ class Engine:
             raise EngineUnavailable("the model is not loaded")
         return self._runner.loaded
 
-    def render(self, messages: Sequence[ChatMessage]) -> Prompt:
+    def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
         """The prompt the model would see for ``messages`` (no generation)."""
-        return render_chat(self.loaded.tokenizer, messages)
+        return render_chat(self.loaded.tokenizer, messages, reply_prefix)
+
+    def render_start(self, system: str) -> Prompt | None:
+        """What every conversation under ``system`` starts with; None when the
+        template allows no cut (see ``render_conversation_start``)."""
+        return render_conversation_start(self.loaded.tokenizer, system)
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue a generation; iterate ``job.events()`` for its output.
@@ -89,8 +94,12 @@ class Engine:
         Raises:
             ContextTooLong, Overloaded, EngineUnavailable.
         """
-        check_fits(request.prompt, self.loaded.context_length)
+        self.check_fits(request.prompt)
         return self._runner.submit(request)
+
+    def check_fits(self, prompt: Prompt) -> None:
+        """Raises ContextTooLong if ``prompt`` leaves no room for an output token."""
+        check_fits(prompt, self.loaded.context_length)
 
     def status(self) -> EngineStatus:
         loaded = self._runner.loaded

@@ -15,21 +15,42 @@ from app.errors import ContextTooLong, InvalidRequest
 from app.types import ChatMessage, Prompt
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> Prompt:
-    """Render ``messages`` with the model's chat template, ready for a reply.
+def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:
+        raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
+    """Render ``messages`` with the model's chat template, ready for a reply
+    that starts with ``reply_prefix``.
 
     Raises:
         InvalidRequest: the model has no chat template or it rejects the
             conversation (e.g. roles that must alternate).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    except TemplateError as exc:
-        raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
+    text = _apply_template(tokenizer, messages) + reply_prefix
     return Prompt(text, *tokenize_with_ends(tokenizer, text))
+
+
+SENTINEL = "\x00semantic:first-user-message\x00"
+
+
+def render_conversation_start(tokenizer: Any, system: str) -> Prompt | None:
+    """The text every conversation with this system prompt starts with: the
+    template rendered up to where the first user message's content begins.
+
+    None if the template transforms message contents (no safe cut point).
+    """
+    text = _apply_template(tokenizer, [ChatMessage("system", system), ChatMessage("user", SENTINEL)])
+    cut = text.find(SENTINEL)
+    if cut <= 0:
+        return None
+    return Prompt(text[:cut], *tokenize_with_ends(tokenizer, text[:cut]))
 
 
 def tokenize_with_ends(tokenizer: Any, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from app.cache.manager import CacheManager, Lease
 from app.engine.model import LoadedModel
 from app.engine.prompting import tokenize_with_ends
-from app.engine.stopping import StopMatcher
+from app.engine.stopping import EndMatcher, StopMatcher
 from app.engine.token_text import TextTracker, spells
 from app.errors import EngineUnavailable, Overloaded
 from app.types import Finished, GenerationEvent, GenerationRequest, Started, StopReason, TextDelta
@@ -180,7 +180,7 @@ class Runner(threading.Thread):
         """
         loaded, caches, prompt = self.loaded, self.caches, job.request.prompt
         assert loaded is not None and caches is not None
-        lease = caches.lease(job.request.agent_id, prompt)
+        lease = caches.lease(job.request.agent_id, prompt, whole_blocks=job.request.whole_blocks)
         if lease.n_reused:
             start = lease.record.ends[-1]
             ids, ends = tokenize_with_ends(loaded.tokenizer, prompt.text[start:])
@@ -206,6 +206,7 @@ class Runner(threading.Thread):
         sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         tracker = TextTracker(loaded.token_bytes)
         stops = StopMatcher(sampling.stop_sequences)
+        ends = EndMatcher(sampling.end_after)
         output: list[int] = []
         ttft = 0.0
         reason: StopReason = "max_tokens"
@@ -231,6 +232,9 @@ class Runner(threading.Thread):
             if check.stop_sequence is not None:
                 reason, stop_sequence = "stop_sequence", check.stop_sequence
                 break
+            if ends.feed(text):
+                reason = "end_turn"
+                break
         tail = tracker.finish()
         if reason == "max_tokens":
             check = stops.feed(tail)
@@ -241,13 +245,17 @@ class Runner(threading.Thread):
                 job.put(TextDelta(rest))
         elif reason == "end_turn" and (held := stops.flush()):
             job.put(TextDelta(held))
+        total = time.perf_counter() - started
+        if storable:  # before Finished: a client that saw its turn end finds the cache committed
+            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
+            record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
+            try:
+                caches.commit(request.agent_id, lease, record, lease.cache, persist=request.persist)
+            except Exception:  # the reply is still good; only reuse is lost
+                log.exception("request %s: storing the cache failed", request.request_id)
         job.put(Finished(
             stop_reason=reason, stop_sequence=stop_sequence,
             n_prompt_tokens=n_prompt, n_cached_tokens=lease.n_reused, n_cache_written=n_written,
-            n_output_tokens=len(output), ttft_s=ttft, total_s=time.perf_counter() - started,
+            n_output_tokens=len(output), ttft_s=ttft, total_s=total,
             match_outcome=lease.outcome, output_token_ids=tuple(output),
         ))
-        if storable:
-            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
-            record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
-            caches.commit(request.agent_id, lease, record, lease.cache)

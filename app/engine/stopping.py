@@ -52,3 +52,20 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+class EndMatcher:
+    """Whether the output so far contains one of ``ends`` (a tool call's closing tag):
+    the turn ends there, the text included."""
+
+    def __init__(self, ends: tuple[str, ...]) -> None:
+        self._ends = tuple(e for e in ends if e)
+        self._longest = max((len(e) for e in self._ends), default=0)
+        self._recent = ""
+
+    def feed(self, text: str) -> bool:
+        if not self._ends:
+            return False
+        window = self._recent + text
+        self._recent = window[-(self._longest - 1):] if self._longest > 1 else ""
+        return any(end in window for end in self._ends)

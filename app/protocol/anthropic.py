@@ -7,6 +7,7 @@ names the field (``messages.0.content: Field required``).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
 from app.protocol import tools
+from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import first_error
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
@@ -53,9 +55,17 @@ class ToolResultBlock(_Strict):
 
 
 class ThinkingBlock(_Strict):
-    """Earlier reasoning; not part of the prompt a text-only template renders."""
+    """Earlier reasoning: rendered back as the ``<think>`` text it was parsed from."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Strict):
+    """Reasoning another server encrypted: nothing a local model can read."""
+
+    type: Literal["redacted_thinking"]
 
 
 class UnsupportedBlock(_Strict):
@@ -64,8 +74,8 @@ class UnsupportedBlock(_Strict):
     type: Literal["document"]
 
 
-Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, UnsupportedBlock],
-                  Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
+                        UnsupportedBlock], Field(discriminator="type")]
 
 
 class MessageIn(_Strict):
@@ -75,6 +85,23 @@ class MessageIn(_Strict):
 
 class Metadata(_Strict):
     user_id: str | None = None
+
+
+class ToolDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class MessagesBody(_Strict):
@@ -88,8 +115,9 @@ class MessagesBody(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     metadata: Metadata | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 def _flatten(content: str | list[Any], where: str) -> str:
@@ -111,6 +139,8 @@ def _flatten(content: str | list[Any], where: str) -> str:
             parts.append(tools.render_call(block.name, block.input))
         elif isinstance(block, ToolResultBlock):
             parts.append(tools.render_result(_flatten(block.content, f"{where}.{i}.content"), block.is_error))
+        elif isinstance(block, ThinkingBlock):
+            parts.append(f"{THINK_START}{block.thinking}{THINK_END}")
         elif isinstance(block, TextBlock):
             parts.append(block.text)
     return "\n".join(parts)
@@ -159,9 +189,11 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     messages: list[ChatMessage] = []
     system = parsed.system if isinstance(parsed.system, str) else _drop_billing_header(parsed.system or [])
     system_text = _flatten(system, "system") if system else ""
-    use_tools = bool(parsed.tools) and (parsed.tool_choice or {}).get("type") != "none"
+    choice = parsed.tool_choice or ToolChoice(type="auto")
+    use_tools = bool(parsed.tools) and choice.type != "none"
     if use_tools:
-        system_text = "\n\n".join(p for p in (system_text, tools.render_tools_system(parsed.tools or [])) if p)
+        offered = [t.model_dump() for t in parsed.tools or []]
+        system_text = "\n\n".join(p for p in (system_text, tools.render_tools_system(offered)) if p)
     if system_text:
         messages.append(ChatMessage("system", system_text))
     for i, message in enumerate(parsed.messages):
@@ -172,6 +204,7 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
         top_k=parsed.top_k or 0,
         max_tokens=parsed.max_tokens,
         stop_sequences=tuple(parsed.stop_sequences),
+        end_after=(tools.CALL_END,) if use_tools else (),
     )
     return ParsedTurn(
         model=parsed.model,
@@ -181,7 +214,55 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
         session_id=session_from_user_id(parsed.metadata.user_id if parsed.metadata else None),
         raw_messages=tuple(body["messages"]),
         parse_tools=use_tools,
+        parse_thinking=parsed.thinking is not None and parsed.thinking.type != "disabled",
+        reply_prefix=_forced_call(choice, parsed.tools or []),
+        hot_ttl_seconds=cache_ttl(body),
     )
+
+
+def _forced_call(choice: ToolChoice, offered: list[ToolDefinition]) -> str:
+    """``tool_choice`` any / tool: the reply is made to start a tool call."""
+    if choice.type in ("auto", "none"):
+        return ""
+    if not offered:
+        raise InvalidRequest(f"tool_choice: type '{choice.type}' requires tools", "tool_choice")
+    if choice.type == "any":
+        return tools.forced_prefix(None)
+    if choice.name not in {t.name for t in offered}:
+        raise InvalidRequest(f"tool_choice.name: {choice.name!r} is not one of the tools offered", "tool_choice.name")
+    return tools.forced_prefix(choice.name)
+
+
+CACHE_TTLS = {"5m": 300, "1h": 3600}
+
+
+def cache_ttl(body: dict[str, Any]) -> int | None:
+    """The longest ``cache_control`` TTL the request asks for, in seconds (None: no hint).
+
+    ``{"type": "ephemeral"}`` is 5 minutes, ``"ttl": "1h"`` an hour, as on the
+    real API. Hints sit on system blocks, tools and message content blocks.
+
+    Raises:
+        InvalidRequest: a ttl other than "5m" or "1h".
+    """
+    places: list[tuple[str, Any]] = []
+    for key in ("system", "tools"):
+        if isinstance(body.get(key), list):
+            places += [(f"{key}.{i}", block) for i, block in enumerate(body[key])]
+    for i, message in enumerate(body.get("messages") or []):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            places += [(f"messages.{i}.content.{j}", block) for j, block in enumerate(content)]
+    longest = None
+    for where, block in places:
+        control = block.get("cache_control") if isinstance(block, dict) else None
+        if not isinstance(control, dict):
+            continue
+        ttl = control.get("ttl", "5m")
+        if ttl not in CACHE_TTLS:
+            raise InvalidRequest(f"{where}.cache_control.ttl: Input should be '5m' or '1h'", f"{where}.cache_control.ttl")
+        longest = max(longest or 0, CACHE_TTLS[ttl])
+    return longest
 
 
 def new_message_id() -> str:
@@ -217,26 +298,37 @@ def _tool_id(message_id: str, index: int) -> str:
     return "toolu_" + hashlib.sha256(f"{message_id}:{index}".encode()).hexdigest()[:24]
 
 
-def content_blocks(message_id: str, text: str, parse_tools: bool) -> list[dict[str, Any]]:
-    """The reply's content blocks: text, and tool_use blocks when tools were offered."""
-    if not parse_tools:
-        return [{"type": "text", "text": text}]
-    parser = tools.ToolCallParser()
+def _signature(thinking: str) -> str:
+    """An opaque token for a thinking block (clients send it back; nothing checks it here)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
+def content_blocks(message_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
+    """The reply's content blocks: thinking, text and tool_use, as the request allows."""
+    parser = ReplyParser.for_turn(parsed)
     blocks: list[dict[str, Any]] = []
-    for segment in [*parser.feed(text), *parser.finish()]:
-        if isinstance(segment, tools.ToolCall):
-            blocks.append({"type": "tool_use", "id": _tool_id(message_id, len(blocks)), "name": segment.name,
-                           "input": segment.arguments})
+    for part in [*parser.feed(text), *parser.finish()]:
+        if isinstance(part, tools.ToolCall):
+            blocks.append({"type": "tool_use", "id": _tool_id(message_id, len(blocks)), "name": part.name,
+                           "input": part.arguments})
+        elif isinstance(part, Thinking):
+            if blocks and blocks[-1]["type"] == "thinking":
+                blocks[-1]["thinking"] += part.text
+            else:
+                blocks.append({"type": "thinking", "thinking": part.text})
         elif blocks and blocks[-1]["type"] == "text":
-            blocks[-1]["text"] += segment
-        elif segment.strip():
-            blocks.append({"type": "text", "text": segment})
+            blocks[-1]["text"] += part
+        elif part.strip() or not (parsed.parse_tools or parsed.parse_thinking):
+            blocks.append({"type": "text", "text": part})
+    for block in blocks:
+        if block["type"] == "thinking":
+            block["signature"] = _signature(block["thinking"])
     return blocks or [{"type": "text", "text": ""}]
 
 
 def render_message(message_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     """The non-streaming response body."""
-    blocks = content_blocks(message_id, text, parsed.parse_tools)
+    blocks = content_blocks(message_id, parsed, text)
     return {
         "id": message_id,
         "type": "message",
@@ -250,53 +342,73 @@ def render_message(message_id: str, parsed: ParsedTurn, text: str, finished: Fin
     }
 
 
+Event = tuple[str, dict[str, Any]]
+
+
 class _Blocks:
     """Content block bookkeeping for a stream: indexes, and which block is open."""
 
-    def __init__(self) -> None:
+    def __init__(self, message_id: str) -> None:
+        self._message_id = message_id
         self.index = -1
-        self.open_text = False
+        self.open: str | None = None  # type of the open block
+        self._thinking = ""
         self.used_tool = False
 
-    def start_text(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        self.index += 1
-        self.open_text = True
-        yield "content_block_start", {"type": "content_block_start", "index": self.index,
-                                      "content_block": {"type": "text", "text": ""}}
-
-    def stop(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        if self.open_text:
-            self.open_text = False
-            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
-
-    def text(self, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        if not self.open_text:
-            yield from self.start_text()
-        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                      "delta": {"type": "text_delta", "text": text}}
-
-    def tool(self, message_id: str, call: tools.ToolCall) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _start(self, block: dict[str, Any]) -> Iterator[Event]:
         yield from self.stop()
         self.index += 1
-        self.used_tool = True
-        block = {"type": "tool_use", "id": _tool_id(message_id, self.index), "name": call.name, "input": {}}
+        self.open = block["type"]
         yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
-        yield "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def stop(self) -> Iterator[Event]:
+        if self.open == "thinking":
+            yield self._delta({"type": "signature_delta", "signature": _signature(self._thinking)})
+        if self.open is not None:
+            self.open = None
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+    def start_text(self) -> Iterator[Event]:
+        yield from self._start({"type": "text", "text": ""})
+
+    def text(self, text: str) -> Iterator[Event]:
+        if self.open != "text":
+            yield from self.start_text()
+        yield self._delta({"type": "text_delta", "text": text})
+
+    def thinking(self, text: str) -> Iterator[Event]:
+        if self.open != "thinking":
+            self._thinking = ""
+            yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self._thinking += text
+        yield self._delta({"type": "thinking_delta", "thinking": text})
+
+    def tool(self, call: tools.ToolCall) -> Iterator[Event]:
+        self.used_tool = True
+        yield from self._start({"type": "tool_use", "id": _tool_id(self._message_id, self.index + 1),
+                                "name": call.name, "input": {}})
+        yield self._delta({"type": "input_json_delta",
+                           "partial_json": json.dumps(call.arguments, ensure_ascii=False)})
+        yield from self.stop()
 
 
 def render_events(message_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished]) -> Iterator[tuple[str, dict[str, Any]]]:
+                  events: Iterator[Started | TextDelta | Finished]) -> Iterator[Event]:
     """Engine events -> (event name, data) pairs of Anthropic's SSE stream."""
-    parser = tools.ToolCallParser() if parsed.parse_tools else None
-    blocks = _Blocks()
+    structured = parsed.parse_tools or parsed.parse_thinking
+    parser = ReplyParser.for_turn(parsed)
+    blocks = _Blocks(message_id)
 
-    def segments(parts: list[tools.Segment]) -> Iterator[tuple[str, dict[str, Any]]]:
-        for part in parts:
+    def parts(found: list[Any]) -> Iterator[Event]:
+        for part in found:
             if isinstance(part, tools.ToolCall):
-                yield from blocks.tool(message_id, part)
-            elif part and (blocks.open_text or part.strip()):
+                yield from blocks.tool(part)
+            elif isinstance(part, Thinking):
+                yield from blocks.thinking(part.text)
+            elif part and (blocks.open == "text" or part.strip()):
                 yield from blocks.text(part)
 
     for event in events:
@@ -306,14 +418,13 @@ def render_events(message_id: str, parsed: ParsedTurn,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": usage(event.n_prompt_tokens, event.n_cached_tokens, event.n_cache_written, 1),
             }}
-            if parser is None:
+            if not structured:
                 yield from blocks.start_text()
             yield "ping", {"type": "ping"}
         elif isinstance(event, TextDelta):
-            yield from segments(parser.feed(event.text) if parser else [event.text])
+            yield from parts(parser.feed(event.text))
         else:
-            if parser is not None:
-                yield from segments(parser.finish())
+            yield from parts(parser.finish())
             if blocks.index < 0:
                 yield from blocks.start_text()
             yield from blocks.stop()

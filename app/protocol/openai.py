@@ -1,19 +1,31 @@
 """OpenAI chat completions: parse requests, render responses, chunks and errors. Pure.
 
+Tools use the generic text format of ``app.protocol.tools``: ``tools`` are
+described in the system prompt, assistant ``tool_calls`` and ``tool`` role
+results are rendered back as the same text, and calls in the reply come back
+as ``tool_calls`` (finish_reason ``tool_calls``).
+
 Extensions (SPEC): ``session_id`` names the agent (also the ``X-Session-ID``
-header); ``cache_mode`` and ``ttl`` are accepted (recorded by later versions).
+header); ``cache_mode`` ``"full"`` (default) reuses everything the agent's
+cache shares with the prompt, ``"prefix"`` only whole shared blocks; ``ttl``
+is how many seconds the agent's cache is kept (recorded on the agent), 0
+keeps this turn's cache off disk.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
-from typing import Any, Iterator, Literal, Union
+from typing import Annotated, Any, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import InvalidRequest
-from app.protocol.turn import ParsedTurn
+from app.protocol import tools
+from app.protocol.reply import ReplyParser
+from app.protocol.turn import CacheMode, ParsedTurn
 from app.protocol.validation import first_error
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
 
@@ -27,9 +39,63 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessageIn(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+Content = Union[str, list[TextPart]]
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+MessageIn = Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -38,7 +104,7 @@ class StreamOptions(_Strict):
 
 class ChatBody(_Strict):
     model: str = Field(min_length=1)
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: list[Annotated[MessageIn, Field(discriminator="role")]] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -47,7 +113,65 @@ class ChatBody(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     session_id: str | None = None
+    cache_mode: CacheMode = "full"
+    ttl: int | None = Field(default=None, ge=0)
+
+
+def _text(content: Content | None) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content or [])
+
+
+def _arguments(call: ToolCallIn, where: str) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequest(f"{where}.function.arguments: not valid JSON", f"{where}.function.arguments") from None
+
+
+def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
+    """What the chat template sees. Tool results are the user's side of the
+    conversation: consecutive ones, and a user message right after them, are one turn."""
+    out: list[ChatMessage] = []
+    results_open = False
+    for i, message in enumerate(messages):
+        if isinstance(message, AssistantMessage):
+            calls = [tools.render_call(c.function.name, _arguments(c, f"messages.{i}.tool_calls.{j}"))
+                     for j, c in enumerate(message.tool_calls or [])]
+            text = "\n".join(p for p in (_text(message.content), *calls) if p)
+            out.append(ChatMessage("assistant", text))
+        elif isinstance(message, SystemMessage):
+            out.append(ChatMessage("system", _text(message.content)))
+        else:
+            text = tools.render_result(_text(message.content), False) if isinstance(message, ToolMessage) \
+                else _text(message.content)
+            if results_open:
+                out[-1] = ChatMessage("user", f"{out[-1].content}\n{text}")
+            else:
+                out.append(ChatMessage("user", text))
+        results_open = isinstance(message, ToolMessage)
+    return out
+
+
+def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
+    """(the tools' system prompt section, the forced start of the reply)."""
+    choice = parsed.tool_choice or "auto"
+    if not parsed.tools or choice == "none":
+        if choice not in ("auto", "none"):
+            raise InvalidRequest("tool_choice: requires tools", "tool_choice")
+        return "", ""
+    offered = [{"name": t.function.name, "description": t.function.description,
+                "input_schema": t.function.parameters} for t in parsed.tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t["name"] for t in offered}:
+            raise InvalidRequest(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
+                                 "tool_choice.function.name")
+        forced = tools.forced_prefix(choice.function.name)
+    else:
+        forced = tools.forced_prefix(None) if choice == "required" else ""
+    return tools.render_tools_system(offered), forced
 
 
 def parse_request(body: Any, *, max_output_tokens: int, default_temperature: float = 1.0) -> ParsedTurn:
@@ -56,8 +180,6 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     Raises:
         InvalidRequest: naming the first offending field.
     """
-    if isinstance(body, dict) and body.get("tools"):
-        raise InvalidRequest("tools: tool calling is not supported by this server yet", "tools")
     try:
         parsed = ChatBody.model_validate(body)
     except ValidationError as exc:
@@ -66,20 +188,24 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     limit = parsed.max_completion_tokens or parsed.max_tokens or max_output_tokens
     if limit > max_output_tokens:
         raise InvalidRequest(f"max_tokens: {limit} > {max_output_tokens}, the maximum allowed", "max_tokens")
-    messages = tuple(
-        ChatMessage("system" if m.role == "developer" else m.role,
-                    m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content))
-        for m in parsed.messages
-    )
+    messages = _chat_messages(parsed.messages)
+    tools_system, forced = _tool_setup(parsed)
+    if tools_system:
+        if messages[0].role == "system":
+            messages[0] = ChatMessage("system", f"{messages[0].content}\n\n{tools_system}")
+        else:
+            messages.insert(0, ChatMessage("system", tools_system))
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
         temperature=default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        max_tokens=limit, stop_sequences=stops,
+        max_tokens=limit, stop_sequences=stops, end_after=(tools.CALL_END,) if tools_system else (),
     )
-    return ParsedTurn(parsed.model, messages, sampling, parsed.stream, parsed.session_id,
+    return ParsedTurn(parsed.model, tuple(messages), sampling, parsed.stream, parsed.session_id,
                       tuple(body["messages"]),
-                      include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+                      include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+                      parse_tools=bool(tools_system), reply_prefix=forced, ttl_seconds=parsed.ttl,
+                      cache_mode=parsed.cache_mode)
 
 
 def new_completion_id() -> str:
@@ -95,34 +221,82 @@ def usage(finished: Finished) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": finished.n_cached_tokens}}
 
 
+def _tool_call(completion_id: str, index: int, call: tools.ToolCall) -> dict[str, Any]:
+    return {"id": "call_" + hashlib.sha256(f"{completion_id}:{index}".encode()).hexdigest()[:24],
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def _finish_reason(finished: Finished, called: bool) -> str:
+    if called and finished.stop_reason in ("end_turn", "stop_sequence"):
+        return "tool_calls"
+    return FINISH_REASONS[finished.stop_reason]
+
+
+def reply_message(completion_id: str, parsed: ParsedTurn, text: str) -> dict[str, Any]:
+    """The assistant message: its text and, when tools were offered, its tool calls."""
+    parser = ReplyParser.for_turn(parsed)
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for part in [*parser.feed(text), *parser.finish()]:
+        if isinstance(part, tools.ToolCall):
+            calls.append(_tool_call(completion_id, len(calls), part))
+        elif isinstance(part, str):
+            texts.append(part)
+    content = "".join(texts)
+    if not calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+
+
+def history_content(completion_id: str, parsed: ParsedTurn, text: str) -> Any:
+    """The reply as history stores it: its text, or the message without its role when it calls tools."""
+    message = reply_message(completion_id, parsed, text)
+    return message["content"] if "tool_calls" not in message else \
+        {k: v for k, v in message.items() if k != "role"}
+
+
 def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
+    message = reply_message(completion_id, parsed, text)
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": parsed.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": FINISH_REASONS[finished.stop_reason], "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": _finish_reason(finished, "tool_calls" in message)}],
         "usage": usage(finished),
     }
 
 
-def render_chunks(completion_id: str, model: str, include_usage: bool,
+def render_chunks(completion_id: str, parsed: ParsedTurn,
                   events: Iterator[Started | TextDelta | Finished]) -> Iterator[dict[str, Any] | str]:
     """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker."""
     created = int(time.time())
+    parser = ReplyParser.for_turn(parsed)
+    n_calls = 0
 
     def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": parsed.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def deltas(parts: list[Any]) -> Iterator[dict[str, Any]]:
+        nonlocal n_calls
+        for part in parts:
+            if isinstance(part, tools.ToolCall):
+                yield chunk({"tool_calls": [{"index": n_calls, **_tool_call(completion_id, n_calls, part)}]}, None)
+                n_calls += 1
+            elif isinstance(part, str) and part:
+                yield chunk({"content": part}, None)
 
     for event in events:
         if isinstance(event, Started):
             yield chunk({"role": "assistant", "content": ""}, None)
         elif isinstance(event, TextDelta):
-            yield chunk({"content": event.text}, None)
+            yield from deltas(parser.feed(event.text))
         else:
-            yield chunk({}, FINISH_REASONS[event.stop_reason])
-            if include_usage:
-                yield {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage(event)}
+            yield from deltas(parser.finish())
+            yield chunk({}, _finish_reason(event, n_calls > 0))
+            if parsed.include_usage:
+                yield {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                       "model": parsed.model, "choices": [], "usage": usage(event)}
     yield "[DONE]"
 
 

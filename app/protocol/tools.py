@@ -9,7 +9,8 @@ Tools are described in the system prompt; the model calls one by writing
 (the JSON tool-call format of mlx-lm's ``json_tools`` parser, Hermes/Qwen
 style). Earlier calls and their results are rendered back the same way, with
 results inside ``<tool_response>`` tags. ``ToolCallParser`` finds calls in
-streamed text split at arbitrary points.
+streamed text split at arbitrary points. The turn ends after a call's closing
+tag (the model waits for the result, as on the real APIs): one call per turn.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def render_call(name: str, arguments: Any) -> str:
     return f"{CALL_START}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_END}"
 
 
+def forced_prefix(name: str | None) -> str:
+    """The start of a reply that must call tool ``name`` (any tool when None).
+
+    It is appended to the prompt, so the model can only continue the call (for
+    a named tool, inside its arguments object); it is written exactly as
+    ``render_call`` writes calls back into history, so the next turn reuses it.
+    """
+    if name is None:
+        return f'{CALL_START}\n{{"name": "'
+    return f'{CALL_START}\n{json.dumps({"name": name}, ensure_ascii=False)[:-1]}, "arguments": {{'
+
+
 def render_result(content: str, is_error: bool) -> str:
     return f"{RESULT_START}\n{'Error: ' if is_error else ''}{content}\n{RESULT_END}"
 
@@ -64,11 +77,19 @@ class ToolCall:
 Segment = Union[str, ToolCall]
 
 
-def _as_call(body: str) -> ToolCall | None:
-    try:
-        data = json.loads(body.strip())
-    except ValueError:
-        return None
+UNCLOSED_BRACES = 2  # small models often forget the outer closing brace(s)
+
+
+def _as_call(body: str, repair: bool = True) -> ToolCall | None:
+    """The call ``body`` holds; ``repair`` adds forgotten closing braces (only
+    for a call whose closing tag came: an unfinished one may be cut anywhere)."""
+    data = None
+    for closing in range(UNCLOSED_BRACES + 1 if repair else 1):
+        try:
+            data = json.loads(body.strip() + "}" * closing)
+            break
+        except ValueError:
+            continue
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
@@ -107,7 +128,7 @@ class ToolCallParser:
                 self._buffer = self._buffer[start + len(CALL_START):]
                 self._inside = True
                 continue
-            keep = _partial_suffix(self._buffer, CALL_START)
+            keep = partial_suffix(self._buffer, CALL_START)
             ready = self._buffer[:len(self._buffer) - keep]
             self._buffer = self._buffer[len(self._buffer) - keep:]
             if ready:
@@ -115,13 +136,17 @@ class ToolCallParser:
             return out
 
     def finish(self) -> list[Segment]:
-        """Whatever is left when generation ends (an unfinished call stays text)."""
+        """Whatever is left when generation ends. A call cut off before its
+        closing tag still counts if its body is complete JSON; else it is text."""
+        call = _as_call(self._buffer, repair=False) if self._inside else None
         rest = (CALL_START if self._inside else "") + self._buffer
         self._buffer, self._inside = "", False
+        if call is not None:
+            return [call]
         return [rest] if rest else []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
             return n

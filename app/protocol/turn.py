@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from app.types import ChatMessage, SamplingParams
+
+CacheMode = Literal["full", "prefix"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,3 +20,8 @@ class ParsedTurn:
     raw_messages: tuple[dict[str, Any], ...]  # as received, for history
     include_usage: bool = False  # OpenAI stream_options.include_usage
     parse_tools: bool = False  # tools were offered: look for tool calls in the reply
+    parse_thinking: bool = False  # thinking was asked for: a leading <think> block is reasoning
+    reply_prefix: str = ""  # the reply starts with this, already in the prompt (a forced tool call)
+    ttl_seconds: int | None = None  # how long the agent's cache is kept (OpenAI ``ttl``); 0: not on disk
+    hot_ttl_seconds: int | None = None  # Anthropic ``cache_control`` hint: how long to keep it in memory
+    cache_mode: CacheMode = "full"  # OpenAI ``cache_mode``: "prefix" reuses whole shared blocks only

@@ -19,6 +19,7 @@ class AgentView:
     created_at: datetime
     last_access_at: datetime
     ttl_seconds: int | None
+    hot_ttl_seconds: int | None
     status: str
     metadata: dict[str, Any]
     n_messages: int
@@ -42,7 +43,7 @@ def view(session: Session, agent_id: str) -> AgentView | None:
     caches = tuple(session.execute(select(Cache.model_fingerprint, Cache.n_tokens, Cache.tier)
                                    .where(Cache.agent_id == agent_id)).tuples())
     return AgentView(agent.id, agent.origin, agent.created_at, agent.last_access_at, agent.ttl_seconds,
-                     agent.status, dict(agent.metadata_json or {}), n_messages, caches)
+                     agent.hot_ttl_seconds, agent.status, dict(agent.metadata_json or {}), n_messages, caches)
 
 
 def list_ids(session: Session, limit: int, offset: int) -> list[str]:

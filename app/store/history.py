@@ -20,14 +20,19 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
-def touch_agent(session: Session, agent_id: str, origin: str, now: datetime) -> Agent:
-    """Get the agent, creating it on first sight; record the access."""
+def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
+                ttl_seconds: int | None = None, hot_ttl_seconds: int | None = None) -> Agent:
+    """Get the agent, creating it on first sight; record the access and any TTL the request sets."""
     agent = session.get(Agent, agent_id)
     if agent is None:
         agent = Agent(id=agent_id, origin=origin, created_at=now, last_access_at=now,
                       status="active", metadata_json={})
         session.add(agent)
     agent.last_access_at = now
+    if ttl_seconds is not None:
+        agent.ttl_seconds = ttl_seconds
+    if hot_ttl_seconds is not None:
+        agent.hot_ttl_seconds = hot_ttl_seconds
     return agent
 
 

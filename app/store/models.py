@@ -36,8 +36,12 @@ class Agent(Base):
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"))
     created_at: Mapped[datetime]
     last_access_at: Mapped[datetime] = mapped_column(index=True)
-    # Seconds a cache is kept after last access; NULL = the server's default.
+    # Seconds a cache is kept after last access (direct API, OpenAI ``ttl``; 0 = never
+    # written to disk); NULL = the server's default.
     ttl_seconds: Mapped[int | None]
+    # Seconds to keep the cache in memory after last access, from Anthropic
+    # ``cache_control`` hints (ephemeral = 300, "1h" = 3600); NULL = no hint.
+    hot_ttl_seconds: Mapped[int | None]
     status: Mapped[str] = mapped_column(String(16), default="active")
     metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
 

@@ -14,7 +14,9 @@ from support.dbcheck import query, wait_persisted
 def test_five_turns_history_and_delete(server: ServerProcess) -> None:
     api = httpx.Client(base_url=server.url, timeout=120)
     created = api.post("/v1/agents", json={"id": "planner", "system_prompt": "You are a terse planner."})
-    assert created.status_code == 201 and created.json()["tier"] == "cold"
+    assert created.status_code == 201, created.text
+    prefilled = created.json()["caches"][0]["cached_tokens"]  # the system prompt, computed at creation
+    assert created.json()["tier"] == "hot" and prefilled > 5
     assert api.post("/v1/agents", json={"id": "planner"}).status_code == 400  # taken
 
     sent, replies = [], []
@@ -25,8 +27,8 @@ def test_five_turns_history_and_delete(server: ServerProcess) -> None:
         body = response.json()
         sent.append(question)
         replies.append(body["content"][0]["text"])
-        if i > 0:  # each turn reuses everything before it
-            assert body["usage"]["cache_read_input_tokens"] > 0
+        # The first turn reuses the prefilled system prompt, each later one everything before it.
+        assert body["usage"]["cache_read_input_tokens"] >= (prefilled if i == 0 else prefilled + 10)
 
     history = api.get("/v1/agents/planner/history").json()["messages"]
     assert [m["role"] for m in history] == ["user", "assistant"] * 5
@@ -34,7 +36,7 @@ def test_five_turns_history_and_delete(server: ServerProcess) -> None:
     assert [m["content"][0]["text"] for m in history[1::2]] == replies
     outcomes = query(server.db_path, "SELECT protocol, match_outcome FROM requests WHERE agent_id = 'planner' "
                      "ORDER BY created_at")
-    assert [o for _, o in outcomes] == ["miss"] + ["extend"] * 4 and {p for p, _ in outcomes} == {"direct"}
+    assert [o for _, o in outcomes] == ["extend"] * 5 and {p for p, _ in outcomes} == {"direct"}
 
     status = api.get("/v1/agents/planner").json()
     assert status["tier"] == "hot" and status["n_messages"] == 10
@@ -57,3 +59,27 @@ def test_unknown_agent_and_bad_bodies(server: ServerProcess) -> None:
     api.post("/v1/agents", json={"id": "strict"})
     bad = api.post("/v1/agents/strict/generate", json={"messages": []})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages:")
+
+
+def test_without_prefill_the_first_turn_is_cold(server: ServerProcess) -> None:
+    api = httpx.Client(base_url=server.url, timeout=120)
+    created = api.post("/v1/agents", json={"id": "lazy", "system_prompt": "You are lazy.", "prefill": False,
+                                           "ttl_seconds": 600, "metadata": {"team": "ops"}}).json()
+    assert created["tier"] == "cold" and created["caches"] == []
+    assert created["ttl_seconds"] == 600 and created["metadata"] == {"team": "ops", "system_prompt": "You are lazy."}
+    first = api.post("/v1/agents/lazy/generate", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 4}).json()
+    assert first["usage"]["cache_read_input_tokens"] == 0
+    assert api.get("/v1/agents/lazy").json()["tier"] == "hot"
+
+
+def test_create_validates_its_body(server: ServerProcess) -> None:
+    api = httpx.Client(base_url=server.url, timeout=60)
+    for body, field in [({"id": "has space"}, "id"), ({"ttl_seconds": 0}, "ttl_seconds"),
+                        ({"system_prompt": 5}, "system_prompt"), ({"prefill": "yes"}, "prefill")]:
+        response = api.post("/v1/agents", json=body)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["message"].startswith(field + ":"), response.json()
+    too_long = api.post("/v1/agents", json={"id": "huge", "system_prompt": "word " * 9000})
+    assert too_long.status_code == 400 and "prompt is too long" in too_long.json()["error"]["message"]
+    assert api.get("/v1/agents/huge").status_code == 404  # nothing half-created

@@ -135,3 +135,64 @@ def test_conversation_carrying_tool_use_and_results(client: anthropic.Anthropic,
     stored = query(server.db_path, "SELECT content FROM messages WHERE request_id = ? ORDER BY position",
                    raw.headers["request-id"])
     assert json.loads(stored[1][0])[0]["type"] == "tool_use"  # history keeps the blocks as received
+
+
+BASH = [{"name": "Bash", "description": "Run a shell command",
+         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}]
+
+
+def test_tool_choice_forces_a_tool_use_block(client: anthropic.Anthropic) -> None:
+    ask = [{"role": "user", "content": "Run ls."}]
+    message = client.messages.create(model="m", max_tokens=40, tools=BASH, messages=ask, extra_body=GREEDY,
+                                     tool_choice={"type": "tool", "name": "Bash"})
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == ["tool_use"]
+    assert message.content[0].name == "Bash" and isinstance(message.content[0].input, dict)
+    with client.messages.stream(model="m", max_tokens=40, tools=BASH, messages=ask, extra_body=GREEDY,
+                                tool_choice={"type": "any"}) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "input_json_delta" in kinds and final.stop_reason == "tool_use"
+    assert final.content[-1].type == "tool_use" and final.content[-1].name == "Bash"
+
+
+FEW_SHOT_THINKING = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "2 plus 2 equals 4.", "signature": "s"},
+                                      {"type": "text", "text": "4"}]},
+    {"role": "user", "content": "What is 3+3?"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "3 plus 3 equals 6.", "signature": "s"},
+                                      {"type": "text", "text": "6"}]},
+    {"role": "user", "content": "What is 5+5?"},
+]
+
+
+def test_thinking_output_becomes_thinking_blocks(client: anthropic.Anthropic) -> None:
+    """Earlier thinking is rendered back as <think> text; the real model follows the pattern,
+    and its <think> output comes back as thinking blocks (streamed as thinking_delta)."""
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    message = client.messages.create(model="m", max_tokens=60, messages=FEW_SHOT_THINKING, thinking=thinking,
+                                     extra_body=GREEDY)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking.strip() and message.content[0].signature
+    assert "<think>" not in message.content[1].text
+    with client.messages.stream(model="m", max_tokens=60, messages=FEW_SHOT_THINKING, thinking=thinking,
+                                extra_body=GREEDY) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert kinds[0] == "thinking_delta" and "signature_delta" in kinds and kinds[-1] == "text_delta"
+    assert [b.model_dump(include={"type", "thinking"}) for b in final.content] == \
+        [b.model_dump(include={"type", "thinking"}) for b in message.content]
+    without = client.messages.create(model="m", max_tokens=60, messages=FEW_SHOT_THINKING, extra_body=GREEDY)
+    assert [b.type for b in without.content] == ["text"]  # not asked for: the tags stay text
+
+
+def test_cache_control_ttl_is_recorded_on_the_agent(client: anthropic.Anthropic, server: ServerProcess) -> None:
+    session = f"ttl-{uuid.uuid4().hex[:8]}"
+    system = [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    client.messages.create(model="m", max_tokens=4, system=system, messages=QUESTION, extra_body=GREEDY,
+                           extra_headers={"X-Claude-Code-Session-Id": session})
+    assert query(server.db_path, "SELECT hot_ttl_seconds FROM agents WHERE id = ?", session) == [(3600,)]
+    with pytest.raises(anthropic.BadRequestError, match="system.0.cache_control.ttl"):
+        client.messages.create(model="m", max_tokens=4, messages=QUESTION,
+                               system=[{**system[0], "cache_control": {"type": "ephemeral", "ttl": "1d"}}])

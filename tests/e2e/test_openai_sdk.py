@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -61,3 +62,90 @@ def test_errors_use_the_openai_shape(client: openai.OpenAI, server: ServerProces
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="n:"):
         client.chat.completions.create(model="m", messages=QUESTION, n=2)
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tools_forced_call_result_and_answer(client: openai.OpenAI, server: ServerProcess) -> None:
+    """The whole tool loop through the SDK: a call, its result as a ``tool`` message, the answer."""
+    session = f"tools-{uuid.uuid4().hex[:8]}"
+    first = client.chat.completions.create(
+        model="m", messages=WEATHER_QUESTION, tools=WEATHER, temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"session_id": session})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments), dict)
+
+    history = [*WEATHER_QUESTION, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    chunks = list(client.chat.completions.create(
+        model="m", messages=history, tools=WEATHER, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, extra_body={"session_id": session}))
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert answer.strip()
+    # The second turn reuses the whole first prompt (the call is rendered back in canonical JSON,
+    # which may be spaced differently from what the model wrote: reuse stops there at the latest).
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+    stored = query(server.db_path, "SELECT role, content FROM messages WHERE agent_id = ? ORDER BY position", session)
+    assert [r for r, _ in stored] == ["user", "assistant", "tool", "assistant"]  # resent messages stored once
+    reply = json.loads(stored[1][1])
+    assert reply["tool_calls"][0]["function"]["name"] == "get_weather" and reply["content"] is None
+    assert json.loads(stored[2][1]) == {"tool_call_id": call.id, "content": "Sunny, 21 C"}
+    assert json.loads(stored[3][1]) == answer
+
+
+def test_streamed_tool_calls_accumulate_in_the_sdk(client: openai.OpenAI) -> None:
+    with client.chat.completions.stream(model="m", messages=WEATHER_QUESTION, tools=WEATHER, tool_choice="required",
+                                        temperature=0, max_tokens=40) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="tool_choice.function.name"):
+        client.chat.completions.create(model="m", messages=WEATHER_QUESTION, tools=WEATHER,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tools.0.function.name"):
+        client.chat.completions.create(model="m", messages=WEATHER_QUESTION, tools=[{"type": "function",
+                                                                                      "function": {}}])
+    bad_arguments = [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]
+    with pytest.raises(openai.BadRequestError, match="messages.0.tool_calls.0.function.arguments"):
+        client.chat.completions.create(model="m", messages=bad_arguments, tools=WEATHER)
+    with pytest.raises(openai.BadRequestError, match="messages.1.tool_call_id"):
+        client.chat.completions.create(model="m", messages=[*WEATHER_QUESTION, {"role": "tool", "content": "x"}])
+
+
+def test_cache_mode_prefix_and_ttl(client: openai.OpenAI, server: ServerProcess) -> None:
+    session = f"modes-{uuid.uuid4().hex[:8]}"
+    long_system = {"role": "system", "content": "You answer questions about geography. " * 60}
+    turn = [long_system, *QUESTION]
+    first = client.chat.completions.create(model="m", messages=turn, temperature=0, max_tokens=8,
+                                           extra_body={"session_id": session, "ttl": 7200})
+    assert query(server.db_path, "SELECT ttl_seconds FROM agents WHERE id = ?", session) == [(7200,)]
+    again = [*turn, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And of Spain?"}]
+    full = client.chat.completions.create(model="m", messages=again, temperature=0, max_tokens=8,
+                                          extra_body={"session_id": session, "cache_mode": "prefix"})
+    cached = full.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 256 == 0 and cached < first.usage.prompt_tokens  # whole blocks only
+    with pytest.raises(openai.BadRequestError, match="cache_mode"):
+        client.chat.completions.create(model="m", messages=QUESTION, extra_body={"cache_mode": "sometimes"})
+
+    memory_only = f"ttl0-{uuid.uuid4().hex[:8]}"
+    client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4, extra_body={"session_id": memory_only,
+                                                                                          "ttl": 0})
+    repeat = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
+                                            extra_body={"session_id": memory_only, "ttl": 0})
+    assert repeat.usage.prompt_tokens_details.cached_tokens > 0  # kept in memory
+    assert query(server.db_path, "SELECT count(*) FROM caches WHERE agent_id = ?", memory_only) == [(0,)]

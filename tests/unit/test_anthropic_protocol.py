@@ -120,7 +120,7 @@ def test_tool_history_renders_through_the_template_text() -> None:
     assert request.parse_tools and '"name": "Bash"' in request.messages[0].content
     assert request.messages[2].content == 'Sure.\n<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
     assert request.messages[3].content == "<tool_response>\na.txt\nb.txt\n</tool_response>\nWhich is bigger?"
-    assert request.messages[4].content == "Let me check."  # thinking is not re-rendered
+    assert request.messages[4].content == "<think>hmm</think>\nLet me check."  # as the model wrote it
     assert request.messages[5].content == "<tool_response>\nError: permission denied\n</tool_response>"
     assert not parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "none"}}).parse_tools
 
@@ -153,3 +153,61 @@ def test_non_streaming_tool_use() -> None:
     assert body["content"][1]["input"] == {"command": "du -h a.txt"} and body["stop_reason"] == "tool_use"
     plain = anthropic.render_message("msg_1", parse(BASE), REPLY, finished)  # no tools offered: plain text
     assert plain["content"] == [{"type": "text", "text": REPLY}] and plain["stop_reason"] == "end_turn"
+
+
+THOUGHT = "<think>Two plus two is four.</think>\n\nThe answer is 4."
+
+
+def test_thinking_becomes_thinking_blocks_when_asked() -> None:
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    thinking = parse({**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    body = anthropic.render_message("msg_1", thinking, THOUGHT, finished)
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"]
+    assert body["content"][0]["thinking"] == "Two plus two is four." and body["content"][0]["signature"]
+    assert body["content"][1]["text"] == "The answer is 4."
+    plain = anthropic.render_message("msg_1", parse(BASE), THOUGHT, finished)
+    assert plain["content"] == [{"type": "text", "text": THOUGHT}]
+    for cut in range(len(THOUGHT) + 1):
+        events = [Started(10, 0, 10), TextDelta(THOUGHT[:cut]), TextDelta(THOUGHT[cut:]), finished]
+        out = list(anthropic.render_events("msg_1", thinking, iter(events)))
+        deltas = [d["delta"] for n, d in out if n == "content_block_delta"]
+        assert "".join(d.get("thinking", "") for d in deltas) == "Two plus two is four."
+        assert "".join(d.get("text", "") for d in deltas) == "The answer is 4."
+        assert [d["type"] for d in deltas if d["type"] != "thinking_delta"][0] == "signature_delta"
+        assert [d["content_block"]["type"] for n, d in out if n == "content_block_start"] == ["thinking", "text"]
+        assert [d["index"] for n, d in out if n == "content_block_stop"] == [0, 1]
+
+
+def test_tool_choice_forces_a_call() -> None:
+    forced = parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "Bash"}})
+    assert forced.reply_prefix == '<tool_call>\n{"name": "Bash", "arguments": {'
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    body = anthropic.render_message("msg_1", forced, '"command": "pwd"}}\n</tool_call>', finished)
+    assert body["content"] == [{"type": "tool_use", "id": body["content"][0]["id"], "name": "Bash",
+                                "input": {"command": "pwd"}}]
+    assert body["stop_reason"] == "tool_use"
+    assert parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "any"}}).reply_prefix == '<tool_call>\n{"name": "'
+    assert parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "auto"}}).reply_prefix == ""
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "Nope"}}, "tool_choice.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tools": [{"description": "no name"}]}, "tools.0.name"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking.budget_tokens"),
+    ({"system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral", "ttl": "2d"}}]},
+     "system.0.cache_control.ttl"),
+])
+def test_bad_tool_thinking_and_cache_fields_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse({**BASE, **body})
+    assert str(caught.value).startswith(field + ":"), caught.value
+
+
+def test_cache_control_ttl_hints() -> None:
+    assert parse(BASE).hot_ttl_seconds is None
+    ephemeral = {"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}
+    assert parse({**BASE, "system": [ephemeral]}).hot_ttl_seconds == 300
+    hour = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    assert parse({**BASE, "system": [ephemeral], "messages": [{"role": "user", "content": [hour]}]}).hot_ttl_seconds == 3600

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.engine.stopping import StopMatcher
+from app.engine.stopping import EndMatcher, StopMatcher
 
 
 def run(segments: list[str], stops: tuple[str, ...]) -> tuple[str, str | None]:
@@ -39,3 +39,19 @@ def test_any_split_gives_the_unsplit_result(text: str, stop: str, data: st.DataO
     segments = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
     expected = (text[: text.index(stop)], stop) if stop in text else (text, None)
     assert run(segments, (stop,)) == expected
+
+
+
+def first_ending_piece(pieces: list[str]) -> int | None:
+    matcher = EndMatcher(("</tool_call>",))
+    return next((i for i, piece in enumerate(pieces) if matcher.feed(piece)), None)
+
+
+def test_end_matcher_stops_on_the_piece_that_completes_the_end() -> None:
+    text = 'call <tool_call>{"a": 1}</tool_call> more'
+    end = text.index("</tool_call>") + len("</tool_call>")
+    for cut in range(len(text) + 1):
+        assert first_ending_piece([text[:cut], text[cut:]]) == (0 if cut >= end else 1)
+    assert first_ending_piece(list(text)) == end - 1
+    assert first_ending_piece(["no end here", "</tool_call"]) is None
+    assert not EndMatcher(()).feed("</tool_call>")

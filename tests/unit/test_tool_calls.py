@@ -51,3 +51,10 @@ def test_rendered_calls_parse_back() -> None:
     assert parse_in_pieces(call, []) == [ToolCall("Read", {"file_path": "/tmp/x"})]
     system = render_tools_system([{"name": "Read", "description": "read a file", "input_schema": {"type": "object"}}])
     assert "<tool_call>" in system and json.loads(system.splitlines()[-1])[0]["name"] == "Read"
+
+
+def test_a_forgotten_closing_brace_is_forgiven() -> None:
+    text = '<tool_call>\n{"name": "Bash", "arguments": {\n    "command": "ls"\n}\n</tool_call>'
+    assert parse_in_pieces(text, []) == [ToolCall("Bash", {"command": "ls"})]
+    assert parse_in_pieces('<tool_call>{"name": "Bash", "arguments": {"x": [1}}</tool_call>', []) == [
+        '<tool_call>{"name": "Bash", "arguments": {"x": [1}}</tool_call>']  # other damage stays text

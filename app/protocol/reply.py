@@ -1,0 +1,92 @@
+"""The assistant's reply as content: thinking, text and tool calls, found in streamed text. Pure.
+
+A reply may open with ``<think>...</think>`` (reasoning models write it; the
+Anthropic API returns it as a ``thinking`` block) and may contain tool calls
+in the format of ``app.protocol.tools``. ``ReplyParser`` splits text arriving
+in arbitrary pieces into those parts, holding back only what could still be
+the start of a tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from app.protocol.tools import ToolCall, ToolCallParser, partial_suffix
+from app.protocol.turn import ParsedTurn
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class Thinking:
+    """A piece of the reply's reasoning."""
+
+    text: str
+
+
+Part = Union[str, Thinking, ToolCall]
+
+
+class ReplyParser:
+    """Splits a streamed reply into text, ``Thinking`` and ``ToolCall`` parts.
+
+    ``prefix`` is text the reply already starts with in the prompt (a forced
+    tool call); it is parsed as if the model had written it.
+    """
+
+    def __init__(self, *, thinking: bool, tools: bool, prefix: str = "") -> None:
+        self._state = "start" if thinking else "body"
+        self._buffer = ""
+        self._strip = False  # drop whitespace between </think> and the answer
+        self._calls = ToolCallParser() if tools else None
+        self._prefix = prefix
+
+    @classmethod
+    def for_turn(cls, turn: ParsedTurn) -> ReplyParser:
+        return cls(thinking=turn.parse_thinking, tools=turn.parse_tools, prefix=turn.reply_prefix)
+
+    def feed(self, text: str) -> list[Part]:
+        text, self._prefix = self._prefix + text, ""
+        if self._state == "body":
+            return self._body(text)
+        self._buffer += text
+        if self._state == "start":
+            opening = self._buffer.lstrip()
+            if opening.startswith(THINK_START):
+                self._buffer, self._state = opening[len(THINK_START):], "thinking"
+            elif THINK_START.startswith(opening):
+                return []  # may still become <think>
+            else:
+                rest, self._buffer, self._state = self._buffer, "", "body"
+                return self._body(rest)
+        end = self._buffer.find(THINK_END)
+        if end >= 0:
+            thought, rest = self._buffer[:end], self._buffer[end + len(THINK_END):]
+            self._buffer, self._state, self._strip = "", "body", True
+            return [*([Thinking(thought)] if thought else []), *self._body(rest)]
+        keep = partial_suffix(self._buffer, THINK_END)
+        ready, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        return [Thinking(ready)] if ready else []
+
+    def finish(self) -> list[Part]:
+        """The rest, once generation ended (unfinished thinking is still thinking)."""
+        out = self.feed("") if self._prefix else []
+        rest, self._buffer = self._buffer, ""
+        if self._state == "thinking" and rest:
+            out.append(Thinking(rest))
+        elif rest:
+            out.extend(self._body(rest))
+        self._state = "body"
+        if self._calls is not None:
+            out.extend(self._calls.finish())
+        return out
+
+    def _body(self, text: str) -> list[Part]:
+        if self._strip:
+            text = text.lstrip()
+            self._strip = not text
+        if not text:
+            return []
+        return list(self._calls.feed(text)) if self._calls is not None else [text]
