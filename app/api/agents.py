@@ -11,14 +11,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import falcon
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.agents.identity import AgentKey
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.generation import GenerationResource
 from app.errors import InvalidRequest
-from app.protocol.validation import first_error
+from app.protocol.validation import validate
 from app.store.agents import AgentView
 from app.types import Finished, GenerationRequest, Prompt, SamplingParams
 
@@ -76,11 +76,7 @@ class _AgentsBase:
 class AgentsResource(_AgentsBase):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = _object(read_json(req)) if req.content_length else {}
-        try:
-            create = CreateAgent.model_validate(body)
-        except ValidationError as exc:
-            where, message = first_error(exc, body)
-            raise InvalidRequest(f"{where}: {message}", where) from None
+        create = validate(CreateAgent, body)
         metadata = {**create.metadata, **({"system_prompt": create.system_prompt} if create.system_prompt else {})}
         agent_id = create.id or f"agent-{uuid.uuid4().hex}"
         start = self._engine.render_start(create.system_prompt) if create.system_prompt and create.prefill else None

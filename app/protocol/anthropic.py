@@ -14,13 +14,13 @@ import logging
 import uuid
 from typing import Annotated, Any, Iterator, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking
 from app.protocol.turn import ParsedTurn
-from app.protocol.validation import first_error
+from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
 
 log = logging.getLogger(__name__)
@@ -176,11 +176,7 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     Raises:
         InvalidRequest: naming the first offending field.
     """
-    try:
-        parsed = MessagesBody.model_validate(body)
-    except ValidationError as exc:
-        where, message = first_error(exc, body)
-        raise InvalidRequest(f"{where}: {message}", where) from None
+    parsed = validate(MessagesBody, body)
     if parsed.max_tokens > max_output_tokens:
         raise InvalidRequest(
             f"max_tokens: {parsed.max_tokens} > {max_output_tokens}, the maximum allowed "

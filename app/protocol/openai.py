@@ -20,13 +20,13 @@ import time
 import uuid
 from typing import Annotated, Any, Iterator, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import tools
 from app.protocol.reply import ReplyParser
 from app.protocol.turn import CacheMode, ParsedTurn
-from app.protocol.validation import first_error
+from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
 
 
@@ -180,11 +180,7 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     Raises:
         InvalidRequest: naming the first offending field.
     """
-    try:
-        parsed = ChatBody.model_validate(body)
-    except ValidationError as exc:
-        where, message = first_error(exc, body)
-        raise InvalidRequest(f"{where}: {message}", where) from None
+    parsed = validate(ChatBody, body)
     limit = parsed.max_completion_tokens or parsed.max_tokens or max_output_tokens
     if limit > max_output_tokens:
         raise InvalidRequest(f"max_tokens: {limit} > {max_output_tokens}, the maximum allowed", "max_tokens")

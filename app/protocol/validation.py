@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+from app.errors import InvalidRequest
+
+Model = TypeVar("Model", bound=BaseModel)
 
 
 def _field_path(loc: Sequence[str | int], data: Any) -> list[str]:
@@ -33,3 +37,16 @@ def first_error(exc: ValidationError, data: Any) -> tuple[str, str]:
     located = [(_field_path(e["loc"], data), e["msg"]) for e in exc.errors(include_url=False)]
     path, message = max(located, key=lambda item: len(item[0]))
     return (".".join(path) or "body"), message
+
+
+def validate(model: type[Model], body: Any) -> Model:
+    """``body`` as ``model``.
+
+    Raises:
+        InvalidRequest: naming the first offending field (``messages.0.content: Field required``).
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        where, message = first_error(exc, body)
+        raise InvalidRequest(f"{where}: {message}", where) from None

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache
+from app.cache.blocks import quantize_span, to_working_cache
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
