@@ -51,7 +51,7 @@ def serve(settings: Settings) -> None:
     status = engine.status()
     log.info("model %s on %s, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),
              "on" if settings.cache_reuse else "OFF")
-    app = create_app(Deps(settings, engine, AgentService(sessions)))
+    app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     log.info("serving on http://%s:%d", settings.host, settings.port)
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import falcon
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from app.types import Finished
 
@@ -17,12 +19,30 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
-class Metrics:
-    """Counters and histograms the generation endpoints feed, and pool gauges read at scrape time."""
+JobCounts = Callable[[], Sequence[tuple[str, str, int]]]
 
-    def __init__(self, engine: Engine) -> None:
+
+class JobRunsCollector(Collector):
+    """Worker job runs, counted from the ``job_runs`` table at scrape time
+    (the worker is another process; the database is what both share)."""
+
+    def __init__(self, counts: JobCounts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("semantic_job_runs", "Worker job runs by job and status", labels=["job", "status"])
+        for name, status, n in self._counts():
+            family.add_metric([name, status], n)
+        yield family
+
+
+class Metrics:
+    """Counters and histograms the generation endpoints feed, and gauges read at scrape time."""
+
+    def __init__(self, engine: Engine, job_counts: JobCounts) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(JobRunsCollector(job_counts))
         self.requests = Counter("semantic_requests", "Generation requests by protocol and outcome",
                                 ["protocol", "status"], registry=r)
         self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dataclasses import dataclass, replace
-
 import falcon
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
@@ -16,6 +16,7 @@ from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
 from app.settings import Settings
+from app.store import jobs
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -26,6 +27,7 @@ class Deps:
     settings: Settings
     engine: Engine
     agents: AgentService
+    sessions: sessionmaker[Session]
 
 
 def add_routes(app: falcon.App, deps: Deps) -> None:
@@ -33,7 +35,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.max_output_tokens))
-    metrics = Metrics(deps.engine)
+    metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))

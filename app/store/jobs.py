@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store.history import utcnow
@@ -47,3 +47,10 @@ def record_run(sessions: sessionmaker[Session], name: str, started: datetime,
     with sessions.begin() as session:
         session.add(JobRun(name=name, started_at=started, finished_at=finished,
                            status=status, result=result))
+
+
+def run_counts(sessions: sessionmaker[Session]) -> list[tuple[str, str, int]]:
+    """(job name, status, number of runs) over ``job_runs``."""
+    with sessions() as session:
+        rows = session.execute(select(JobRun.name, JobRun.status, func.count()).group_by(JobRun.name, JobRun.status))
+        return [(name, status, int(n)) for name, status, n in rows]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -42,6 +45,11 @@ def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
                  "semantic_cache_read_tokens", "semantic_cache_pool_bytes", "semantic_cache_evictions",
                  "semantic_decode_tokens_per_second"):
         assert name in families, name
+    subprocess.run([sys.executable, "-m", "app", "jobs", "run", "compact"], check=True, capture_output=True,
+                   env={**os.environ, "SEMANTIC_HOME": str(server.home)})
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    runs = {(s.labels["job"], s.labels["status"]): s.value for s in families["semantic_job_runs"].samples}
+    assert runs.get(("compact", "ok"), 0) >= 1  # run by another process, counted from SQL
     statuses = {s.labels.get("status") for s in families["semantic_requests"].samples if s.value > 0}
     assert {"ok", "rejected"} <= statuses
     assert [s.value for s in families["semantic_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1
