@@ -95,7 +95,7 @@ class GenerationResource:
             parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens,
                                          default_temperature=self._settings.default_temperature)
             self._check_model(parsed.model)
-            prompt = self._engine.render(parsed.messages, parsed.reply_prefix)
+            prompt = self._engine.render(parsed.messages, parsed.reply_start)
             agent = (agent or self._dialect.named_agent(req.headers, parsed)
                      or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
                                                        prompt.text, BLOCK_TOKENS)

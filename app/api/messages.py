@@ -52,4 +52,4 @@ class CountTokensResource:
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # not required here
         parsed = anthropic.parse_request(body, max_output_tokens=self._max_output_tokens)
-        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_prefix).n_tokens}
+        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_start).n_tokens}

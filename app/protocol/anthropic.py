@@ -194,6 +194,8 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
         messages.append(ChatMessage("system", system_text))
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
+    forced = _forced_call(choice, parsed.tools or [])
+    prefill = _prefill(messages, len(parsed.messages) - 1, forced)
     sampling = SamplingParams(
         temperature=default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
@@ -211,9 +213,25 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
         raw_messages=tuple(body["messages"]),
         parse_tools=use_tools,
         parse_thinking=parsed.thinking is not None and parsed.thinking.type != "disabled",
-        reply_prefix=_forced_call(choice, parsed.tools or []),
+        prefill=prefill,
+        reply_prefix=forced,
         hot_ttl_seconds=cache_ttl(body),
     )
+
+
+def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
+    """A final assistant message is the start of the reply (the model continues
+    it; the response holds only the continuation). Removed from ``messages``."""
+    if messages[-1].role != "assistant":
+        return ""
+    text = messages.pop().content
+    if text != text.rstrip():
+        raise InvalidRequest(f"messages.{last}.content: final assistant content cannot end with trailing whitespace",
+                             f"messages.{last}.content")
+    if forced:
+        raise InvalidRequest("tool_choice: a tool call cannot be forced after a prefilled assistant message",
+                             "tool_choice")
+    return text
 
 
 def _forced_call(choice: ToolChoice, offered: list[ToolDefinition]) -> str:

@@ -196,3 +196,13 @@ def test_cache_control_ttl_is_recorded_on_the_agent(client: anthropic.Anthropic,
     with pytest.raises(anthropic.BadRequestError, match="system.0.cache_control.ttl"):
         client.messages.create(model="m", max_tokens=4, messages=QUESTION,
                                system=[{**system[0], "cache_control": {"type": "ephemeral", "ttl": "1d"}}])
+
+
+def test_a_prefilled_assistant_turn_is_continued(client: anthropic.Anthropic) -> None:
+    prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    message = client.messages.create(model="m", max_tokens=8, messages=prefilled, extra_body=GREEDY)
+    assert "Paris" in message.content[0].text
+    assert not message.content[0].text.startswith("The capital")  # only the continuation comes back
+    counted = client.messages.count_tokens(model="m", messages=prefilled).input_tokens
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens + \
+        message.usage.cache_creation_input_tokens

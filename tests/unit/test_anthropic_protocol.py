@@ -211,3 +211,18 @@ def test_cache_control_ttl_hints() -> None:
     assert parse({**BASE, "system": [ephemeral]}).hot_ttl_seconds == 300
     hour = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
     assert parse({**BASE, "system": [ephemeral], "messages": [{"role": "user", "content": [hour]}]}).hot_ttl_seconds == 3600
+
+
+def test_a_final_assistant_message_is_a_prefill() -> None:
+    turn = parse({**BASE, "messages": [{"role": "user", "content": "Capital of France?"},
+                                       {"role": "assistant", "content": "The capital is"}]})
+    assert [m.role for m in turn.messages] == ["user"] and turn.prefill == "The capital is"
+    assert turn.reply_start == "The capital is" and turn.reply_prefix == ""
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    assert anthropic.render_message("msg_1", turn, " Paris.", finished)["content"] == [
+        {"type": "text", "text": " Paris."}]  # only the continuation
+    with pytest.raises(InvalidRequest, match="trailing whitespace"):
+        parse({**BASE, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi "}]})
+    with pytest.raises(InvalidRequest, match="tool_choice"):
+        parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "any"},
+               "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi"}]})
