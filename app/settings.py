@@ -53,6 +53,12 @@ class Settings:
     cache_reuse: bool = True
     # Bytes of 4-bit KV blocks kept in memory (the hot tier); the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
+    # Seconds an agent's cache stays on disk after its last access, for agents that
+    # set no TTL of their own (the worker's expire job makes it cold after that).
+    cache_ttl_seconds: int = 24 * 3600
+    # Bytes of cache files on disk (the warm tier); the worker's evict job makes the
+    # least recently used caches cold until they fit.
+    disk_budget_bytes: int = 20 * 1024**3
     # When set, every API request must carry it (x-api-key or Authorization: Bearer).
     api_key: str = ""
     # Largest accepted request body.

@@ -19,8 +19,8 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from app.store.jobs import TEMP_SUFFIX
 
+TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
 log = logging.getLogger(__name__)
 
 CHECKSUM_KEY = "sha256"

@@ -65,6 +65,7 @@ def save_cache(session: Session, agent_id: str, fingerprint: str, n_tokens: int,
     session.add_all(CacheBlock(cache_id=cache.id, position=i, block_hash=row.hash) for i, row in enumerate(blocks))
     session.flush()
     cache.n_tokens, cache.record_path, cache.updated_at, cache.last_access_at = n_tokens, record_path, now, now
+    cache.tier = "warm"  # also revives a cache the worker expired while the server held it in memory
     _refresh_ref_counts(session, [*old, *(row.hash for row in blocks)])
 
 
@@ -94,6 +95,26 @@ def drop_cache(session: Session, agent_id: str, fingerprint: str) -> list[str]:
     hashes = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
     session.delete(cache)
     session.flush()
+    return _drop_unreferenced(session, hashes)
+
+
+def retire_cache(session: Session, cache: Cache) -> list[str]:
+    """Warm -> cold: the cache row stays (tier cold, no blocks, no record file).
+
+    Returns:
+        Paths of files to delete: its record file and the block files no
+        other cache references (their rows are deleted).
+    """
+    hashes = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
+    session.execute(delete(CacheBlock).where(CacheBlock.cache_id == cache.id))
+    session.flush()
+    files = [cache.record_path] if cache.record_path else []
+    cache.tier, cache.record_path, cache.n_tokens = "cold", None, 0
+    return files + _drop_unreferenced(session, hashes)
+
+
+def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
+    """Delete the rows of blocks among ``hashes`` no cache references; return their paths."""
     _refresh_ref_counts(session, hashes)
     orphans = []
     for block in session.scalars(select(Block).where(Block.hash.in_(hashes), Block.ref_count == 0)):

@@ -1,43 +1,173 @@
-"""Worker jobs' effects on the store, each recorded in ``job_runs``.
+"""The worker's jobs: what each does to the store and the cache files, recorded in ``job_runs``.
 
-Only housekeeping that needs no cache logic lives here for now; expire and
-evict arrive with the persistent cache.
+Rows change first, in one short transaction; files are deleted after it
+commits. A crash in between leaves files no row points to, which ``compact``
+removes later; a row never points to a file that was deleted on purpose.
+Files younger than ``GRACE_S`` are never taken as orphans: the server writes
+a cache's files before the rows that reference them.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.store import blockfiles, cache_index
 from app.store.history import utcnow
-from app.store.models import JobRun
+from app.store.models import Agent, Block, Cache, CacheBlock, JobRun
 
-TEMP_SUFFIX = ".tmp"
-TEMP_GRACE_S = 3600  # a temporary file this old was left by a crash
+GRACE_S = 600  # a file or unreferenced block this old is no longer being written or reused
+VERIFY_SAMPLE = 32  # block and record files whose checksums compact verifies per run
+
+
+def _delete_files(paths: Iterable[str | Path]) -> tuple[int, int]:
+    """Delete files; returns (files deleted, bytes freed)."""
+    n, freed = 0, 0
+    for path in map(Path, paths):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        n, freed = n + 1, freed + size
+    return n, freed
+
+
+def _file_size(path: str | None) -> int:
+    try:
+        return Path(path).stat().st_size if path else 0
+    except FileNotFoundError:
+        return 0
+
+
+def run_expire(sessions: sessionmaker[Session], default_ttl_s: int, now: datetime | None = None) -> dict[str, Any]:
+    """Make cold every cache whose agent was last used longer ago than its TTL
+    (the agent's ``ttl_seconds``, else ``default_ttl_s``). History is kept."""
+    started = now or utcnow()
+    with sessions.begin() as session:
+        rows = session.execute(select(Cache, Agent.ttl_seconds, Agent.last_access_at)
+                               .join(Agent, Agent.id == Cache.agent_id).where(Cache.tier != "cold")).all()
+        expired, files = [], []
+        for cache, ttl, agent_access in rows:
+            last = max(cache.last_access_at, agent_access)
+            if last + timedelta(seconds=default_ttl_s if ttl is None else ttl) <= started:
+                expired.append(cache.agent_id)
+                files += cache_index.retire_cache(session, cache)
+    deleted, freed = _delete_files(files)
+    result = {"expired": len(expired), "agents": expired[:100], "files_deleted": deleted, "bytes_freed": freed}
+    record_run(sessions, "expire", started, utcnow(), result)
+    return result
+
+
+def disk_bytes(session: Session) -> int:
+    """Bytes of cache files the index points to (blocks and records)."""
+    blocks = session.scalar(select(func.coalesce(func.sum(Block.nbytes), 0)).where(Block.path.is_not(None))) or 0
+    records = session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None)))
+    return int(blocks) + sum(_file_size(path) for path in records)
+
+
+def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, Any]:
+    """Make the least recently used caches cold until the files fit ``budget_bytes``."""
+    started = utcnow()
+    with sessions.begin() as session:
+        used = before = disk_bytes(session)
+        evicted, files = [], []
+        caches = session.scalars(select(Cache).where(Cache.tier != "cold").order_by(Cache.last_access_at))
+        for cache in caches:
+            if used <= budget_bytes:
+                break
+            retired = cache_index.retire_cache(session, cache)
+            used -= sum(_file_size(path) for path in retired)
+            evicted.append(cache.agent_id)
+            files += retired
+    deleted, freed = _delete_files(files)
+    result = {"bytes_before": before, "budget_bytes": budget_bytes, "evicted": len(evicted),
+              "agents": evicted[:100], "files_deleted": deleted, "bytes_freed": freed}
+    record_run(sessions, "evict", started, utcnow(), result)
+    return result
 
 
 def remove_stale_temp_files(root: Path, now_s: float) -> list[str]:
-    """Delete ``*.tmp`` files under ``root`` older than the grace period."""
+    """Delete ``*.tmp`` files under ``root`` older than the grace period (left by crashes)."""
     removed = []
-    for path in root.rglob(f"*{TEMP_SUFFIX}") if root.exists() else ():
-        if now_s - path.stat().st_mtime > TEMP_GRACE_S:
+    for path in root.rglob(f"*{blockfiles.TEMP_SUFFIX}") if root.exists() else ():
+        if now_s - path.stat().st_mtime > GRACE_S:
             path.unlink(missing_ok=True)
             removed.append(str(path))
     return removed
 
 
-def run_compact(sessions: sessionmaker[Session], blocks_dir: Path) -> dict[str, Any]:
-    """Remove crash leftovers and let SQLite tidy its statistics; record the run."""
-    started = utcnow()
-    removed = remove_stale_temp_files(blocks_dir, time.time())
+def _drop_unreferenced_blocks(session: Session, before: datetime) -> list[str]:
+    """Rows of blocks no cache references (an agent's chain moved on) unused since ``before``."""
+    stale = list(session.scalars(select(Block).where(Block.ref_count == 0, Block.last_access_at < before)))
+    for block in stale:
+        session.delete(block)
+    return [b.path for b in stale if b.path]
+
+
+def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
+    """Cache files under ``root`` no row points to, older than the grace period."""
+    known = set(session.scalars(select(Block.path).where(Block.path.is_not(None))))
+    known |= set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
+    quarantine = root / "quarantine"
+    return [path for path in (root.rglob("*.safetensors") if root.exists() else ())
+            if str(path) not in known and quarantine not in path.parents and now_s - path.stat().st_mtime > GRACE_S]
+
+
+def _verify_sample(session: Session, root: Path, sample: int) -> tuple[int, int, list[str]]:
+    """Check the checksums of a random sample of block and record files.
+
+    A damaged file is quarantined and every cache that needs it made cold.
+    Returns (files checked, caches made cold, files to delete).
+    """
+    blocks = list(session.scalars(select(Block).where(Block.path.is_not(None))))
+    caches = list(session.scalars(select(Cache).where(Cache.record_path.is_not(None))))
+    checked, files = 0, []
+    retired: set[int] = set()
+    for item in random.sample(blocks, min(sample, len(blocks))) + random.sample(caches, min(sample, len(caches))):
+        if isinstance(item, Cache):
+            if item.record_path is None:  # made cold by a damaged block earlier in this loop
+                continue
+            path, expected, users = Path(item.record_path), None, [item]
+        else:
+            path, expected = Path(item.path or ""), item.checksum or None
+            users = list(session.scalars(select(Cache).join(CacheBlock, CacheBlock.cache_id == Cache.id)
+                                         .where(CacheBlock.block_hash == item.hash)))
+        checked += 1
+        try:
+            blockfiles.read(path, expected)
+            continue
+        except blockfiles.DamagedFile:
+            blockfiles.quarantine(path, root)
+        for cache in users:
+            retired.add(cache.id)
+            files += cache_index.retire_cache(session, cache)
+    return checked, len(retired), files
+
+
+def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Path,
+                sample: int = VERIFY_SAMPLE) -> dict[str, Any]:
+    """Delete what nothing uses (unreferenced blocks, orphan files, crash leftovers),
+    verify a sample of checksums, and VACUUM the database."""
+    started, now_s = utcnow(), time.time()
+    temp = remove_stale_temp_files(blocks_dir, now_s)
     with sessions.begin() as session:
-        session.execute(text("PRAGMA optimize"))
-    result = {"removed_temp_files": len(removed)}
+        unreferenced = _drop_unreferenced_blocks(session, started - timedelta(seconds=GRACE_S))
+        orphans = _orphan_files(session, blocks_dir, now_s)
+        checked, damaged, damaged_files = _verify_sample(session, blocks_dir, sample)
+    deleted, freed = _delete_files([*unreferenced, *orphans, *damaged_files])
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.execute(text("VACUUM"))
+        connection.execute(text("PRAGMA optimize"))
+    result = {"removed_temp_files": len(temp), "unreferenced_blocks": len(unreferenced),
+              "orphan_files": len(orphans), "verified_files": checked, "damaged_caches": damaged,
+              "files_deleted": deleted, "bytes_freed": freed, "vacuumed": True}
     record_run(sessions, "compact", started, utcnow(), result)
     return result
 

@@ -61,7 +61,8 @@ def test_jobs_run_compact_records_the_run(tmp_path: Path) -> None:
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     result = semantic(tmp_path, "jobs", "run", "compact")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"removed_temp_files": 1}
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    assert done["removed_temp_files"] == 1 and done["vacuumed"] and done["orphan_files"] == 0
     assert not stale.exists()
     assert query(tmp_path / "semantic.db", "SELECT name, status FROM job_runs") == [("compact", "ok")]
 
