@@ -57,10 +57,12 @@ def test_api_examples_run_against_a_fresh_server(fresh_server: ServerProcess) ->
         assert done.stdout.strip(), code
 
 
-def test_sql_examples_run_on_what_the_examples_stored(fresh_server: ServerProcess) -> None:
+def test_sql_and_job_examples_run_on_what_the_examples_stored(fresh_server: ServerProcess) -> None:
+    outputs = []
     for code in SQL_BLOCKS:
         code = code.replace(".venv/bin/semantic", f"{sys.executable} -m app")
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=120,
                               cwd=ROOT, env={"PATH": "/usr/bin:/bin", "SEMANTIC_HOME": str(fresh_server.home)})
         assert done.returncode == 0, done.stderr
-        assert "planner" in done.stdout or "my-app-1" in done.stdout  # agents the API examples created
+        outputs.append(done.stdout)
+    assert "my-app-1" in outputs[0] and "weather-1" in outputs[0]  # agents the API examples created
