@@ -39,7 +39,13 @@ class TextPart(_Strict):
     text: str
 
 
-Content = Union[str, list[TextPart]]
+class MediaPart(_Strict):
+    """Image, audio and file parts: valid OpenAI input the text-only models cannot read."""
+
+    type: Literal["image_url", "input_audio", "file"]
+
+
+Content = Union[str, list[Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]]]
 
 
 class FunctionCall(_Strict):
@@ -120,8 +126,14 @@ class ChatBody(_Strict):
     ttl: int | None = Field(default=None, ge=0)
 
 
-def _text(content: Content | None) -> str:
-    return content if isinstance(content, str) else "\n".join(p.text for p in content or [])
+def _text(content: Content | None, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content or []):
+        if isinstance(part, MediaPart):
+            raise InvalidRequest(f"{where}.{j}: {part.type} content is not supported: the served model is text-only",
+                                 f"{where}.{j}")
+    return "\n".join(p.text for p in content or [] if isinstance(p, TextPart))
 
 
 def _arguments(call: ToolCallIn, where: str) -> Any:
@@ -140,13 +152,14 @@ def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
         if isinstance(message, AssistantMessage):
             calls = [tools.render_call(c.function.name, _arguments(c, f"messages.{i}.tool_calls.{j}"))
                      for j, c in enumerate(message.tool_calls or [])]
-            text = "\n".join(p for p in (_text(message.content), *calls) if p)
+            text = "\n".join(p for p in (_text(message.content, f"messages.{i}.content"), *calls) if p)
             out.append(ChatMessage("assistant", text))
         elif isinstance(message, SystemMessage):
-            out.append(ChatMessage("system", _text(message.content)))
+            out.append(ChatMessage("system", _text(message.content, f"messages.{i}.content")))
         else:
-            text = tools.render_result(_text(message.content), False) if isinstance(message, ToolMessage) \
-                else _text(message.content)
+            text = _text(message.content, f"messages.{i}.content")
+            if isinstance(message, ToolMessage):
+                text = tools.render_result(text, False)
             if results_open:
                 out[-1] = ChatMessage("user", f"{out[-1].content}\n{text}")
             else:
