@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 
 MODES = {"openblas": "", "reference": "none"}
 
@@ -88,9 +88,7 @@ def plot(runs: dict[str, dict]) -> None:
         ax.set_title(title)
         ax.set_yscale("log")
     fig.suptitle("SmolLM2-135M float32 on MLX CPU: OpenBLAS vs bundled reference BLAS")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "blas_speed.png", dpi=100)
-    print(f"wrote {RESULTS / 'blas_speed.png'}")
+    save_plot(fig, "blas_speed")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,10 @@ def pyplot():  # type: ignore[no-untyped-def]
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_plot(fig, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Write ``fig`` as benchmarks/results/NAME.png."""
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+    print(f"wrote {RESULTS / f'{name}.png'}")

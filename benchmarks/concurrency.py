@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from benchmarks.peer import SYSTEM  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
@@ -106,9 +106,7 @@ def main() -> None:
     right.set_ylabel("TTFT (s)")
     right.legend()
     fig.suptitle("Concurrent agents, one engine thread (no batching yet), SmolLM2-135M, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "concurrency.png", dpi=100)
-    print(f"wrote {RESULTS / 'concurrency.png'}")
+    save_plot(fig, "concurrency")
 
 
 if __name__ == "__main__":

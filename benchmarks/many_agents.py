@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from benchmarks.peer import SYSTEM, stream_turn  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
@@ -91,9 +91,7 @@ def main() -> None:
     ax.set_yscale("log")
     ax.legend()
     ax.set_title("Many agents under a memory budget, SmolLM2-135M, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "many_agents.png", dpi=100)
-    print(f"wrote {RESULTS / 'many_agents.png'}")
+    save_plot(fig, "many_agents")
 
 
 if __name__ == "__main__":

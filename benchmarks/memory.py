@@ -25,7 +25,7 @@ from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache  # no
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -75,9 +75,7 @@ def main() -> None:
     ax.set_ylabel("KiB per cached token")
     ax.set_title("SmolLM2-135M KV cache size per token")
     plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "memory.png", dpi=100)
-    print(f"wrote {RESULTS / 'memory.png'}")
+    save_plot(fig, "memory")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 WORDS = ("cache token agent memory server prefix block model turn reply disk quantize layer "
@@ -181,9 +181,7 @@ def plot(results: list[dict]) -> None:
     ax.set_yscale("log")
     ax.legend()
     ax.set_title("Multi-turn agent, SmolLM2-135M, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "multi_turn.png", dpi=100)
-    print(f"wrote {RESULTS / 'multi_turn.png'}")
+    save_plot(fig, "multi_turn")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.blas import find_openblas  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from conftest import free_port, start_server, stop_server  # noqa: E402
 
@@ -152,9 +152,7 @@ def main() -> None:
     ax.set_ylabel("time to first token (s)")
     ax.legend()
     ax.set_title("Multi-turn agent vs mlx_lm.server, SmolLM2-135M, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "peer.png", dpi=100)
-    print(f"wrote {RESULTS / 'peer.png'}")
+    save_plot(fig, "peer")
 
 
 if __name__ == "__main__":

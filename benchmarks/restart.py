@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, print_table, pyplot, write_results  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import stream_ttft, user_message  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 from support.dbcheck import wait_persisted  # noqa: E402
@@ -89,9 +89,7 @@ def main() -> None:
     ax.set_ylabel("time to first token (s)")
     ax.legend()
     ax.set_title("First turn after a restart, SmolLM2-135M, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "restart.png", dpi=100)
-    print(f"wrote {RESULTS / 'restart.png'}")
+    save_plot(fig, "restart")
 
 
 if __name__ == "__main__":
