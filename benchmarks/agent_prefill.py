@@ -13,7 +13,6 @@ agent_prefill.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.common import anthropic_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
@@ -36,19 +35,9 @@ QUESTION = [{"role": "user", "content": "In one sentence: what is your job?"}]
 
 def first_turn(url: str, agent: str) -> tuple[float, dict]:
     """(seconds to the first text delta, usage) of the agent's first streamed turn."""
-    body = {"messages": QUESTION, "max_tokens": 8, "temperature": 0, "stream": True}
-    start = time.perf_counter()
-    ttft, usage = None, {}
-    with httpx.stream("POST", f"{url}/v1/agents/{agent}/generate", json=body, timeout=900) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "message_start":
-                usage.update(event["message"]["usage"])
-            elif event["type"] == "content_block_delta":
-                ttft = ttft or time.perf_counter() - start
-    return ttft or time.perf_counter() - start, usage
+    ttft, _, usage = anthropic_stream(f"{url}/v1/agents/{agent}/generate",
+                                      {"messages": QUESTION, "max_tokens": 8, "temperature": 0})
+    return ttft, usage
 
 
 def main() -> None:

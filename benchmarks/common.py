@@ -6,9 +6,12 @@ import json
 import os
 import platform
 import subprocess
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,3 +58,23 @@ def save_plot(fig, name: str) -> None:  # type: ignore[no-untyped-def]
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=100)
     print(f"wrote {RESULTS / f'{name}.png'}")
+
+
+def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
+    """POST a streaming Anthropic-shaped request (``/v1/messages``, an agent's
+    ``generate``): (seconds to the first content delta, reply text, final usage)."""
+    start = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=900, headers=headers) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "message_start":
+                usage.update(event["message"]["usage"])
+            elif event["type"] == "content_block_delta":
+                ttft = ttft or time.perf_counter() - start
+                text.append(event["delta"].get("text", ""))
+            elif event["type"] == "message_delta":
+                usage.update(event["usage"])
+    return ttft or time.perf_counter() - start, "".join(text), usage

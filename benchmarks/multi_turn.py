@@ -19,7 +19,6 @@ Prints a table, writes benchmarks/results/multi_turn.json and multi_turn.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -33,14 +32,13 @@ from app.engine.blas import load_fast_blas  # noqa: E402
 
 load_fast_blas()
 
-import httpx  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.common import anthropic_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 WORDS = ("cache token agent memory server prefix block model turn reply disk quantize layer "
@@ -57,24 +55,8 @@ def user_message(rng: random.Random, n_words: int) -> str:
 
 def stream_ttft(url: str, session: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """(seconds to first text delta, full reply text, final usage) for one streamed turn."""
-    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0, "system": SYSTEM,
-            "messages": messages, "stream": True}
-    start = time.perf_counter()
-    ttft, text, usage = None, [], {}
-    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=900,
-                      headers={"X-Claude-Code-Session-Id": session}) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "message_start":
-                usage.update(event["message"]["usage"])
-            elif event["type"] == "content_block_delta":
-                ttft = ttft or time.perf_counter() - start
-                text.append(event["delta"]["text"])
-            elif event["type"] == "message_delta":
-                usage.update(event["usage"])
-    return ttft or time.perf_counter() - start, "".join(text), usage
+    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0, "system": SYSTEM, "messages": messages}
+    return anthropic_stream(f"{url}/v1/messages", body, {"X-Claude-Code-Session-Id": session})
 
 
 class MlxLmAlone:
