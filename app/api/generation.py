@@ -107,7 +107,8 @@ class GenerationResource:
                                hot_ttl_seconds=parsed.hot_ttl_seconds)
             job = self._engine.submit(GenerationRequest(
                 request_id, prompt, parsed.sampling, agent.agent_id,
-                whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0))
+                whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
+                hot_ttl_s=parsed.hot_ttl_seconds))
         except SemanticError as exc:
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))

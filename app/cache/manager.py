@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -73,7 +75,7 @@ class CacheStats:
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
-                 working_copies: int = 1) -> None:
+                 working_copies: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
         self.enabled = enabled
         self._n_layers = n_layers
@@ -88,6 +90,10 @@ class CacheManager:
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
         self._working_copies = working_copies
         self._n_spilled = 0
+        # Agents whose client asked to be kept hot only so long (Anthropic cache_control):
+        # agent -> clock time after which it goes warm.
+        self._hot_until: dict[str, float] = {}
+        self._clock = clock
         self._persister = Persister(self._files, sessions)
         self._persister.start()
 
@@ -168,9 +174,10 @@ class CacheManager:
         return True
 
     def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache],
-               persist: bool = True) -> None:
+               persist: bool = True, hot_ttl_s: float | None = None) -> None:
         """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds.
-        Without ``persist`` it stays in memory only (gone on restart or eviction)."""
+        Without ``persist`` it stays in memory only (gone on restart or eviction);
+        with ``hot_ttl_s`` it goes warm once unused that long (``expire_hot``)."""
         if not self.enabled or agent_id is None:
             return
         if cache[0].offset != record.n_tokens:
@@ -204,7 +211,21 @@ class CacheManager:
         if persist:
             self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
                                             {h: self._blocks[h] for h in agent.chain}))
+        if hot_ttl_s is not None and persist:
+            self._hot_until[agent_id] = self._clock() + hot_ttl_s
+        else:
+            self._hot_until.pop(agent_id, None)
         self._enforce_budget(keep=agent_id)
+
+    def expire_hot(self) -> list[str]:
+        """Hot -> warm for agents unused past their hot TTL (their files are written or queued)."""
+        now = self._clock()
+        due = [agent for agent, until in self._hot_until.items() if until <= now]
+        for agent in due:
+            del self._hot_until[agent]
+            if agent in self._agents:
+                self._spill(agent, "its hot TTL passed")
+        return due
 
     def forget(self, agent_id: str) -> None:
         """Delete everything of this agent's cache: memory, its files, its rows.
@@ -212,7 +233,7 @@ class CacheManager:
         Blocks other agents still reference stay (they are theirs too).
         """
         if agent_id in self._agents:
-            self._spill(agent_id)
+            self._spill(agent_id, "the agent was deleted")
             self._n_spilled -= 1  # a deletion, not an eviction
         self._persister.flush(60)  # no queued write may bring the cache back
         with self._sessions.begin() as session:
@@ -250,16 +271,17 @@ class CacheManager:
         for victim in self._pool.lru_agents(keep=keep):
             if not self._pool.over_budget():
                 return
-            self._spill(victim)
+            self._spill(victim, "pool over budget")
 
-    def _spill(self, agent_id: str) -> None:
+    def _spill(self, agent_id: str, why: str) -> None:
         """Hot -> warm: drop from memory (its files are written or queued)."""
         agent = self._agents.pop(agent_id)
         self._n_spilled += 1
         self._working.pop(agent_id, None)
+        self._hot_until.pop(agent_id, None)
         for block in self._pool.remove_agent(agent_id, agent.chain):
             self._blocks.pop(block, None)
-        log.info("agent %s spilled to disk (pool over budget)", agent_id)
+        log.info("agent %s spilled to disk (%s)", agent_id, why)
 
     def _load(self, agent_id: str) -> AgentCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""

@@ -31,6 +31,7 @@ from app.types import Finished, GenerationEvent, GenerationRequest, Started, Sto
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+IDLE_CHECK_S = 10.0  # how often an idle engine looks for caches past their hot TTL
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,7 @@ class Runner(threading.Thread):
         finally:
             self.ready.set()
         assert self.caches is not None
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next()) is not None:
             if isinstance(job, Call):
                 try:
                     job.result.set_result(job.fn(self.caches))
@@ -164,6 +165,16 @@ class Runner(threading.Thread):
             finally:
                 self.n_active = 0
         self.caches.close()
+
+    def _next(self) -> Job | Call | None:
+        """The next queued item; while idle, caches past their hot TTL go warm."""
+        assert self.caches is not None
+        while True:
+            self.caches.expire_hot()
+            try:
+                return self._jobs.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                continue
 
     @staticmethod
     def _warm_up(loaded: LoadedModel) -> None:
@@ -250,7 +261,8 @@ class Runner(threading.Thread):
             unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
             record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
             try:
-                caches.commit(request.agent_id, lease, record, lease.cache, persist=request.persist)
+                caches.commit(request.agent_id, lease, record, lease.cache, persist=request.persist,
+                              hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
         job.put(Finished(

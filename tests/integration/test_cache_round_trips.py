@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -74,16 +75,17 @@ def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int]) 
                    suffix)
 
 
-def manager(home: Path, n_layers: int, fingerprint: str = "fp-test") -> CacheManager:
+def manager(home: Path, n_layers: int, fingerprint: str = "fp-test", agents: tuple[str, ...] = ("a", "b"),
+            **options: Any) -> CacheManager:
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:  # agents must exist (foreign key), as the API ensures
         from app.store.history import touch_agent, utcnow
-        for agent in ("a", "b"):
+        for agent in agents:
             touch_agent(session, agent, "direct", utcnow())
     return CacheManager(fingerprint=fingerprint, n_layers=n_layers, dtype=mx.float32, blocks_dir=home / "blocks",
-                        sessions=sessions, budget_bytes=1 << 30)
+                        sessions=sessions, budget_bytes=1 << 30, **options)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -161,4 +163,28 @@ def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
     lease = caches.lease("a", as_prompt(prompts["a"] + more))  # warm -> hot from disk
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
+    caches.close()
+
+
+def test_a_hot_ttl_sends_an_unused_agent_to_disk(tmp_path: Path) -> None:
+    """Anthropic cache_control: an agent kept hot for N seconds goes warm when
+    unused that long, and comes back from disk unchanged."""
+    model = build("llama")
+    now = [1000.0]
+    caches = manager(tmp_path, len(model.layers), agents=("brief", "lasting", "no hint"), clock=lambda: now[0])
+    rng = np.random.default_rng(5)
+    prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("brief", "lasting", "no hint")}
+    for (agent, tokens), ttl in zip(prompts.items(), (300.0, 3600.0, None)):
+        lease = caches.lease(agent, as_prompt(tokens))
+        forward(model, lease.cache, tokens)
+        caches.commit(agent, lease, CacheRecord(*_record_fields(tokens)), lease.cache, hot_ttl_s=ttl)
+    assert caches.expire_hot() == []
+    now[0] += 301
+    assert caches.expire_hot() == ["brief"]
+    assert caches.record("brief") is None and caches.record("lasting") and caches.record("no hint")
+    caches.flush(30)
+    more, tokens = [1, 2, 3], prompts["brief"]
+    lease = caches.lease("brief", as_prompt(tokens + more))  # warm -> hot from disk
+    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, len(model.layers), tokens, more))
     caches.close()
