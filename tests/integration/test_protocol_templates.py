@@ -1,0 +1,71 @@
+"""Tool, thinking and prefill conversations through the real chat templates of both models.
+
+Gemma 3's template merges the system prompt into the first user turn and
+insists that roles alternate; SmolLM2's ChatML does neither. Everything the
+protocols produce must render through both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.engine.model import LoadedModel, load_model
+from app.engine.prompting import render_chat, render_conversation_start
+from app.protocol import anthropic, openai
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                             "parameters": {"type": "object"}}}]
+OPENAI_TOOL_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "Rainy"},
+    {"role": "user", "content": "So?"},
+]
+ANTHROPIC_TOOL_TURN = [
+    {"role": "user", "content": "List files."},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Use ls.", "signature": "s"},
+                                      {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}]},
+    {"role": "assistant", "content": "There is"},  # a prefill
+]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model(request: pytest.FixtureRequest) -> LoadedModel:
+    return load_model(request.param, request.getfixturevalue(f"{request.param}_dir"))
+
+
+def turn(module: Any, messages: list[dict[str, Any]], **body: Any) -> Any:
+    return module.parse_request({"model": "m", "max_tokens": 8, "messages": messages, **body}, max_output_tokens=64)
+
+
+def test_openai_tool_conversation_renders(model: LoadedModel) -> None:
+    parsed = turn(openai, OPENAI_TOOL_TURN, tools=WEATHER, tool_choice="required")
+    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_start)
+    call = prompt.text.index('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    results = prompt.text.index("<tool_response>\nSunny\n</tool_response>\n<tool_response>\nRainy\n</tool_response>\nSo?")
+    assert call < results and prompt.text.endswith('<tool_call>\n{"name": "')
+    assert prompt.n_tokens == len(model.tokenizer._tokenizer.encode(prompt.text, add_special_tokens=False))
+
+
+def test_anthropic_tools_thinking_and_prefill_render(model: LoadedModel) -> None:
+    parsed = turn(anthropic, ANTHROPIC_TOOL_TURN, system="Be brief.",
+                  tools=[{"name": "Bash", "input_schema": {"type": "object"}}])
+    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_start)
+    assert '<think>Use ls.</think>\n<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}' in prompt.text
+    assert "<tool_response>\na.txt\n</tool_response>" in prompt.text
+    assert prompt.text.endswith("There is")  # the model continues the prefill, no turn break
+
+
+def test_conversation_start_is_a_prefix_of_every_first_turn(model: LoadedModel) -> None:
+    """What POST /v1/agents prefills is where every first turn under that system prompt starts."""
+    start = render_conversation_start(model.tokenizer, "You plan trips.")
+    assert start is not None and "You plan trips." in start.text
+    for question in ("Where to?", "A very different first message, with <tags> and émojis 🎉"):
+        first = turn(anthropic, [{"role": "user", "content": question}], system="You plan trips.")
+        assert render_chat(model.tokenizer, first.messages).text.startswith(start.text)
