@@ -51,7 +51,8 @@ class Settings:
     threads: int = 8
     # Reuse KV caches across turns (0 = every prompt is prefilled cold).
     cache_reuse: bool = True
-    # Bytes of 4-bit KV blocks kept in memory (the hot tier); the rest waits on disk.
+    # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float
+    # working copy of the most recently used agent; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
     # Seconds an agent's cache stays on disk after its last access, for agents that
     # set no TTL of their own (the worker's expire job makes it cold after that).

@@ -53,7 +53,7 @@ class Metrics:
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)
         for name, doc, read in (
-            ("semantic_cache_pool_bytes", "4-bit KV bytes in the memory pool",
+            ("semantic_cache_pool_bytes", "KV bytes in memory: 4-bit blocks and the float working copy",
              lambda s: s.pool_bytes),
             ("semantic_cache_pool_budget_bytes", "Memory pool budget", lambda s: s.budget_bytes),
             ("semantic_cache_hot_agents", "Agents whose cache is in memory", lambda s: s.hot_agents),

@@ -87,6 +87,7 @@ class CacheManager:
         self._agents: dict[str, AgentCache] = {}
         # Float copies of the most recent agents' caches, equal to their dequantized
         # blocks: their next turn skips dequantization (about 0.2 s per 1K tokens on CPU).
+        # Their bytes count against the pool's budget as the agent's private bytes.
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
         self._working_copies = working_copies
         self._n_spilled = 0
@@ -126,6 +127,7 @@ class CacheManager:
             assert agent.tail is not None
             blocks.append(agent.tail)
         cache = self._working.pop(agent_id, None)  # the lease owns it until commit
+        self._pool.set_private(agent_id, agent.private_bytes)
         if cache is not None and cache[0].offset == agent.record.n_tokens:
             for layer in cache:
                 layer.trim(layer.offset - n_reused)
@@ -264,8 +266,11 @@ class CacheManager:
             return
         overwrite_with_stored(cache, computed, start)
         self._working[agent_id] = cache
+        self._pool.set_private(agent_id, self._agents[agent_id].private_bytes + _nbytes(cache))
         while len(self._working) > self._working_copies:
-            self._working.popitem(last=False)
+            dropped, _ = self._working.popitem(last=False)
+            if dropped in self._agents:
+                self._pool.set_private(dropped, self._agents[dropped].private_bytes)
 
     def _enforce_budget(self, keep: str) -> None:
         for victim in self._pool.lru_agents(keep=keep):
@@ -339,6 +344,11 @@ class CacheManager:
                 blockfiles.quarantine(path, self._files.root)
         for path in orphans:  # intact blocks nobody references any more
             Path(path).unlink(missing_ok=True)
+
+
+def _nbytes(cache: list[KVCache]) -> int:
+    """Memory a float working cache holds (its allocated buffers)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache if layer.keys is not None)
 
 
 def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:

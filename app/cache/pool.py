@@ -47,6 +47,11 @@ class BlockPool:
         self._agents.move_to_end(agent)
         return self._release(previous)
 
+    def set_private(self, agent: str, nbytes: int) -> None:
+        """What a hot agent holds besides shared blocks (its tail, its float working copy)."""
+        if agent in self._agents:
+            self._agents[agent] = nbytes
+
     def touch(self, agent: str) -> None:
         if agent in self._agents:
             self._agents.move_to_end(agent)

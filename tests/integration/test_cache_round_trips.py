@@ -188,3 +188,19 @@ def test_a_hot_ttl_sends_an_unused_agent_to_disk(tmp_path: Path) -> None:
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, len(model.layers), tokens, more))
     caches.close()
+
+
+def test_the_float_working_copy_counts_against_the_memory_budget(tmp_path: Path) -> None:
+    model = build("llama")
+    caches = manager(tmp_path, len(model.layers))
+    tokens = np.random.default_rng(9).integers(0, VOCAB, 300).tolist()
+    lease = caches.lease("a", as_prompt(tokens))
+    forward(model, lease.cache, tokens)
+    caches.commit("a", lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    with_copy = caches.stats().pool_bytes
+    caches.lease("a", as_prompt(tokens + [1]))  # the lease takes the working copy out of the pool
+    args = FAMILIES["llama"]
+    float_bytes = 300 * args["num_hidden_layers"] * 2 * args["num_key_value_heads"] * \
+        (args["hidden_size"] // args["num_attention_heads"]) * 4
+    assert with_copy - caches.stats().pool_bytes >= float_bytes
+    caches.close()
