@@ -67,21 +67,46 @@ def test_jobs_run_compact_records_the_run(tmp_path: Path) -> None:
     assert query(tmp_path / "semantic.db", "SELECT name, status FROM job_runs") == [("compact", "ok")]
 
 
-def test_worker_migrates_at_start(tmp_path: Path) -> None:
+def wait_for(check, timeout_s: float = 60) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_the_worker_migrates_and_its_consumer_runs_queued_jobs(tmp_path: Path) -> None:
     env = {**os.environ, "SEMANTIC_HOME": str(tmp_path)}
     process = subprocess.Popen([sys.executable, "-m", "app", "worker"], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    db = tmp_path / "semantic.db"
     try:
-        deadline = time.monotonic() + 60
-        tables: list[tuple[str]] = []
-        while time.monotonic() < deadline and ("requests",) not in tables:
-            time.sleep(0.5)
-            if (tmp_path / "semantic.db").exists():
-                tables = query(tmp_path / "semantic.db", "SELECT name FROM sqlite_master WHERE type = 'table'")
-        assert ("requests",) in tables and process.poll() is None
+        assert wait_for(lambda: db.exists() and ("requests",) in query(
+            db, "SELECT name FROM sqlite_master WHERE type = 'table'"))
+        assert process.poll() is None
+        # Calling a Huey task enqueues it in huey.db; the running consumer executes it.
+        subprocess.run([sys.executable, "-c", "from worker.tasks import JOBS\nfor job in JOBS.values(): job()"],
+                       cwd=ROOT, env=env, check=True, timeout=60)
+        assert wait_for(lambda: len(query(db, "SELECT name FROM job_runs")) == 3), process.stdout
+        assert sorted(name for (name,) in query(db, "SELECT name FROM job_runs")) == ["compact", "evict", "expire"]
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_periodic_schedules() -> None:
+    from datetime import datetime
+
+    from worker.tasks import compact, evict, expire
+
+    def minutes(task) -> list[int]:  # type: ignore[no-untyped-def]
+        check = task.task_class().validate_datetime
+        return [m for m in range(60) if check(datetime(2026, 1, 1, 3, m))]
+
+    assert minutes(expire) == list(range(0, 60, 10))
+    assert minutes(evict) == list(range(5, 60, 10))
+    assert minutes(compact) == [17]
 
 
 def test_sql_prints_a_table_and_refuses_writes(tmp_path: Path) -> None:
