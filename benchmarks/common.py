@@ -78,3 +78,22 @@ def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | N
             elif event["type"] == "message_delta":
                 usage.update(event["usage"])
     return ttft or time.perf_counter() - start, "".join(text), usage
+
+
+def openai_stream(url: str, body: dict[str, Any]) -> tuple[float, str, dict]:
+    """POST a streaming chat completion to ``url``: (seconds to the first content
+    delta, reply text, usage if the server sent it)."""
+    start = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage.update(chunk.get("usage") or {})
+            for choice in chunk.get("choices") or []:
+                if choice.get("delta", {}).get("content"):
+                    ttft = ttft or time.perf_counter() - start
+                    text.append(choice["delta"]["content"])
+    return ttft or time.perf_counter() - start, "".join(text), usage

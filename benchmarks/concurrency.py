@@ -12,7 +12,6 @@ benchmarks/results/concurrency.json and concurrency.png.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -21,14 +20,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from benchmarks.peer import SYSTEM  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
@@ -43,22 +41,11 @@ def agent(url: str, name: str, turns: int) -> list[tuple[float, int]]:
     out = []
     for _ in range(turns):
         history.append({"role": "user", "content": user_message(rng, 150)})
-        body = {"model": "m", "messages": history, "max_tokens": REPLY_TOKENS, "temperature": 0, "stream": True,
+        body = {"model": "m", "messages": history, "max_tokens": REPLY_TOKENS, "temperature": 0,
                 "stream_options": {"include_usage": True}, "session_id": name}
-        start, ttft, text, n_output = time.perf_counter(), None, [], 0
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    n_output = chunk["usage"]["completion_tokens"]
-                for choice in chunk["choices"]:
-                    if choice["delta"].get("content"):
-                        ttft = ttft or time.perf_counter() - start
-                        text.append(choice["delta"]["content"])
-        history.append({"role": "assistant", "content": "".join(text)})
-        out.append((ttft or time.perf_counter() - start, n_output))
+        ttft, text, usage = openai_stream(f"{url}/v1/chat/completions", body)
+        history.append({"role": "assistant", "content": text})
+        out.append((ttft, usage.get("completion_tokens", 0)))
     return out
 
 

@@ -14,7 +14,6 @@ benchmarks/results/peer.json and peer.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.blas import find_openblas  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from conftest import free_port, start_server, stop_server  # noqa: E402
 
@@ -41,21 +40,9 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer each
 
 def stream_turn(url: str, messages: list[dict], extra: dict) -> tuple[float, str]:
     """(seconds to the first content delta, reply text) of one streamed chat completion."""
-    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 16, "temperature": 0,
-            "stream": True, **extra}
-    start = time.perf_counter()
-    ttft, text = None, []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            content = choices[0].get("delta", {}).get("content")
-            if content:
-                ttft = ttft or time.perf_counter() - start
-                text.append(content)
-    return ttft or time.perf_counter() - start, "".join(text)
+    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 16, "temperature": 0, **extra}
+    ttft, text, _ = openai_stream(f"{url}/v1/chat/completions", body)
+    return ttft, text
 
 
 class MlxLmServer:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import tools
-from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking
+from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
@@ -319,9 +319,8 @@ def _signature(thinking: str) -> str:
 
 def content_blocks(message_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
     """The reply's content blocks: thinking, text and tool_use, as the request allows."""
-    parser = ReplyParser.for_turn(parsed)
     blocks: list[dict[str, Any]] = []
-    for part in [*parser.feed(text), *parser.finish()]:
+    for part in parse_reply(parsed, text):
         if isinstance(part, tools.ToolCall):
             blocks.append({"type": "tool_use", "id": _tool_id(message_id, len(blocks)), "name": part.name,
                            "input": part.arguments})

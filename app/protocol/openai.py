@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import tools
-from app.protocol.reply import ReplyParser
+from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn
 from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
@@ -244,10 +244,9 @@ def _finish_reason(finished: Finished, called: bool) -> str:
 
 def reply_message(completion_id: str, parsed: ParsedTurn, text: str) -> dict[str, Any]:
     """The assistant message: its text and, when tools were offered, its tool calls."""
-    parser = ReplyParser.for_turn(parsed)
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for part in [*parser.feed(text), *parser.finish()]:
+    for part in parse_reply(parsed, text):
         if isinstance(part, tools.ToolCall):
             calls.append(_tool_call(completion_id, len(calls), part))
         elif isinstance(part, str):

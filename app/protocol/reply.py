@@ -90,3 +90,9 @@ class ReplyParser:
         if not text:
             return []
         return list(self._calls.feed(text)) if self._calls is not None else [text]
+
+
+def parse_reply(turn: ParsedTurn, text: str) -> list[Part]:
+    """A whole reply's parts, as ``turn`` asks them to be found."""
+    parser = ReplyParser.for_turn(turn)
+    return [*parser.feed(text), *parser.finish()]
