@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -21,8 +22,19 @@ def _configure_logging(settings: Settings) -> None:
 def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     from app.main import serve
 
-    serve(settings)
-    return 0
+    code = 0
+    try:
+        serve(settings)
+    except SemanticError as exc:
+        print(f"semantic: error: {exc}", file=sys.stderr)
+        code = 2
+    # Everything is stopped and written by now. Exit without running static destructors:
+    # MLX's CPU backend sometimes aborts in them (std::terminate on a joinable thread),
+    # which would turn a clean Ctrl-C or SIGTERM into exit status 134.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
@@ -52,6 +64,14 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     columns, rows = run_readonly(settings.db_path, args.query)
     print(format_table(columns, rows))
     return 0
+
+
+def cmd_status(settings: Settings, _args: argparse.Namespace) -> int:
+    from app.status import collect, format_report
+
+    report = collect(settings)
+    print(format_report(report))
+    return 0 if report.health is not None and report.health.get("status") == "ok" else 1
 
 
 def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
@@ -105,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8000)")
     serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, or a directory")
+    serve.add_argument("--no-worker", dest="worker", action="store_false", default=None,
+                       help="serve only; run `semantic worker` separately")
     serve.set_defaults(handler=cmd_serve)
 
     worker = commands.add_parser("worker", help="run the Huey consumer (periodic cache jobs)")
@@ -122,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     sql.set_defaults(handler=cmd_sql)
 
     commands.add_parser("config", help="print the effective settings").set_defaults(handler=cmd_config)
+    commands.add_parser("status", help="the running server's health, pool, caches, disk use and last job runs"
+                        ).set_defaults(handler=cmd_status)
 
     models = commands.add_parser("models", help="import and list models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
@@ -140,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
-                                 model=getattr(args, "model", None))
+                                 model=getattr(args, "model", None), worker=getattr(args, "worker", None))
         _configure_logging(settings)
         return int(args.handler(settings, args))
     except SemanticError as exc:

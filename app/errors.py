@@ -50,5 +50,13 @@ class Unauthorized(SemanticError):
     """An API key is configured and the request did not carry it."""
 
 
+class Forbidden(SemanticError):
+    """The request came from a web page or a host name this server does not serve."""
+
+
+class UnsupportedMediaType(SemanticError):
+    """The request body is not JSON."""
+
+
 class RequestTooLarge(SemanticError):
     """The request body exceeds the configured limit."""

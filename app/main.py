@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
+import _thread
 import logging
 import signal
 import sys
+import threading
+from typing import TYPE_CHECKING
 
 import falcon
 
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
+from app.api.local_only import LocalOnlyMiddleware
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
+from app.errors import ConfigError, EngineUnavailable, NotFound
 from app.settings import Settings
+from app.worker_process import start_worker, stop_worker
+
+if TYPE_CHECKING:
+    from app.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
 def create_app(deps: Deps) -> falcon.App:
     """The WSGI application. Tests build it with their own dependencies."""
-    app = falcon.App(middleware=[RequestContextMiddleware(), AuthMiddleware(deps.settings.api_key),
-                                 BodyLimitMiddleware(deps.settings.max_body_bytes)])
+    settings = deps.settings
+    app = falcon.App(middleware=[
+        RequestContextMiddleware(),
+        LocalOnlyMiddleware(settings.host, settings.allowed_origins, settings.allowed_hosts),
+        AuthMiddleware(settings.api_key),
+        BodyLimitMiddleware(settings.max_body_bytes),
+    ])
     app.req_options.strip_url_path_trailing_slash = True
     add_routes(app, deps)
     add_error_handlers(app)
@@ -28,34 +42,69 @@ def create_app(deps: Deps) -> falcon.App:
 
 
 def serve(settings: Settings) -> None:
-    """Load BLAS, migrate, load the model, then serve until SIGINT/SIGTERM."""
-    from app.engine.blas import blas_in_use, load_fast_blas
+    """Load BLAS, migrate, bind the port, then load the model while answering
+    ``/health`` with "loading"; serve until SIGINT/SIGTERM.
+
+    Raises:
+        ConfigError: the port cannot be bound (in use, not allowed).
+        EngineUnavailable: the model failed to load.
+    """
+    from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)
     # Imported only now: MLX must see OpenBLAS first.
     import waitress
 
+    from app.catalog.embedded import EMBEDDED
     from app.catalog.registry import ensure_embedded, model_path
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import make_engine, make_session_factory, upgrade
 
     upgrade(settings.db_url)
     path = model_path(settings.models_dir, settings.model)
-    if not (path / "config.json").exists():
-        path = ensure_embedded(settings.models_dir, settings.model)
+    installed = (path / "config.json").exists()
+    if not installed and settings.model not in EMBEDDED:
+        raise NotFound(f"model {settings.model!r} is not installed in {settings.models_dir} and is not embedded")
     sessions = make_session_factory(make_engine(settings.db_url))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse)
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
-                    prefill_step_size=settings.prefill_step_size, repetition_penalty=settings.repetition_penalty)
-    engine.start()
-    status = engine.status()
-    log.info("model %s on %s, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),
-             "on" if settings.cache_reuse else "OFF")
+                    prefill_step_size=settings.prefill_step_size, repetition_penalty=settings.repetition_penalty,
+                    install=None if installed else lambda: ensure_embedded(settings.models_dir, settings.model))
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    log.info("serving on http://%s:%d", settings.host, settings.port)
     try:
-        waitress.serve(app, host=settings.host, port=settings.port, threads=settings.threads,
-                       ident="semantic", channel_timeout=600, _quiet=True)
+        # channel_request_lookahead keeps reading each socket during a request, so a
+        # client that hangs up is noticed (waitress.client_disconnected) and its work cancelled.
+        server = waitress.create_server(app, host=settings.host, port=settings.port, threads=settings.threads,
+                                        ident="semantic", channel_timeout=600, channel_request_lookahead=1)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    engine.start_loading()
+    threading.Thread(target=_report_loaded, args=(engine, settings), name="semantic-load-watch", daemon=True).start()
+    worker = start_worker() if settings.worker else None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    log.info("listening on http://%s:%d (model loading; /health says when ready)", settings.host, settings.port)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.close()
+        if worker is not None:
+            stop_worker(worker)
         engine.stop()
+    engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
+
+
+def _report_loaded(engine: Engine, settings: Settings) -> None:
+    """Log when the model is ready; stop the server if it cannot load."""
+    from app.engine.blas import blas_in_use
+
+    try:
+        engine.wait_loaded()
+    except EngineUnavailable as exc:
+        log.error("%s", exc)
+        _thread.interrupt_main()
+        return
+    status = engine.status()
+    log.info("model %s on %s ready, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),
+             "on" if settings.cache_reuse else "OFF")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 from app.errors import ConfigError
+from app.types import RequestDefaults
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -43,6 +44,8 @@ class Settings:
     repetition_penalty: float = 1.0
     # Upper bound for a request's max_tokens; larger values are a 400.
     max_output_tokens: int = 131072
+    # Output bound of requests that set none (OpenAI may omit max_tokens; the direct API too).
+    default_max_tokens: int = 512
     # Tokens per prefill step (bounds peak memory on long prompts).
     prefill_step_size: int = 256
     # Requests waiting for the engine before new ones get 429.
@@ -62,11 +65,20 @@ class Settings:
     disk_budget_bytes: int = 20 * 1024**3
     # When set, every API request must carry it (x-api-key or Authorization: Bearer).
     api_key: str = ""
+    # Web page origins allowed to call the API besides loopback ones (comma-separated,
+    # e.g. "https://chat.example.com"; "*" = any). Requests from other origins get 403.
+    allowed_origins: str = ""
+    # Host names this server answers to besides loopback and its bind address
+    # (comma-separated; "*" = any): the guard against DNS rebinding.
+    allowed_hosts: str = ""
     # Largest accepted request body.
     max_body_bytes: int = 32 * 1024 * 1024
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"
+    # `semantic serve` runs the Huey worker (expire, evict, compact) as its child;
+    # false (`--no-worker`) when the worker is supervised on its own.
+    worker: bool = True
 
     @property
     def db_path(self) -> Path:
@@ -87,6 +99,10 @@ class Settings:
     @property
     def blocks_dir(self) -> Path:
         return self.home / "blocks"
+
+    @property
+    def request_defaults(self) -> RequestDefaults:
+        return RequestDefaults(self.max_output_tokens, self.default_temperature, self.default_max_tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

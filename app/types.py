@@ -31,6 +31,15 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestDefaults:
+    """What the server fills in or bounds when a request leaves it open (settings)."""
+
+    max_output_tokens: int = 131072  # the largest max_tokens accepted
+    default_temperature: float = 1.0  # for requests that name none
+    default_max_tokens: int = 512  # for requests that name none (OpenAI, direct API)
+
+
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """A rendered prompt: its exact text, token ids and each token's end offset in the text."""
 

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
                    "tools", "tool_choice", "thinking")
-DEFAULT_MAX_TOKENS = 1024
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +124,10 @@ class AgentHistoryResource:
 class AgentGenerateResource:
     """Appends the new messages to the stored history, generates, stores the reply."""
 
-    def __init__(self, agents: AgentService, generation: GenerationResource) -> None:
+    def __init__(self, agents: AgentService, generation: GenerationResource, default_max_tokens: int) -> None:
         self._agents = agents
         self._generation = generation
+        self._default_max_tokens = default_max_tokens
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, agent_id: str) -> None:
         agent = self._agents.get(agent_id)
@@ -139,7 +139,7 @@ class AgentGenerateResource:
             history = [{"role": m["role"], "content": m["content"]} for m in self._agents.history(agent_id)]
             body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
             body.setdefault("model", "default")
-            body.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+            body.setdefault("max_tokens", self._default_max_tokens)
             if agent.metadata.get("system_prompt"):
                 body["system"] = agent.metadata["system_prompt"]
             body["messages"] = history + new["messages"]

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import falcon
 
-from app.errors import (ContextTooLong, EngineUnavailable, InvalidModelFile, InvalidRequest,
-                        NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized)
+from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
+                        NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized, UnsupportedMediaType)
 from app.protocol import anthropic, openai
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,9 @@ STATUS: dict[type[SemanticError], int] = {
     ContextTooLong: 400,
     InvalidRequest: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     RequestTooLarge: 413,
+    UnsupportedMediaType: 415,
     NotFound: 404,
     Overloaded: 429,
     EngineUnavailable: 503,

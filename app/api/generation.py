@@ -23,7 +23,7 @@ from app.cache.hashing import BLOCK_TOKENS
 from app.errors import NotFound, SemanticError
 from app.protocol.turn import ParsedTurn
 from app.settings import Settings
-from app.types import Finished, GenerationEvent, GenerationRequest, TextDelta
+from app.types import Finished, GenerationEvent, GenerationRequest, RequestDefaults, TextDelta
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -37,7 +37,7 @@ class Dialect:
     """How one protocol speaks. Every function is pure."""
 
     name: str  # anthropic / openai: the requests.protocol column
-    parse: Callable[..., ParsedTurn]
+    parse: Callable[[Any, RequestDefaults], ParsedTurn]
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
     render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
@@ -81,19 +81,20 @@ class GenerationResource:
         """Serve one generation whose request body ``body()`` returns; ``agent``
         overrides identity resolution (the direct API names it in the URL)."""
         turn, job = self._start(req, body, agent)
+        # waitress tells whether the client hung up (the server keeps reading the socket).
+        client_gone = req.env.get("waitress.client_disconnected")
         if turn.parsed.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("cache-control", "no-cache")
-            resp.stream = SseStream(self._stream(turn, job), job.cancel)
+            resp.stream = SseStream(self._stream(turn, job, client_gone), job.cancel)
             return
-        text, finished = self._collect(turn, job)
+        text, finished = self._collect(turn, job, client_gone)
         resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
 
     def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
         try:
-            parsed = self._dialect.parse(body(), max_output_tokens=self._settings.max_output_tokens,
-                                         default_temperature=self._settings.default_temperature)
+            parsed = self._dialect.parse(body(), self._settings.request_defaults)
             self._check_model(parsed.model)
             prompt = self._engine.render(parsed.messages, parsed.reply_start)
             agent = (agent or self._dialect.named_agent(req.headers, parsed)
@@ -126,10 +127,10 @@ class GenerationResource:
         self._agents.complete(turn.request_id, turn.agent, received, reply, finished)
         self._metrics.observe(self._dialect.name, finished)
 
-    def _collect(self, turn: Turn, job: Job) -> tuple[str, Finished]:
+    def _collect(self, turn: Turn, job: Job, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:
         parts: list[str] = []
         try:
-            for event in job.events():
+            for event in job.events(client_gone):
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):
@@ -141,11 +142,11 @@ class GenerationResource:
             raise
         raise AssertionError("engine events ended without Finished")
 
-    def _stream(self, turn: Turn, job: Job) -> Iterator[bytes]:
+    def _stream(self, turn: Turn, job: Job, client_gone: Callable[[], bool] | None) -> Iterator[bytes]:
         parts: list[str] = []
 
         def observed() -> Iterator[GenerationEvent]:
-            for event in job.events():
+            for event in job.events(client_gone):
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):

@@ -37,7 +37,7 @@ class HealthResource:
         status = self._engine.status()
         resp.status = falcon.HTTP_200 if status.healthy else falcon.HTTP_503
         resp.media = {
-            "status": "ok" if status.healthy else "unavailable",
+            "status": "ok" if status.healthy else "loading" if status.loading else "unavailable",
             "model": status.model,
             "backend": status.backend,
             "blas": blas_in_use(),

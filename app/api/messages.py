@@ -12,7 +12,7 @@ from app.api.generation import Dialect
 from app.api.sse import frame
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
-from app.types import GenerationEvent
+from app.types import GenerationEvent, RequestDefaults
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -43,13 +43,13 @@ ANTHROPIC = Dialect(
 class CountTokensResource:
     """The exact number of tokens the messages endpoint would prefill cold."""
 
-    def __init__(self, engine: Engine, max_output_tokens: int) -> None:
+    def __init__(self, engine: Engine, defaults: RequestDefaults) -> None:
         self._engine = engine
-        self._max_output_tokens = max_output_tokens
+        self._defaults = defaults
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         body = read_json(req)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # not required here
-        parsed = anthropic.parse_request(body, max_output_tokens=self._max_output_tokens)
+        parsed = anthropic.parse_request(body, self._defaults)
         resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_start).n_tokens}

@@ -70,7 +70,8 @@ class Metrics:
         self.cache_read_tokens.inc(finished.n_cached_tokens)
         self.output_tokens.inc(finished.n_output_tokens)
         self.outcomes.labels(finished.match_outcome).inc()
-        self.ttft.observe(finished.ttft_s)
+        if finished.n_output_tokens:
+            self.ttft.observe(finished.ttft_s)
         decode_s = finished.total_s - finished.ttft_s
         if finished.n_output_tokens > 1 and decode_s > 0:
             self.decode_rate.observe((finished.n_output_tokens - 1) / decode_s)

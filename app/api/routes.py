@@ -34,7 +34,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
-    app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.max_output_tokens))
+    app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_defaults))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
@@ -42,5 +42,5 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     direct = GenerationResource(replace(ANTHROPIC, name="direct"), deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))
-    app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct))
+    app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))
     app.add_route("/v1/agents/{agent_id}/history", AgentHistoryResource(deps.agents))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,6 +38,7 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class EngineStatus:
     healthy: bool
+    loading: bool  # the model is still being loaded
     model: str | None
     backend: str
     dtype: str | None
@@ -51,8 +52,17 @@ class Engine:
     """Owns the engine thread. Start it, then render prompts and submit them."""
 
     def __init__(self, model_name: str, model_path: Path, cache: CacheConfig, *, dtype: str = "auto",
-                 max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0) -> None:
-        self._runner = Runner(lambda: load_model(model_name, model_path, dtype), cache.manager_for,
+                 max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
+                 install: Callable[[], object] | None = None) -> None:
+        """``install``, if given, runs on the engine thread before loading (e.g. the first
+        import of an embedded model into ``model_path``), while the server already answers."""
+
+        def load() -> LoadedModel:
+            if install is not None:
+                install()
+            return load_model(model_name, model_path, dtype)
+
+        self._runner = Runner(load, cache.manager_for,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               repetition_penalty=repetition_penalty)
         self.started_at = time.time()
@@ -63,7 +73,19 @@ class Engine:
         Raises:
             EngineUnavailable: loading failed (the cause is chained).
         """
+        self.start_loading()
+        self.wait_loaded(timeout_s)
+
+    def start_loading(self) -> None:
+        """Start the thread; the model loads in the background (``status().loading``)."""
         self._runner.start()
+
+    def wait_loaded(self, timeout_s: float | None = None) -> None:
+        """Wait until loading finished.
+
+        Raises:
+            EngineUnavailable: loading failed (the cause is chained).
+        """
         self._runner.ready.wait(timeout_s)
         if self._runner.load_error is not None:
             raise EngineUnavailable(f"model failed to load: {self._runner.load_error}") from self._runner.load_error
@@ -76,7 +98,8 @@ class Engine:
     @property
     def loaded(self) -> LoadedModel:
         if self._runner.loaded is None:
-            raise EngineUnavailable("the model is not loaded")
+            raise EngineUnavailable("the model is still loading" if not self._runner.ready.is_set()
+                                    else "the model is not loaded")
         return self._runner.loaded
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
@@ -104,7 +127,8 @@ class Engine:
     def status(self) -> EngineStatus:
         loaded = self._runner.loaded
         return EngineStatus(
-            healthy=self._runner.is_alive() and loaded is not None,
+            healthy=self._runner.is_alive() and self._runner.ready.is_set() and self._runner.caches is not None,
+            loading=not self._runner.ready.is_set(),
             model=loaded.name if loaded else None,
             backend=backend_name(),
             dtype=loaded.dtype if loaded else None,

@@ -7,6 +7,7 @@ raises) instead of hanging.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -61,13 +62,19 @@ class Job:
     def put(self, event: GenerationEvent | Failed) -> None:
         self._events.put(event)
 
-    def events(self) -> Iterator[GenerationEvent]:
+    def events(self, client_gone: Callable[[], bool] | None = None) -> Iterator[GenerationEvent]:
         """Events as the engine produces them, ending with ``Finished``.
+
+        ``client_gone`` is polled while waiting: once it says the client left, the
+        job is cancelled (dropped if still queued, stopped between prefill chunks
+        or at the next token) and the events end with a cancelled ``Finished``.
 
         Raises:
             EngineUnavailable: the generation failed or the engine thread died.
         """
         while True:
+            if client_gone is not None and not self.cancelled and client_gone():
+                self.cancel()
             try:
                 event = self._events.get(timeout=POLL_S)
             except queue.Empty:
@@ -79,6 +86,10 @@ class Job:
             yield event
             if isinstance(event, Finished):
                 return
+
+
+class PrefillCancelled(Exception):
+    """Raised between prefill chunks when the job was cancelled."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,10 @@ class Runner(threading.Thread):
                 except Exception as exc:  # handed to the caller
                     job.result.set_exception(exc)
                 continue
+            if job.cancelled:  # the client left while it waited
+                log.info("request %s: cancelled while queued", job.request.request_id)
+                job.put(_cancelled(job.request.prompt.n_tokens, 0, 0.0))
+                continue
             self.n_active = 1
             try:
                 self._generate(job)
@@ -222,10 +237,20 @@ class Runner(threading.Thread):
         ttft = 0.0
         reason: StopReason = "max_tokens"
         stop_sequence: str | None = None
+        def check_cancelled(_done: int, _total: int) -> None:
+            if job.cancelled:
+                raise PrefillCancelled
+
         steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_new, sampler=sampler,
                               logits_processors=self._processors, prompt_cache=lease.cache,
-                              prefill_step_size=self._prefill_step_size)
-        for token, _ in steps:
+                              prefill_step_size=self._prefill_step_size, prompt_progress_callback=check_cancelled)
+        try:
+            first = next(steps, None)
+        except PrefillCancelled:
+            log.info("request %s: cancelled during prefill", request.request_id)
+            job.put(_cancelled(n_prompt, lease.n_reused, time.perf_counter() - started))
+            return
+        for token, _ in itertools.chain([first] if first is not None else [], steps):
             token = int(token)
             if not output:
                 ttft = time.perf_counter() - started
@@ -246,6 +271,8 @@ class Runner(threading.Thread):
             if ends.feed(text):
                 reason = "end_turn"
                 break
+        if reason == "cancelled":
+            log.info("request %s: cancelled after %d output tokens", request.request_id, len(output))
         tail = tracker.finish()
         if reason == "max_tokens":
             check = stops.feed(tail)
@@ -271,3 +298,9 @@ class Runner(threading.Thread):
             n_output_tokens=len(output), ttft_s=ttft, total_s=total,
             match_outcome=lease.outcome, output_token_ids=tuple(output),
         ))
+
+
+def _cancelled(n_prompt: int, n_cached: int, total_s: float) -> Finished:
+    """The end of a generation cancelled before its first token: nothing generated, nothing stored."""
+    return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=n_prompt, n_cached_tokens=n_cached,
+                    n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=total_s)

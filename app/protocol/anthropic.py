@@ -21,7 +21,7 @@ from app.protocol import tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -170,16 +170,16 @@ def session_from_user_id(user_id: str | None) -> str | None:
     return session if isinstance(session, str) and session else None
 
 
-def parse_request(body: Any, *, max_output_tokens: int, default_temperature: float = 1.0) -> ParsedTurn:
+def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
     """Validate a decoded JSON body.
 
     Raises:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(MessagesBody, body)
-    if parsed.max_tokens > max_output_tokens:
+    if parsed.max_tokens > defaults.max_output_tokens:
         raise InvalidRequest(
-            f"max_tokens: {parsed.max_tokens} > {max_output_tokens}, the maximum allowed "
+            f"max_tokens: {parsed.max_tokens} > {defaults.max_output_tokens}, the maximum allowed "
             "number of output tokens", "max_tokens",
         )
     messages: list[ChatMessage] = []
@@ -197,7 +197,7 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
     forced = _forced_call(choice, parsed.tools or [])
     prefill = _prefill(messages, len(parsed.messages) - 1, forced)
     sampling = SamplingParams(
-        temperature=default_temperature if parsed.temperature is None else parsed.temperature,
+        temperature=defaults.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=parsed.top_k or 0,
         max_tokens=parsed.max_tokens,
@@ -452,7 +452,7 @@ def render_events(message_id: str, parsed: ParsedTurn,
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
     429: "rate_limit_error", 500: "api_error", 503: "api_error", 529: "overloaded_error",
 }
 

@@ -27,7 +27,7 @@ from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
 
 
 class _Strict(BaseModel):
@@ -187,16 +187,17 @@ def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
     return tools.render_tools_system(offered), forced
 
 
-def parse_request(body: Any, *, max_output_tokens: int, default_temperature: float = 1.0) -> ParsedTurn:
-    """Validate a decoded JSON body.
+def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
+    """Validate a decoded JSON body. Without ``max_tokens`` (or ``max_completion_tokens``)
+    the reply is bounded by ``defaults.default_max_tokens``, as ``mlx_lm.server`` does.
 
     Raises:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(ChatBody, body)
-    limit = parsed.max_completion_tokens or parsed.max_tokens or max_output_tokens
-    if limit > max_output_tokens:
-        raise InvalidRequest(f"max_tokens: {limit} > {max_output_tokens}, the maximum allowed", "max_tokens")
+    limit = parsed.max_completion_tokens or parsed.max_tokens or defaults.default_max_tokens
+    if limit > defaults.max_output_tokens:
+        raise InvalidRequest(f"max_tokens: {limit} > {defaults.max_output_tokens}, the maximum allowed", "max_tokens")
     messages = _chat_messages(parsed.messages)
     tools_system, forced = _tool_setup(parsed)
     if tools_system:
@@ -206,7 +207,7 @@ def parse_request(body: Any, *, max_output_tokens: int, default_temperature: flo
             messages.insert(0, ChatMessage("system", tools_system))
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
-        temperature=default_temperature if parsed.temperature is None else parsed.temperature,
+        temperature=defaults.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, stop_sequences=stops, end_after=(tools.CALL_END,) if tools_system else (),
     )
@@ -308,8 +309,8 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
     yield "[DONE]"
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+               404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
 ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large", 429: "rate_limit_exceeded"}
 
 

@@ -149,6 +149,12 @@ def candidates_for_chain(session: Session, fingerprint: str, chain: Sequence[str
     return sorted(found, key=lambda item: -item[2])
 
 
+def caches_by_tier(session: Session) -> dict[str, int]:
+    """Stored caches per tier (warm / cold), all models."""
+    rows = session.execute(select(Cache.tier, func.count()).group_by(Cache.tier))
+    return {tier: int(n) for tier, n in rows}
+
+
 def count_caches(session: Session, fingerprint: str) -> int:
     """Agents with a stored (warm or hot) cache for this model."""
     return session.scalar(select(func.count()).select_from(Cache).where(

@@ -19,7 +19,7 @@ from app.errors import ConfigError
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_MS = 10_000
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

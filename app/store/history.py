@@ -65,6 +65,8 @@ def fail_request(session: Session, request_id: str, *, status: str, error_type: 
         row = Request(id=request_id, protocol=protocol or "unknown", status=status, created_at=now)
         session.add(row)
     row.status = status
+    if status == "cancelled":
+        row.stop_reason = "cancelled"
     row.error_type = error_type
     row.error_message = message[:2000]
     row.finished_at = now

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable
@@ -184,3 +185,19 @@ def run_counts(sessions: sessionmaker[Session]) -> list[tuple[str, str, int]]:
     with sessions() as session:
         rows = session.execute(select(JobRun.name, JobRun.status, func.count()).group_by(JobRun.name, JobRun.status))
         return [(name, status, int(n)) for name, status, n in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class JobRunView:
+    name: str
+    status: str
+    started_at: datetime
+    finished_at: datetime | None
+    result: dict[str, Any]
+
+
+def last_runs(session: Session) -> list[JobRunView]:
+    """The most recent run of each job, by name."""
+    newest = select(func.max(JobRun.id)).group_by(JobRun.name)
+    rows = session.scalars(select(JobRun).where(JobRun.id.in_(newest)).order_by(JobRun.name))
+    return [JobRunView(r.name, r.status, r.started_at, r.finished_at, dict(r.result or {})) for r in rows]

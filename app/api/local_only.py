@@ -1,0 +1,88 @@
+"""Refuse what a web page could make a browser send: foreign origins, foreign hosts, non-JSON bodies.
+
+A page on any site can make the user's browser POST to ``127.0.0.1:8000``: a
+``text/plain`` POST needs no CORS preflight, and DNS rebinding points a foreign
+name at loopback so even reads look same-origin. So, like other local model
+servers, every request is checked before routing:
+
+- ``Origin`` (browsers send it on cross-site requests): allowed if it is a
+  loopback origin (``localhost``, ``127.0.0.1``, ``[::1]``, any port) or listed
+  in ``allowed_origins``; else 403. Clients that are not browsers send none.
+- ``Host``: when the server listens on loopback, it must name loopback (or an
+  entry of ``allowed_hosts``); a rebound name gets 403. A server bound to all
+  interfaces (``0.0.0.0``) checks only ``allowed_hosts``, when set.
+- A request body must be ``application/json`` (415 otherwise): the content
+  types a page may send without a preflight are all refused.
+
+Allowed origins get CORS headers, so a local web UI can call the API.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import falcon
+
+from app.errors import Forbidden, UnsupportedMediaType
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def split_list(value: str) -> frozenset[str]:
+    """A comma-separated setting as a set of lower-case entries."""
+    return frozenset(item.strip().lower().rstrip("/") for item in value.split(",") if item.strip())
+
+
+def host_name(host_header: str) -> str:
+    """``Host`` without its port: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class LocalOnlyMiddleware:
+    def __init__(self, bind_host: str, allowed_origins: str = "", allowed_hosts: str = "") -> None:
+        self._origins = split_list(allowed_origins)
+        self._hosts = split_list(allowed_hosts)
+        bind = bind_host.strip().lower().strip("[]")
+        self._check_host = bool(self._hosts) or bind not in WILDCARD_BINDS
+        self._known_hosts = LOOPBACK_HOSTS | {bind} | self._hosts
+
+    def origin_allowed(self, origin: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if "*" in self._origins or origin in self._origins:
+            return True
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and (parts.hostname or "") in LOOPBACK_HOSTS
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        if not self._check_host or not host_header or "*" in self._hosts:
+            return True
+        return host_name(host_header) in self._known_hosts
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if not self.host_allowed(req.get_header("HOST")):
+            raise Forbidden(f"host {req.get_header('HOST')!r} is not allowed: this server answers to "
+                            "localhost (add the name to allowed_hosts to serve it)")
+        origin = req.get_header("ORIGIN")
+        if origin is not None:
+            if not self.origin_allowed(origin):
+                raise Forbidden(f"origin {origin!r} is not allowed (add it to allowed_origins to let a web page "
+                                "call this server)")
+            resp.set_header("Access-Control-Allow-Origin", origin)
+            resp.set_header("Vary", "Origin")
+            if req.method == "OPTIONS":  # a CORS preflight from an allowed page
+                resp.set_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
+                resp.set_header("Access-Control-Allow-Headers",
+                                req.get_header("ACCESS-CONTROL-REQUEST-HEADERS") or "content-type")
+                resp.status = falcon.HTTP_204
+                resp.complete = True
+                return
+        if req.method in BODY_METHODS and (req.content_length or 0) > 0:
+            media_type = (req.content_type or "").split(";", 1)[0].strip().lower()
+            if media_type != "application/json":
+                raise UnsupportedMediaType(f"content-type: request bodies must be application/json, "
+                                           f"got {req.content_type or 'none'!r}")

@@ -1,0 +1,83 @@
+"""``semantic status``: what an operator wants to know at a glance, from the running
+server's ``/health`` and from the store (agents by tier, disk use, last job runs)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from app.settings import Settings
+from app.store import cache_index, jobs
+from app.store.db import make_engine, make_session_factory
+
+HEALTH_TIMEOUT_S = 3
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    url: str
+    health: dict[str, Any] | None  # None: no server answers at ``url``
+    tiers: dict[str, int]  # stored caches per tier
+    disk_bytes: int
+    disk_budget_bytes: int
+    jobs: list[jobs.JobRunView]
+
+
+def read_health(url: str) -> dict[str, Any] | None:
+    """The server's /health document (also when it answers 503: loading, unavailable)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"{}")
+    except (OSError, ValueError):
+        return None
+
+
+def collect(settings: Settings) -> StatusReport:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    url = f"http://{host}:{settings.port}"
+    tiers, disk, runs = {}, 0, []
+    if settings.db_path.exists():  # the server or the worker created and migrated it
+        engine = make_engine(settings.db_url)
+        try:
+            with make_session_factory(engine)() as session:
+                tiers = cache_index.caches_by_tier(session)
+                disk = jobs.disk_bytes(session)
+                runs = jobs.last_runs(session)
+        finally:
+            engine.dispose()
+    return StatusReport(url, read_health(url), tiers, disk, settings.disk_budget_bytes, runs)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_report(report: StatusReport) -> str:
+    health = report.health
+    lines = []
+    if health is None:
+        lines.append(f"server   {report.url}: not running")
+    else:
+        lines.append(f"server   {report.url}: {health.get('status')} (model {health.get('model')}, "
+                     f"{health.get('backend')}, BLAS {health.get('blas')}, up {health.get('uptime_s', 0):.0f} s)")
+        lines.append(f"queue    {health.get('queue_depth', 0)} waiting, {health.get('active_requests', 0)} active")
+    cache = (health or {}).get("cache") or {}
+    if cache:
+        lines.append(f"pool     {_mib(cache['pool_bytes'])} of {_mib(cache['pool_budget_bytes'])}, "
+                     f"{cache['blocks_in_memory']} blocks in memory")
+    hot = cache.get("agents", {}).get("hot", 0)
+    warm = max(report.tiers.get("warm", 0) - hot, 0)
+    lines.append(f"caches   {hot} hot, {warm} warm, {report.tiers.get('cold', 0)} cold")
+    lines.append(f"disk     {_mib(report.disk_bytes)} of cache files (budget {_mib(report.disk_budget_bytes)})")
+    if not report.jobs:
+        lines.append("jobs     none run yet")
+    for i, run in enumerate(report.jobs):
+        summary = ", ".join(f"{k} {v}" for k, v in run.result.items() if isinstance(v, (int, float, bool)))
+        lines.append(f"{'jobs' if i == 0 else '':<8} {run.name:<8} {run.status:<6} "
+                     f"{run.started_at:%Y-%m-%d %H:%M:%S} UTC  {summary}")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The Huey worker as a child of ``semantic serve``, so one command runs the whole system.
+
+The child is ``semantic worker`` in its own process (it never imports MLX). It
+gets SIGINT with the server on Ctrl-C (same process group), is terminated when
+the server stops, and on Linux the kernel kills it if the server dies without
+stopping it (``PR_SET_PDEATHSIG``). Deployments that supervise the worker
+themselves run ``semantic serve --no-worker``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child, between fork and exec
+    if platform.system() == "Linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_worker() -> subprocess.Popen[bytes]:
+    """Start ``semantic worker`` with this process's environment (same settings)."""
+    process = subprocess.Popen([sys.executable, "-m", "app", "worker"], env=os.environ.copy(),
+                               preexec_fn=_die_with_parent)
+    log.info("worker started (pid %d): expire, evict and compact run on their schedules", process.pid)
+    return process
+
+
+def stop_worker(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    """Terminate the worker and wait for it (killed if it does not stop in time)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log.info("worker stopped (exit %s)", process.returncode)

@@ -1,0 +1,85 @@
+"""`semantic serve` as the README's first command runs it: port bound first, /health says
+"loading" until the model is ready, the worker runs as its child, both stop together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import ROOT, free_port
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def semantic_env(home: Path, port: int) -> dict[str, str]:
+    env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_PORT": str(port)}
+    env.pop("SEMANTIC_CONFIG", None)
+    env.pop("SEMANTIC_WORKER", None)
+    return env
+
+
+def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smollm2_dir: Path) -> None:
+    port = free_port()
+    env = semantic_env(tmp_path, port)
+    log = (tmp_path / "serve.log").open("wb")
+    server = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(smollm2_dir)], cwd=ROOT,
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "ok" not in seen:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                seen.append(response.json()["status"])
+                assert response.status_code == (200 if seen[-1] == "ok" else 503)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert seen and seen[0] == "loading" and seen[-1] == "ok", seen
+        workers = [pid for pid in children(server.pid) if "app worker" in cmdline(pid)]
+        assert len(workers) == 1, [cmdline(p) for p in children(server.pid)]
+        status = subprocess.run([sys.executable, "-m", "app", "status"], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert f"http://127.0.0.1:{port}: ok" in status.stdout and "smollm2" in status.stdout
+        for heading in ("queue", "pool", "caches", "disk", "jobs"):
+            assert heading in status.stdout
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+               for pid in workers)
+    assert "worker stopped" in (tmp_path / "serve.log").read_text()
+
+
+def test_a_busy_port_is_a_one_line_error(tmp_path: Path, smollm2_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "app", "serve", "--no-worker", "--model", str(smollm2_dir)],
+                              cwd=ROOT, env=semantic_env(tmp_path, port), capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"semantic: error: cannot listen on 127.0.0.1:{port}: Address already in use"], done.stderr
+
+
+def test_status_without_a_server(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "app", "status"], cwd=ROOT, env=semantic_env(tmp_path, free_port()),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "not running" in done.stdout
