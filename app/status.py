@@ -70,7 +70,7 @@ def format_report(report: StatusReport) -> str:
     if cache:
         lines.append(f"pool     {_mib(cache['pool_bytes'])} of {_mib(cache['pool_budget_bytes'])}, "
                      f"{cache['blocks_in_memory']} blocks in memory")
-    hot = cache.get("agents", {}).get("hot", 0)
+    hot = cache.get("conversations", {}).get("hot", 0)
     warm = max(report.tiers.get("warm", 0) - hot, 0)
     lines.append(f"caches   {hot} hot, {warm} warm, {report.tiers.get('cold', 0)} cold")
     lines.append(f"disk     {_mib(report.disk_bytes)} of cache files (budget {_mib(report.disk_budget_bytes)})")

@@ -58,6 +58,7 @@ class GenerationRequest:
     prompt: Prompt
     sampling: SamplingParams  # max_tokens 0: only prefill the prompt into the agent's cache
     agent_id: str | None = None
+    conversation_id: str | None = None  # whose cache the turn continues and updates
     whole_blocks: bool = False  # reuse only whole shared blocks (OpenAI cache_mode "prefix")
     persist: bool = True  # write the agent's cache to disk (OpenAI ttl 0: memory only)
     hot_ttl_s: float | None = None  # keep it in memory only this long unused (Anthropic cache_control)
@@ -80,6 +81,25 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReuseReport:
+    """How cache reuse ended for one request (cache-miss diagnostics).
+
+    ``reason``: ``extend`` / ``exact`` (the conversation's cache continues), ``diverge``
+    (the conversation's stored text parted from the prompt: an edit), ``sibling``
+    (started from another conversation of the agent), ``shared`` (from blocks another
+    agent stored for the same prefix), ``miss`` (nothing reusable), ``off`` (reuse
+    disabled), ``respell`` (the kept tokens plus the new ones did not spell the prompt).
+    """
+
+    reason: str
+    n_chars: int = 0  # prompt characters served from cache
+    offset: int | None = None  # where the best stored text parted from the prompt
+    stored: str | None = None  # the stored text around ``offset``
+    new: str | None = None  # the prompt around ``offset``
+    part: str | None = None  # the piece of the prompt ``offset`` falls in (set by the API)
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """The last event of a generation."""
 
@@ -93,6 +113,7 @@ class Finished:
     total_s: float
     match_outcome: str = "miss"
     output_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    reuse: ReuseReport | None = None
 
 
 GenerationEvent = Started | TextDelta | Finished

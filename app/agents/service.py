@@ -1,60 +1,74 @@
 """AgentService: the store-side lifecycle of a generation request.
 
-Resources call it at three moments: a request was rejected, a generation
-starts, a generation finished (or failed). Each call is one short transaction,
-so the worker and other requests are never blocked for long and history
-committed before a crash stays committed.
+Resources call it at four moments: which conversation a request continues
+(read only), a generation is accepted, it finished, it failed. Each is one
+short transaction, so the worker and other requests are never blocked for
+long and history committed before a crash stays committed. Nothing about an
+agent is written before the engine accepted its request.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.agents.identity import AgentKey
-from app.cache.hashing import chain_hashes
+from app.agents.identity import AgentKey, new_agent
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
-from app.store import blockfiles, cache_index, history
+from app.store import cache_index, history
+from app.store.history import ReuseDiagnosis, StoredMessage
 from app.types import Finished
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationTarget:
+    """The agent and conversation a request belongs to."""
+
+    agent: AgentKey
+    conversation_id: str
+    system_digest: str
+    n_stored: int  # messages of the conversation already stored (0 for a new one)
 
 
 class AgentService:
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self._sessions = session_factory
 
-    def resume_by_content(self, fingerprint: str, token_ids: Sequence[int], text: str,
-                          block_tokens: int) -> AgentKey | None:
-        """The agent a stateless request continues, found by its content.
-
-        An agent qualifies when its whole cached block chain starts the prompt's
-        chain and its cached text is a prefix of the prompt (the request resends
-        that agent's conversation and adds to it). A shared system prompt alone
-        does not qualify: the other agent's text would not be a prefix.
-        """
-        chain = chain_hashes(fingerprint, token_ids, block_tokens)
+    def resolve(self, named: AgentKey | None, system_digest: str, digests: Sequence[str]) -> ConversationTarget:
+        """The conversation a request continues, by content: the one whose stored messages
+        it resends (same system prompt and tools), of the named agent, or of any agent
+        when none is named; else a new conversation (of a new agent if none is named)."""
         with self._sessions() as session:
-            candidates = cache_index.candidates_for_chain(session, fingerprint, chain)
-        for agent_id, record_path, _ in candidates:
-            try:
-                cached_text = blockfiles.read_metadata(Path(record_path)).get("text", "")
-            except blockfiles.DamagedFile:
-                continue
-            if cached_text and text.startswith(cached_text):
-                return AgentKey(agent_id, "content")
-        return None
+            if named is not None:
+                found = history.find_conversation(session, named.agent_id, system_digest, digests)
+                agent = named
+            else:
+                found = history.find_by_content(session, system_digest, digests)
+                agent = AgentKey(found.agent_id, "content") if found else new_agent()
+        if found is None:
+            return ConversationTarget(agent, history.new_conversation_id(), system_digest, 0)
+        return ConversationTarget(agent, found.conversation_id, system_digest, found.n_messages)
 
     def n_stored_caches(self, fingerprint: str) -> int:
         with self._sessions() as session:
             return cache_index.count_caches(session, fingerprint)
 
-    def create(self, agent_id: str, metadata: dict[str, Any], ttl_seconds: int | None) -> agents_store.AgentView:
-        """Raises InvalidRequest if the id is taken."""
+    def create(self, agent_id: str, metadata: dict[str, Any], ttl_seconds: int | None,
+               conversation: tuple[str, str] | None = None) -> agents_store.AgentView:
+        """Create a direct-API agent, and optionally its first, empty conversation
+        (``(conversation id, system digest)``) whose start is about to be prefilled.
+
+        Raises:
+            InvalidRequest: the id is taken.
+        """
+        now = history.utcnow()
         with self._sessions.begin() as session:
-            if not agents_store.create(session, agent_id, metadata, ttl_seconds, history.utcnow()):
+            if not agents_store.create(session, agent_id, metadata, ttl_seconds, now):
                 raise InvalidRequest(f"id: agent {agent_id!r} already exists", "id")
+            if conversation is not None:
+                history.ensure_conversation(session, conversation[0], agent_id, "direct", now, conversation[1])
         return self.get(agent_id)
 
     def get(self, agent_id: str) -> agents_store.AgentView:
@@ -70,12 +84,16 @@ class AgentService:
             ids = agents_store.list_ids(session, limit, offset)
             return [v for v in (agents_store.view(session, i) for i in ids) if v is not None]
 
-    def history(self, agent_id: str) -> list[dict[str, Any]]:
+    def history(self, agent_id: str, latest_only: bool = False) -> list[dict[str, Any]]:
+        """The agent's messages: every conversation's, or only its most recently used one's."""
         self.get(agent_id)
         with self._sessions() as session:
-            return [{"position": m.position, "role": m.role, "content": m.content,
-                     "created_at": m.created_at.isoformat() + "Z", "request_id": m.request_id}
-                    for m in agents_store.history(session, agent_id)]
+            conversation = agents_store.latest_conversation(session, agent_id) if latest_only else None
+            if latest_only and conversation is None:
+                return []
+            return [{"conversation_id": m.conversation_id, "position": m.position, "role": m.role,
+                     "content": m.content, "created_at": m.created_at.isoformat() + "Z", "request_id": m.request_id}
+                    for m in agents_store.history(session, agent_id, conversation)]
 
     def delete(self, agent_id: str) -> None:
         self.get(agent_id)
@@ -88,25 +106,31 @@ class AgentService:
             history.fail_request(session, request_id, status="rejected", error_type=error_type,
                                  message=message, now=history.utcnow(), protocol=protocol)
 
-    def begin(self, request_id: str, agent: AgentKey, *, protocol: str, model: str,
-              served_model: str, stream: bool, n_input_tokens: int, ttl_seconds: int | None = None,
-              hot_ttl_seconds: int | None = None) -> None:
-        now = history.utcnow()
+    def begin(self, request_id: str, *, protocol: str, model: str, served_model: str, stream: bool,
+              n_input_tokens: int) -> None:
+        """The request's row, as it goes to the engine."""
         with self._sessions.begin() as session:
-            history.touch_agent(session, agent.agent_id, agent.origin, now, ttl_seconds=ttl_seconds,
-                                hot_ttl_seconds=hot_ttl_seconds)
-            history.start_request(session, request_id, protocol=protocol, model=model,
-                                  served_model=served_model, stream=stream,
-                                  agent_id=agent.agent_id, n_input_tokens=n_input_tokens, now=now)
+            history.start_request(session, request_id, protocol=protocol, model=model, served_model=served_model,
+                                  stream=stream, n_input_tokens=n_input_tokens, now=history.utcnow())
 
-    def complete(self, request_id: str, agent: AgentKey, messages: Sequence[tuple[str, Any]],
-                 reply: tuple[str, Any], finished: Finished) -> None:
-        """Record the outcome and append the conversation's new messages and the reply."""
+    def complete(self, request_id: str, target: ConversationTarget, messages: Sequence[StoredMessage],
+                 finished: Finished, reuse: ReuseDiagnosis | None = None, *, ttl_seconds: int | None = None,
+                 hot_ttl_seconds: int | None = None) -> None:
+        """Record the outcome; the agent (and the TTLs it asked for), the conversation, and
+        the messages the conversation does not hold yet (``messages`` ends with the reply).
+        A cancelled turn stores no history."""
         now = history.utcnow()
+        agent_id, conversation_id = target.agent.agent_id, target.conversation_id
         with self._sessions.begin() as session:
-            history.finish_request(session, request_id, finished, now)
-            if finished.stop_reason != "cancelled":
-                history.append_history(session, agent.agent_id, [*messages, reply], request_id, now)
+            history.touch_agent(session, agent_id, target.agent.origin, now, ttl_seconds=ttl_seconds,
+                                hot_ttl_seconds=hot_ttl_seconds)
+            stored = finished.stop_reason != "cancelled"
+            if stored:
+                history.ensure_conversation(session, conversation_id, agent_id, target.agent.origin, now,
+                                            target.system_digest)
+                history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
+            history.finish_request(session, request_id, finished, now, agent_id=agent_id,
+                                   conversation_id=conversation_id if stored else None, reuse=reuse)
 
     def fail(self, request_id: str, error_type: str, message: str, status: str = "error") -> None:
         """Record a generation that ended without a result (``status``: error / cancelled)."""

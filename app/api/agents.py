@@ -18,7 +18,9 @@ from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.generation import GenerationResource
 from app.errors import InvalidRequest
+from app.protocol import anthropic
 from app.protocol.validation import validate
+from app.store.history import new_conversation_id
 from app.store.agents import AgentView
 from app.types import Finished, GenerationRequest, Prompt, SamplingParams
 
@@ -41,18 +43,36 @@ class CreateAgent(BaseModel):
     prefill: bool = True  # compute the system prompt's cache now, so the first turn is warm
 
 
-def render_agent(agent: AgentView, hot_tokens: int | None, fingerprint: str) -> dict[str, Any]:
-    """An agent's status: ``hot_tokens`` is what its in-memory cache holds (None: not in memory)."""
-    caches = [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in agent.caches
+def _caches(stored: tuple[tuple[str, int, str], ...], hot_tokens: int | None, fingerprint: str) -> list[dict]:
+    """A conversation's caches per model; the served model's is hot when ``hot_tokens`` is set."""
+    caches = [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in stored
               if hot_tokens is None or fp != fingerprint]
     if hot_tokens is not None:
         caches.insert(0, {"model_fingerprint": fingerprint, "cached_tokens": hot_tokens, "tier": "hot"})
-    tier = "hot" if hot_tokens is not None else ("warm" if any(c["tier"] != "cold" for c in caches) else "cold")
+    return caches
+
+
+def _tier(caches: list[dict]) -> str:
+    tiers = {c["tier"] for c in caches}
+    return "hot" if "hot" in tiers else "warm" if tiers - {"cold"} else "cold"
+
+
+def render_agent(agent: AgentView, hot: dict[str, int], fingerprint: str) -> dict[str, Any]:
+    """An agent's status; ``hot`` maps its conversations in memory to their cached tokens."""
+    conversations = []
+    for conversation in agent.conversations:
+        caches = _caches(conversation.caches, hot.get(conversation.id), fingerprint)
+        conversations.append({"id": conversation.id, "n_messages": conversation.n_messages, "tier": _tier(caches),
+                              "created_at": conversation.created_at.isoformat() + "Z",
+                              "last_access_at": conversation.last_access_at.isoformat() + "Z", "caches": caches})
+    all_caches = [c for conversation in conversations for c in conversation["caches"]]
     return {
-        "id": agent.id, "type": "agent", "origin": agent.origin, "status": agent.status, "tier": tier,
+        "id": agent.id, "type": "agent", "origin": agent.origin, "status": agent.status, "tier": _tier(all_caches),
         "created_at": agent.created_at.isoformat() + "Z", "last_access_at": agent.last_access_at.isoformat() + "Z",
         "ttl_seconds": agent.ttl_seconds, "hot_ttl_seconds": agent.hot_ttl_seconds, "metadata": agent.metadata,
-        "n_messages": agent.n_messages, "caches": caches,
+        "n_messages": agent.n_messages, "conversations": conversations,
+        # Cached tokens of the agent's most recently used conversation that has a cache.
+        "caches": next((c["caches"] for c in conversations if c["caches"]), []),
     }
 
 
@@ -68,8 +88,7 @@ class _AgentsBase:
         self._engine = engine
 
     def _render(self, agent: AgentView) -> dict[str, Any]:
-        record = self._engine.caches.record(agent.id)
-        return render_agent(agent, record.n_tokens if record else None, self._engine.loaded.fingerprint)
+        return render_agent(agent, self._engine.hot_tokens(agent.id), self._engine.model.fingerprint)
 
 
 class AgentsResource(_AgentsBase):
@@ -81,16 +100,19 @@ class AgentsResource(_AgentsBase):
         start = self._engine.render_start(create.system_prompt) if create.system_prompt and create.prefill else None
         if start is not None:
             self._engine.check_fits(start)
-        self._agents.create(agent_id, metadata, create.ttl_seconds)
+        # The first conversation, empty: its cache is the prefilled start every first turn extends.
+        conversation = new_conversation_id()
+        system_digest = anthropic.system_digest(create.system_prompt or "")
+        self._agents.create(agent_id, metadata, create.ttl_seconds, (conversation, system_digest))
         if start is not None:
-            self._prefill(agent_id, start)
+            self._prefill(agent_id, conversation, start)
         resp.status = falcon.HTTP_201
         resp.media = self._render(self._agents.get(agent_id))
 
-    def _prefill(self, agent_id: str, start: Prompt) -> None:
+    def _prefill(self, agent_id: str, conversation_id: str, start: Prompt) -> None:
         """Prefill what every conversation of this agent starts with, and wait for it."""
         job = self._engine.submit(GenerationRequest(f"prefill-{agent_id}", start, SamplingParams(max_tokens=0),
-                                                    agent_id))
+                                                    agent_id, conversation_id))
         for event in job.events():
             if isinstance(event, Finished):
                 log.info("agent %s: system prompt prefilled (%d tokens, %.2f s)", agent_id,
@@ -136,7 +158,8 @@ class AgentGenerateResource:
             new = _object(read_json(req))
             if not isinstance(new.get("messages"), list) or not new["messages"]:
                 raise InvalidRequest("messages: a non-empty list of the new messages is required", "messages")
-            history = [{"role": m["role"], "content": m["content"]} for m in self._agents.history(agent_id)]
+            history = [{"role": m["role"], "content": m["content"]}
+                       for m in self._agents.history(agent_id, latest_only=True)]
             body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
             body.setdefault("model", "default")
             body.setdefault("max_tokens", self._default_max_tokens)

@@ -8,22 +8,22 @@ says how one protocol parses and renders; the resource does the rest.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import falcon
 
-from app.agents.identity import AgentKey, new_agent
-from app.agents.service import AgentService
+from app.agents.identity import AgentKey
+from app.agents.service import AgentService, ConversationTarget
 from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import SseStream
-from app.cache.hashing import BLOCK_TOKENS
 from app.errors import NotFound, SemanticError
-from app.protocol.turn import ParsedTurn
+from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
-from app.types import Finished, GenerationEvent, GenerationRequest, RequestDefaults, TextDelta
+from app.store.history import StoredMessage
+from app.types import Finished, GenerationEvent, GenerationRequest, Prompt, RequestDefaults, ReuseReport, TextDelta
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -41,16 +41,21 @@ class Dialect:
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
     render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
-    reply_content: Callable[[str, ParsedTurn, str], Any]  # the reply as history stores it
+    reply_message: Callable[[str, ParsedTurn, str], dict[str, Any]]  # the reply as the client resends it
+    message_digest: Callable[[dict[str, Any]], str]  # a message's identity as the model sees it
     render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Iterator[bytes]]
     render_stream_error: Callable[[int, str], bytes]
     error_types: Mapping[int, str]
 
 
+# What history keeps of a message besides its role (OpenAI tool calls and their results).
+STORED_KEYS = frozenset({"content", "tool_calls", "tool_call_id"})
+
+
 def _stored_content(message: dict[str, Any]) -> Any:
-    """A received message as history keeps it: its content, or the message
-    without its role when it carries more (OpenAI ``tool_calls``, ``tool_call_id``)."""
-    rest = {k: v for k, v in message.items() if k != "role"}
+    """A received message as history keeps it: its content, or (OpenAI ``tool_calls``,
+    ``tool_call_id``) the message without its role. Other keys are not kept."""
+    rest = {k: v for k, v in message.items() if k in STORED_KEYS}
     return message.get("content") if rest.keys() <= {"content"} else rest
 
 
@@ -60,8 +65,9 @@ class Turn:
 
     request_id: str
     message_id: str
-    agent: AgentKey
+    target: ConversationTarget
     parsed: ParsedTurn
+    prompt: Prompt
 
 
 class GenerationResource:
@@ -95,19 +101,16 @@ class GenerationResource:
         request_id = req.context.request_id
         try:
             parsed = self._dialect.parse(body(), self._settings.request_defaults)
-            self._check_model(parsed.model)
+            model = self._engine.model
+            self._check_model(parsed.model, model.name)
             prompt = self._engine.render(parsed.messages, parsed.reply_start)
-            agent = (agent or self._dialect.named_agent(req.headers, parsed)
-                     or self._agents.resume_by_content(self._engine.loaded.fingerprint, prompt.token_ids,
-                                                       prompt.text, BLOCK_TOKENS)
-                     or new_agent())
-            # The agent row exists before the engine can store a cache for it.
-            self._agents.begin(request_id, agent, protocol=self._dialect.name, model=parsed.model,
-                               served_model=self._engine.loaded.name, stream=parsed.stream,
-                               n_input_tokens=prompt.n_tokens, ttl_seconds=parsed.ttl_seconds,
-                               hot_ttl_seconds=parsed.hot_ttl_seconds)
+            self._engine.check_fits(prompt)
+            target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
+                                          parsed.system_digest, parsed.message_digests)
+            self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model.name,
+                               stream=parsed.stream, n_input_tokens=prompt.n_tokens)
             job = self._engine.submit(GenerationRequest(
-                request_id, prompt, parsed.sampling, agent.agent_id,
+                request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
                 hot_ttl_s=parsed.hot_ttl_seconds))
         except SemanticError as exc:
@@ -115,17 +118,27 @@ class GenerationResource:
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
             self._metrics.rejected(self._dialect.name)
             raise
-        return Turn(request_id, self._dialect.new_id(), agent, parsed), job
+        return Turn(request_id, self._dialect.new_id(), target, parsed, prompt), job
 
-    def _check_model(self, model: str) -> None:
-        if model != self._engine.loaded.name and not self._settings.map_unknown_models:
-            raise NotFound(f"model: {model!r} is not served here (serving {self._engine.loaded.name!r})")
+    def _check_model(self, requested: str, served: str) -> None:
+        if requested != served and not self._settings.map_unknown_models:
+            raise NotFound(f"model: {requested!r} is not served here (serving {served!r})")
 
     def _record(self, turn: Turn, text: str, finished: Finished) -> None:
-        reply = ("assistant", self._dialect.reply_content(turn.message_id, turn.parsed, text))
-        received = [(m["role"], _stored_content(m)) for m in turn.parsed.raw_messages]
-        self._agents.complete(turn.request_id, turn.agent, received, reply, finished)
+        parsed = turn.parsed
+        # A prefilled reply (a final assistant message) and its continuation are one message.
+        received = parsed.raw_messages[:-1] if parsed.prefill else parsed.raw_messages
+        reply = self._dialect.reply_message(turn.message_id, parsed, parsed.prefill + text)
+        messages = [StoredMessage(m["role"], _stored_content(m), digest)
+                    for m, digest in zip(received, parsed.message_digests)]
+        messages.append(StoredMessage("assistant", _stored_content(reply), self._dialect.message_digest(reply)))
+        reuse = finished.reuse
+        if reuse is not None and reuse.offset is not None:
+            reuse = replace(reuse, part=locate_part(parsed.parts, turn.prompt.text, reuse.offset))
+        self._agents.complete(turn.request_id, turn.target, messages, finished, reuse,
+                              ttl_seconds=parsed.ttl_seconds, hot_ttl_seconds=parsed.hot_ttl_seconds)
         self._metrics.observe(self._dialect.name, finished)
+        _log_turn(turn, finished, reuse)
 
     def _collect(self, turn: Turn, job: Job, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:
         parts: list[str] = []
@@ -164,3 +177,19 @@ class GenerationResource:
             job.cancel()
             self._agents.fail(turn.request_id, "cancelled", "client disconnected", status="cancelled")
             raise
+
+
+def _log_turn(turn: Turn, finished: Finished, reuse: ReuseReport | None) -> None:
+    """One line per request; a second one when less than the whole prompt came from cache."""
+    decode_s = finished.total_s - finished.ttft_s
+    rate = (finished.n_output_tokens - 1) / decode_s if finished.n_output_tokens > 1 and decode_s > 0 else 0.0
+    agent, conversation = turn.target.agent.agent_id, turn.target.conversation_id
+    log.info("request %s agent %s conversation %s: prompt %d tokens (cached %d, new %d), output %d, "
+             "ttft %.2f s, %.1f tok/s, %s, %s", turn.request_id, agent, conversation, finished.n_prompt_tokens,
+             finished.n_cached_tokens, finished.n_prompt_tokens - finished.n_cached_tokens,
+             finished.n_output_tokens, finished.ttft_s, rate, finished.match_outcome, finished.stop_reason)
+    if reuse is not None and reuse.reason not in ("extend", "exact"):
+        where = (f"; stored text parts from the prompt at char {reuse.offset} in {reuse.part}: "
+                 f"stored {reuse.stored!r}, new {reuse.new!r}") if reuse.offset is not None else ""
+        log.info("request %s cache %s: %d of %d prompt tokens reused (%d chars)%s", turn.request_id, reuse.reason,
+                 finished.n_cached_tokens, finished.n_prompt_tokens, reuse.n_chars, where)

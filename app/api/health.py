@@ -48,14 +48,17 @@ class HealthResource:
             "active_requests": status.n_active,
         }
         if status.cache is not None:
-            stored = self._agents.n_stored_caches(self._engine.loaded.fingerprint)
+            stored = self._agents.n_stored_caches(self._engine.model.fingerprint)
             resp.media["cache"] = {
                 "reuse": status.cache.enabled,
                 "pool_bytes": status.cache.pool_bytes,
                 "pool_budget_bytes": status.cache.budget_bytes,
                 "blocks_in_memory": status.cache.n_blocks,
+                "blocks_free": status.cache.n_free_blocks,
                 # hot = in the memory pool; warm = only on disk.
-                "agents": {"hot": status.cache.hot_agents, "warm": max(stored - status.cache.hot_agents, 0)},
+                "agents": {"hot": status.cache.hot_agents},
+                "conversations": {"hot": status.cache.hot_conversations,
+                                  "warm": max(stored - status.cache.hot_conversations, 0)},
             }
 
 
@@ -67,7 +70,7 @@ class ModelsResource:
         self._engine = engine
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        served = self._engine.loaded
+        served = self._engine.model
         entries = {m.name: m.created_at for m in list_models(self._settings.models_dir)}
         entries.setdefault(served.name, served.path.stat().st_mtime)
         data = [

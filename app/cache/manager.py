@@ -1,59 +1,53 @@
 """CacheManager: the public surface of KV cache reuse, used by the engine thread.
 
-``lease`` finds an agent's cache (in memory, else on disk), matches the new
-prompt against its record by characters and returns a float working cache
-holding the reusable prefix. ``commit`` turns the working cache after a turn
-back into 4-bit blocks (only the blocks that changed), updates the pool and
-hands a snapshot to the background persister.
+Caches belong to conversations (an agent holds several). ``lease`` finds the
+longest reusable prefix for a prompt, by characters: the conversation's own
+cache first, else another conversation of the same agent, else the blocks
+any agent stored for the same token prefix; in memory first, then on disk.
+It returns a float working cache holding that prefix. ``commit`` turns the
+working cache after a turn back into 4-bit blocks (only the blocks that
+changed) as that conversation's cache, updates the pool and hands a snapshot
+to the background persister. Other conversations are never touched.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import (BLOCK_TOKENS, KVBlock, join_blocks, overwrite_with_stored, quantize_span,
                               slice_block, to_working_cache)
 from app.cache.hashing import block_hash, chain_hashes
-from app.cache.matcher import Outcome, match_prompt
-from app.cache.persist import CacheFiles, Persister, Snapshot
+from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
+from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
-from app.store.models import Block
-from app.types import Prompt
+from app.types import Prompt, ReuseReport
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class AgentCache:
-    record: CacheRecord
-    chain: tuple[str, ...]
-    tail: KVBlock | None
-
-    @property
-    def private_bytes(self) -> int:
-        return self.tail.nbytes if self.tail else 0
+EXCERPT_BEFORE, EXCERPT_AFTER = 30, 50  # characters around a divergence kept for diagnostics
 
 
 @dataclass(frozen=True)
 class Lease:
     """A working cache for one generation and what it already holds."""
 
+    agent_id: str | None
+    conversation_id: str | None  # None: nothing will be stored
     cache: list[KVCache]
     record: CacheRecord  # exactly the tokens in ``cache``
     outcome: Outcome
+    report: ReuseReport
     blocks: tuple[KVBlock, ...] = ()  # the 4-bit data the reused prefix came from
     chain: tuple[str, ...] = ()  # ids of the full blocks among ``blocks``
 
@@ -68,31 +62,47 @@ class CacheStats:
     pool_bytes: int
     budget_bytes: int
     n_blocks: int
+    n_free_blocks: int  # cached in memory, referenced by no conversation
     hot_agents: int
+    hot_conversations: int
     n_spilled: int
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The stored conversation matching a prompt longest, and how far it matched."""
+
+    cache: ConversationCache
+    match: PrefixMatch
+    common: int  # characters its text and the prompt share
 
 
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
-                 working_copies: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_conversations: int = 8, working_copies: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
         self.enabled = enabled
         self._n_layers = n_layers
         self._dtype = dtype
         self._sessions = sessions
-        self._files = CacheFiles(blocks_dir, fingerprint)
+        self._files = CacheFiles(blocks_dir, fingerprint, n_layers)
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
-        self._agents: dict[str, AgentCache] = {}
-        # Float copies of the most recent agents' caches, equal to their dequantized
+        self._hot: dict[str, ConversationCache] = {}
+        # Per agent, its conversations with a cache (memory or disk), least recently used
+        # first; beyond ``max_conversations`` the oldest one's cache is deleted.
+        self._conversations: dict[str, OrderedDict[str, None]] = {}
+        self._max_conversations = max_conversations
+        # Float copies of the most recent conversations' caches, equal to their dequantized
         # blocks: their next turn skips dequantization (about 0.2 s per 1K tokens on CPU).
-        # Their bytes count against the pool's budget as the agent's private bytes.
+        # Their bytes count against the pool's budget as the conversation's private bytes.
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
         self._working_copies = working_copies
         self._n_spilled = 0
-        # Agents whose client asked to be kept hot only so long (Anthropic cache_control):
-        # agent -> clock time after which it goes warm.
+        # Conversations whose client asked to be kept hot only so long (Anthropic
+        # cache_control): conversation -> clock time after which it goes warm.
         self._hot_until: dict[str, float] = {}
         self._clock = clock
         self._persister = Persister(self._files, sessions)
@@ -100,93 +110,160 @@ class CacheManager:
 
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
-                          len(self._agents), self._n_spilled)
+                          self._pool.n_free_blocks, len({c.agent_id for c in self._hot.values()}), len(self._hot),
+                          self._n_spilled)
 
-    def record(self, agent_id: str) -> CacheRecord | None:
-        """What the agent's hot cache holds (None if not hot)."""
-        agent = self._agents.get(agent_id)
-        return agent.record if agent else None
+    def record(self, conversation_id: str) -> CacheRecord | None:
+        """What the conversation's hot cache holds (None if not hot)."""
+        cache = self._hot.get(conversation_id)
+        return cache.record if cache else None
 
-    def lease(self, agent_id: str | None, prompt: Prompt, whole_blocks: bool = False) -> Lease:
-        """The longest reusable prefix for ``prompt``: the agent's own cache by
-        characters, else (a new agent) the longest chain of shared blocks.
+    def hot_tokens(self, agent_id: str) -> dict[str, int]:
+        """Cached tokens of the agent's conversations that are in memory."""
+        hot = list(self._hot.values())  # one step under the GIL: safe from another thread
+        return {c.conversation_id: c.record.n_tokens for c in hot if c.agent_id == agent_id}
+
+    # -- lease -----------------------------------------------------------------------------
+
+    def lease(self, agent_id: str | None, conversation_id: str | None, prompt: Prompt,
+              whole_blocks: bool = False) -> Lease:
+        """The longest reusable prefix for ``prompt`` in ``conversation_id`` of ``agent_id``.
         ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
-        if not self.enabled or agent_id is None:
-            return self._cold()
-        agent = self._agents.get(agent_id) or self._load(agent_id)
-        if agent is None:
-            return self._shared(prompt)
-        self._pool.touch(agent_id)
-        match = match_prompt(agent.record, prompt.text)
-        n_reused = match.n_reused - match.n_reused % BLOCK_TOKENS if whole_blocks else match.n_reused
-        if n_reused == 0:
-            return self._cold(match.outcome)
+        if not self.enabled or agent_id is None or conversation_id is None:
+            return self.cold(None, None, ReuseReport("off"))
+        best = self._best_source(agent_id, conversation_id, prompt)
+        own = best is not None and best.cache.conversation_id == conversation_id
+        n_text = best.match.n_reused if best else 0
+        n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
+        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
+        n_shared = min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1)
+        divergence = self._divergence(best, prompt) if best else {}
+        if best is not None and n_text >= n_shared and n_text > 0:
+            reason = best.match.outcome if own else "sibling"
+            report = ReuseReport(reason, best.cache.record.ends[n_text - 1],
+                                 **(divergence if reason not in ("extend", "exact") else {}))
+            return self._from_source(best.cache, conversation_id, n_text, best.match.outcome if own else "shared",
+                                     report, use_working_copy=own)
+        if n_shared > 0:
+            return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
+                                     ReuseReport("shared", prompt.ends[n_shared - 1], **divergence))
+        return self.cold(agent_id, conversation_id, ReuseReport("miss", 0, **divergence))
+
+    def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
+        """The agent's conversation whose stored text shares the longest prefix with the
+        prompt (the request's own conversation on a tie), loaded into memory."""
+        best: tuple[int, str] | None = None
+        for candidate, text in self._candidates(agent_id, conversation_id):
+            common = common_prefix_length(text, prompt.text)
+            if best is None or common > best[0]:
+                best = (common, candidate)
+        if best is None:
+            return None
+        cache = self._hot.get(best[1]) or self._load(agent_id, best[1])
+        if cache is None:
+            return None
+        return _Source(cache, match_prompt(cache.record, prompt.text), best[0])
+
+    def _candidates(self, agent_id: str, conversation_id: str) -> Iterator[tuple[str, str]]:
+        """(conversation id, stored text) of the request's conversation first, then of the
+        agent's others: hot ones from memory, stored ones from their record file's header
+        (unverified; a chosen one is verified whole when it loads)."""
+        hot = sorted((c for c in self._hot.values() if c.agent_id == agent_id),
+                     key=lambda c: c.conversation_id != conversation_id)
+        yield from ((c.conversation_id, c.record.text) for c in hot)
+        with self._sessions() as session:
+            stored = cache_index.agent_caches(session, agent_id, self.fingerprint)
+        stored.sort(key=lambda row: row[0] != conversation_id)
+        for other, path in stored[:self._max_conversations + 1]:
+            if other in self._hot:
+                continue
+            try:
+                yield other, CacheFiles.read_text(Path(path))
+            except blockfiles.DamagedFile:
+                continue
+
+    @staticmethod
+    def _divergence(source: _Source, prompt: Prompt) -> dict[str, object]:
+        at = source.common
+        if at >= len(prompt.text) and at >= len(source.cache.record.text):
+            return {}
+        return {"offset": at,
+                "stored": source.cache.record.text[max(0, at - EXCERPT_BEFORE):at + EXCERPT_AFTER],
+                "new": prompt.text[max(0, at - EXCERPT_BEFORE):at + EXCERPT_AFTER]}
+
+    def _from_source(self, source: ConversationCache, conversation_id: str, n_reused: int, outcome: Outcome,
+                     report: ReuseReport, use_working_copy: bool) -> Lease:
+        self._pool.touch(source.conversation_id)
         n_blocks = -(-n_reused // BLOCK_TOKENS)
-        blocks = [self._blocks[h] for h in agent.chain[:n_blocks]]
+        blocks = [self._blocks[h] for h in source.chain[:n_blocks]]
         if len(blocks) < n_blocks:
-            assert agent.tail is not None
-            blocks.append(agent.tail)
-        cache = self._working.pop(agent_id, None)  # the lease owns it until commit
-        self._pool.set_private(agent_id, agent.private_bytes)
-        if cache is not None and cache[0].offset == agent.record.n_tokens:
+            assert source.tail is not None
+            blocks.append(source.tail)
+        cache = self._working.pop(source.conversation_id, None) if use_working_copy else None
+        if cache is not None:  # the lease owns it until commit
+            self._pool.set_private(source.conversation_id, source.private_bytes)
+        if cache is not None and cache[0].offset == source.record.n_tokens:
             for layer in cache:
                 layer.trim(layer.offset - n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
-        return Lease(cache, agent.record.truncate(n_reused), match.outcome, tuple(blocks), agent.chain[:n_blocks])
+        return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), outcome, report,
+                     tuple(blocks), source.chain[:min(n_blocks, len(source.chain))])
 
-    def _cold(self, outcome: Outcome = "miss") -> Lease:
-        return Lease(to_working_cache([], self._n_layers, 0, self._dtype), CacheRecord.empty(), outcome)
+    def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
+        """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
+        return Lease(agent_id, conversation_id, to_working_cache([], self._n_layers, 0, self._dtype),
+                     CacheRecord.empty(), "miss", report)
 
-    def _shared(self, prompt: Prompt) -> Lease:
-        """Start a new agent from blocks other agents hold for the same prefix."""
+    def _shared_prefix(self, prompt: Prompt) -> list[str]:
+        """The longest chain of the prompt's full blocks held in memory or on disk."""
         if not prompt.ends:
-            return self._cold()
+            return []
         usable = []
         for block in chain_hashes(self.fingerprint, prompt.token_ids, BLOCK_TOKENS):
             if block not in self._blocks and not self._load_shared_block(block):
                 break
+            self._pool.touch_block(block)
             usable.append(block)
-        n_reused = min(len(usable) * BLOCK_TOKENS, prompt.n_tokens - 1)
-        if n_reused <= 0:
-            return self._cold()
+        return usable
+
+    def _from_shared(self, agent_id: str, conversation_id: str, prompt: Prompt, usable: list[str], n_reused: int,
+                     report: ReuseReport) -> Lease:
         blocks = [self._blocks[h] for h in usable]
         cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
-        return Lease(cache, record, "shared", tuple(blocks), tuple(usable))
+        return Lease(agent_id, conversation_id, cache, record, "shared", report, tuple(blocks), tuple(usable))
 
     def _load_shared_block(self, block: str) -> bool:
-        """Bring a block another agent stored on disk into memory, if it verifies."""
+        """Bring a block some conversation stored on disk into memory (free), if it verifies."""
         with self._sessions() as session:
-            row = session.get(Block, block)
-            path, digest = (row.path, row.checksum) if row is not None and row.path else (None, None)
-        if path is None:
+            found = cache_index.block_file(session, block)
+        if found is None:
             return False
         try:
-            arrays, meta = blockfiles.read(Path(path), digest or None)
-            if meta.get("fingerprint") != self.fingerprint:
-                return False
-            data = KVBlock.from_arrays(_to_mx(arrays), self._n_layers, BLOCK_TOKENS)
-        except (blockfiles.DamagedFile, KeyError, ValueError) as exc:
+            data = self._files.read_block(block, Path(found[0]), found[1])
+        except UNUSABLE as exc:
             log.warning("shared block %s unusable: %s", block, exc)
             return False
         self._blocks[block] = data
         self._pool.add_block(block, data.nbytes)
         return True
 
-    def commit(self, agent_id: str | None, lease: Lease, record: CacheRecord, cache: list[KVCache],
-               persist: bool = True, hot_ttl_s: float | None = None) -> None:
-        """Store the cache after a turn: ``record`` describes exactly what ``cache`` holds.
-        Without ``persist`` it stays in memory only (gone on restart or eviction);
-        with ``hot_ttl_s`` it goes warm once unused that long (``expire_hot``)."""
-        if not self.enabled or agent_id is None:
+    # -- commit ----------------------------------------------------------------------------
+
+    def commit(self, lease: Lease, record: CacheRecord, cache: list[KVCache], persist: bool = True,
+               hot_ttl_s: float | None = None) -> None:
+        """Store the cache after a turn as the lease's conversation's: ``record`` describes
+        exactly what ``cache`` holds. Without ``persist`` it stays in memory only (gone on
+        restart or eviction); with ``hot_ttl_s`` it goes warm once unused that long."""
+        if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return
+        conversation_id = lease.conversation_id
         if cache[0].offset != record.n_tokens:
-            log.error("agent %s: cache holds %d tokens but its record %d; not stored",
-                      agent_id, cache[0].offset, record.n_tokens)
+            log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
+                      conversation_id, cache[0].offset, record.n_tokens)
             return
-        previous = self._agents.get(agent_id)
         kept = lease.n_reused // BLOCK_TOKENS
         chain = list(lease.chain[:kept])
         # Reused tokens keep their 4-bit data as is (quantizing dequantized values
@@ -207,45 +284,63 @@ class CacheManager:
             chain.append(block)
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
-        agent = AgentCache(record, tuple(chain), tail)
-        self._set_hot(agent_id, agent, previous)
-        self._keep_working_copy(agent_id, cache, computed, lease.n_reused)
+        stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail)
+        self._set_hot(stored)
+        self._keep_working_copy(conversation_id, cache, computed, lease.n_reused)
         if persist:
-            self._persister.submit(Snapshot(agent_id, record, agent.chain, tail,
-                                            {h: self._blocks[h] for h in agent.chain}))
+            self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain}))
         if hot_ttl_s is not None and persist:
-            self._hot_until[agent_id] = self._clock() + hot_ttl_s
+            self._hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:
-            self._hot_until.pop(agent_id, None)
-        self._enforce_budget(keep=agent_id)
+            self._hot_until.pop(conversation_id, None)
+        self._remember(lease.agent_id, conversation_id)
+        self._enforce_budget(keep=conversation_id)
+
+    def _remember(self, agent_id: str, conversation_id: str) -> None:
+        """Mark the conversation the agent's most recent; delete the cache of its least
+        recently used conversation beyond ``max_conversations`` (only that one)."""
+        order = self._conversations.get(agent_id)
+        if order is None:
+            with self._sessions() as session:
+                stored = cache_index.agent_caches(session, agent_id, self.fingerprint)
+            order = self._conversations[agent_id] = OrderedDict((c, None) for c, _ in reversed(stored))
+        order[conversation_id] = None
+        order.move_to_end(conversation_id)
+        while len(order) > self._max_conversations:
+            victim, _ = order.popitem(last=False)
+            self._drop(victim)
+            log.info("agent %s: conversation %s's cache deleted (beyond %d conversations)", agent_id, victim,
+                     self._max_conversations)
+
+    def _drop(self, conversation_id: str) -> None:
+        """Delete one conversation's cache: memory now, files and rows in write order."""
+        if conversation_id in self._hot:
+            self._release(conversation_id)
+        self._persister.submit(Forget(conversation_id))
+
+    # -- tiers -----------------------------------------------------------------------------
 
     def expire_hot(self) -> list[str]:
-        """Hot -> warm for agents unused past their hot TTL (their files are written or queued)."""
+        """Hot -> warm for conversations unused past their hot TTL (their files are written or queued)."""
         now = self._clock()
-        due = [agent for agent, until in self._hot_until.items() if until <= now]
-        for agent in due:
-            del self._hot_until[agent]
-            if agent in self._agents:
-                self._spill(agent, "its hot TTL passed")
+        due = [conversation for conversation, until in self._hot_until.items() if until <= now]
+        for conversation in due:
+            del self._hot_until[conversation]
+            if conversation in self._hot:
+                self._spill(conversation, "its hot TTL passed")
         return due
 
-    def forget(self, agent_id: str) -> None:
-        """Delete everything of this agent's cache: memory, its files, its rows.
-
-        Blocks other agents still reference stay (they are theirs too).
-        """
-        if agent_id in self._agents:
-            self._spill(agent_id, "the agent was deleted")
-            self._n_spilled -= 1  # a deletion, not an eviction
-        self._persister.flush(60)  # no queued write may bring the cache back
-        with self._sessions.begin() as session:
-            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
-            orphans = cache_index.drop_cache(session, agent_id, self.fingerprint)
-        if entry is not None:
-            Path(entry.record_path).unlink(missing_ok=True)
-        for path in orphans:
-            Path(path).unlink(missing_ok=True)
-        log.info("agent %s: cache deleted (%d block files removed)", agent_id, len(orphans))
+    def forget_agent(self, agent_id: str) -> None:
+        """Delete every conversation cache of this agent: memory, files, rows (blocks other
+        conversations still reference stay: they are theirs too)."""
+        with self._sessions() as session:
+            stored = {c for c, _ in cache_index.agent_caches(session, agent_id, self.fingerprint)}
+        known = set(self._conversations.pop(agent_id, {}))
+        hot = {c.conversation_id for c in self._hot.values() if c.agent_id == agent_id}
+        for conversation_id in stored | known | hot:
+            self._drop(conversation_id)
+        self._persister.flush(60)
+        log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
@@ -255,101 +350,75 @@ class CacheManager:
         self._persister.flush(30)
         self._persister.stop()
 
-    def _set_hot(self, agent_id: str, agent: AgentCache, previous: AgentCache | None) -> None:
-        self._agents[agent_id] = agent
-        freed = self._pool.assign(agent_id, agent.chain, agent.private_bytes, previous.chain if previous else ())
-        for block in freed:
-            self._blocks.pop(block, None)
+    def _set_hot(self, cache: ConversationCache) -> None:
+        previous = self._hot.get(cache.conversation_id)
+        self._hot[cache.conversation_id] = cache
+        self._pool.assign(cache.conversation_id, cache.chain, cache.private_bytes, previous.chain if previous else ())
 
-    def _keep_working_copy(self, agent_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
+    def _keep_working_copy(self, conversation_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
         if self._working_copies <= 0:
             return
         overwrite_with_stored(cache, computed, start)
-        self._working[agent_id] = cache
-        self._pool.set_private(agent_id, self._agents[agent_id].private_bytes + _nbytes(cache))
+        self._working[conversation_id] = cache
+        self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + _nbytes(cache))
         while len(self._working) > self._working_copies:
             dropped, _ = self._working.popitem(last=False)
-            if dropped in self._agents:
-                self._pool.set_private(dropped, self._agents[dropped].private_bytes)
+            if dropped in self._hot:
+                self._pool.set_private(dropped, self._hot[dropped].private_bytes)
 
     def _enforce_budget(self, keep: str) -> None:
-        for victim in self._pool.lru_agents(keep=keep):
+        self._free_arrays(self._pool.evict_free())
+        for victim in self._pool.lru_owners(keep=keep):
             if not self._pool.over_budget():
                 return
             self._spill(victim, "pool over budget")
+            self._free_arrays(self._pool.evict_free())
 
-    def _spill(self, agent_id: str, why: str) -> None:
-        """Hot -> warm: drop from memory (its files are written or queued)."""
-        agent = self._agents.pop(agent_id)
-        self._n_spilled += 1
-        self._working.pop(agent_id, None)
-        self._hot_until.pop(agent_id, None)
-        for block in self._pool.remove_agent(agent_id, agent.chain):
+    def _free_arrays(self, blocks: list[str]) -> None:
+        for block in blocks:
             self._blocks.pop(block, None)
-        log.info("agent %s spilled to disk (%s)", agent_id, why)
 
-    def _load(self, agent_id: str) -> AgentCache | None:
+    def _release(self, conversation_id: str) -> None:
+        cache = self._hot.pop(conversation_id)
+        self._working.pop(conversation_id, None)
+        self._hot_until.pop(conversation_id, None)
+        self._pool.remove_owner(conversation_id, cache.chain)
+
+    def _spill(self, conversation_id: str, why: str) -> None:
+        """Hot -> warm: drop from memory (its files are written or queued)."""
+        self._release(conversation_id)
+        self._n_spilled += 1
+        log.info("conversation %s spilled to disk (%s)", conversation_id, why)
+
+    def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
         with self._sessions() as session:
-            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
+            entry = cache_index.load_cache(session, conversation_id, self.fingerprint)
         if entry is None:
             return None
         try:
-            agent, loaded = self._read_files(entry)
-        except (blockfiles.DamagedFile, KeyError, ValueError) as exc:
-            log.warning("agent %s: cache on disk unusable (%s); treating as a miss", agent_id, exc)
-            self._discard(agent_id)
+            cache, loaded = self._files.read_conversation(entry, agent_id, conversation_id, self._blocks)
+        except UNUSABLE as exc:
+            log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
+            self._discard(conversation_id, entry)
             return None
         for block, data in loaded.items():
             self._blocks.setdefault(block, data)
             self._pool.add_block(block, data.nbytes)
-        self._set_hot(agent_id, agent, None)
-        log.info("agent %s: loaded %d cached tokens from disk", agent_id, agent.record.n_tokens)
-        return agent
+        self._set_hot(cache)
+        log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
+        return cache
 
-    def _read_files(self, entry: cache_index.CacheEntry) -> tuple[AgentCache, dict[str, KVBlock]]:
-        arrays, meta = blockfiles.read(Path(entry.record_path))
-        record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
-                             tuple(int(e) for e in arrays["ends"]))
-        chain = tuple(json.loads(meta["chain"]))
-        if chain != tuple(b.hash for b in entry.blocks):
-            raise ValueError("record file and index disagree on the block chain")
-        loaded: dict[str, KVBlock] = {}
-        for row in entry.blocks:
-            if row.hash in self._blocks:
-                continue
-            block_arrays, block_meta = blockfiles.read(Path(row.path), row.checksum or None)
-            if block_meta.get("fingerprint") != self.fingerprint or block_meta.get("hash") != row.hash:
-                raise ValueError(f"block file {row.path} belongs to another model or block")
-            loaded[row.hash] = KVBlock.from_arrays(_to_mx(block_arrays), self._n_layers, BLOCK_TOKENS)
-        tail_tokens = int(meta["tail_tokens"])
-        tail = None
-        if tail_tokens:
-            tail_arrays = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")}
-            tail = KVBlock.from_arrays(_to_mx(tail_arrays), self._n_layers, tail_tokens)
-        if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
-            raise ValueError("blocks do not cover the record")
-        return AgentCache(record, chain, tail), loaded
-
-    def _discard(self, agent_id: str) -> None:
-        with self._sessions.begin() as session:
-            entry = cache_index.load_cache(session, agent_id, self.fingerprint)
-            orphans = cache_index.drop_cache(session, agent_id, self.fingerprint)
-        if entry is None:
-            return
+    def _discard(self, conversation_id: str, entry: cache_index.CacheEntry) -> None:
+        """Quarantine the damaged files of an unusable cache and forget the cache."""
         for path in [Path(entry.record_path), *(Path(b.path) for b in entry.blocks)]:
             try:
                 blockfiles.read(path)
             except blockfiles.DamagedFile:
                 blockfiles.quarantine(path, self._files.root)
-        for path in orphans:  # intact blocks nobody references any more
-            Path(path).unlink(missing_ok=True)
+        self._persister.submit(Forget(conversation_id))
 
 
 def _nbytes(cache: list[KVCache]) -> int:
     """Memory a float working cache holds (its allocated buffers)."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache if layer.keys is not None)
-
-
-def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
-    return {name: mx.array(array) for name, array in arrays.items()}

@@ -1,8 +1,18 @@
-"""Background persistence of agent caches: block files, record files, SQL index.
+"""Conversation caches on disk, both ways: the file format, reading it back, and the
+background thread that writes it.
 
-The engine thread hands over immutable snapshots after a response; this
-thread writes them, so persistence never adds to a response's latency. A
-crash loses at most snapshots still queued (the newest turns' caches).
+Under ``blocks/<fingerprint[:16]>/``: one safetensors file per full block
+(content-addressed: ``<hash[:2]>/<hash>.safetensors``, the six arrays of every
+layer, metadata fingerprint / hash / n_tokens) and one record file per
+conversation (``conversations/<sha256(id)[:32]>.safetensors``: token ids and
+char ends as arrays, the private tail block's arrays, metadata text / chain /
+tail_tokens). Every file carries a checksum (``app.store.blockfiles``).
+
+The engine thread hands over immutable snapshots after a response; the
+persister writes them in order, so persistence never adds to a response's
+latency. A crash loses at most snapshots still queued (the newest turns').
+Deletions go through the same queue, so a queued write can never bring back
+a cache deleted after it.
 """
 
 from __future__ import annotations
@@ -15,56 +25,140 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import KVBlock
+from app.cache.blocks import BLOCK_TOKENS, KVBlock
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
-from app.store.history import utcnow
+from app.store.history import ensure_conversation, utcnow
 
 log = logging.getLogger(__name__)
+
+# What reading a cache file can raise besides DamagedFile: a file that verifies but
+# does not fit (another model's shapes, a record that disagrees with its index).
+UNUSABLE = (blockfiles.DamagedFile, KeyError, ValueError)
+
+
+@dataclass(frozen=True)
+class ConversationCache:
+    """A conversation's cache as it stands after a turn: the record, its full blocks
+    (by id, in order) and its private partial block."""
+
+    agent_id: str
+    conversation_id: str
+    record: CacheRecord
+    chain: tuple[str, ...]
+    tail: KVBlock | None
+
+    @property
+    def private_bytes(self) -> int:
+        return self.tail.nbytes if self.tail else 0
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One agent's cache as it stands after a turn."""
+    """Write ``cache``; ``blocks`` holds the chain's blocks (those not on disk yet get written)."""
 
-    agent_id: str
-    record: CacheRecord
-    chain: tuple[str, ...]  # full blocks, in order
-    tail: KVBlock | None  # private partial block
-    blocks: dict[str, KVBlock]  # the chain's blocks; those not on disk yet get written
+    cache: ConversationCache
+    blocks: dict[str, KVBlock]
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Delete a conversation's cache: its record file, its row, blocks nobody else references."""
+
+    conversation_id: str
 
 
 class CacheFiles:
-    """Where an agent's files live under ``blocks/<fingerprint>/``."""
+    """Where a model's cache files live, and their format both ways."""
 
-    def __init__(self, root: Path, fingerprint: str) -> None:
+    def __init__(self, root: Path, fingerprint: str, n_layers: int) -> None:
         self.root = root
         self.base = root / fingerprint[:16]
         self.fingerprint = fingerprint
+        self._n_layers = n_layers
 
     def block_path(self, block: str) -> Path:
         return self.base / block[:2] / f"{block}.safetensors"
 
-    def record_path(self, agent_id: str) -> Path:
-        return self.base / "agents" / f"{hashlib.sha256(agent_id.encode()).hexdigest()[:32]}.safetensors"
+    def record_path(self, conversation_id: str) -> Path:
+        return self.base / "conversations" / f"{hashlib.sha256(conversation_id.encode()).hexdigest()[:32]}.safetensors"
+
+    def write_block(self, block: str, data: KVBlock) -> tuple[Path, str]:
+        """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""
+        path = self.block_path(block)
+        if path.exists():
+            return path, ""
+        digest, _ = blockfiles.write(path, _numpy(data), {
+            "fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)})
+        return path, digest
+
+    def write_record(self, cache: ConversationCache) -> Path:
+        arrays = {"tokens": np.array(cache.record.tokens, dtype=np.int64),
+                  "ends": np.array(cache.record.ends, dtype=np.int64)}
+        if cache.tail is not None:
+            arrays.update(_numpy(cache.tail, "tail."))
+        path = self.record_path(cache.conversation_id)
+        blockfiles.write(path, arrays, {
+            "agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
+            "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
+        return path
+
+    def read_block(self, block: str, path: Path, checksum: str | None) -> KVBlock:
+        """A stored full block, verified to be this model's and this id's.
+
+        Raises:
+            One of UNUSABLE.
+        """
+        arrays, meta = blockfiles.read(path, checksum)
+        if meta.get("fingerprint") != self.fingerprint or meta.get("hash") != block:
+            raise ValueError(f"block file {path} belongs to another model or block")
+        return KVBlock.from_arrays(_to_mx(arrays), self._n_layers, BLOCK_TOKENS)
+
+    def read_conversation(self, entry: cache_index.CacheEntry, agent_id: str, conversation_id: str,
+                          in_memory: dict[str, KVBlock]) -> tuple[ConversationCache, dict[str, KVBlock]]:
+        """A conversation's cache from its record file and the block files its index row
+        lists (blocks already ``in_memory`` are not read again).
+
+        Returns:
+            The cache and the blocks read from disk.
+
+        Raises:
+            One of UNUSABLE: a file is missing or damaged, or the files disagree.
+        """
+        arrays, meta = blockfiles.read(Path(entry.record_path))
+        record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
+                             tuple(int(e) for e in arrays["ends"]))
+        chain = tuple(json.loads(meta["chain"]))
+        if chain != tuple(b.hash for b in entry.blocks):
+            raise ValueError("record file and index disagree on the block chain")
+        loaded = {row.hash: self.read_block(row.hash, Path(row.path), row.checksum or None)
+                  for row in entry.blocks if row.hash not in in_memory}
+        tail_tokens = int(meta["tail_tokens"])
+        tail = None
+        if tail_tokens:
+            tail_arrays = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")}
+            tail = KVBlock.from_arrays(_to_mx(tail_arrays), self._n_layers, tail_tokens)
+        if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
+            raise ValueError("blocks do not cover the record")
+        return ConversationCache(agent_id, conversation_id, record, chain, tail), loaded
+
+    @staticmethod
+    def read_text(record_path: Path) -> str:
+        """The text a stored record spells (its header only, unverified: for matching;
+        the whole file is verified before its KV data is used). Raises DamagedFile."""
+        return blockfiles.read_metadata(record_path).get("text", "")
 
 
 def _numpy(block: KVBlock, prefix: str = "") -> dict[str, np.ndarray]:
     return {prefix + name: np.array(array, copy=False) for name, array in block.to_arrays().items()}
 
 
-def record_arrays(snapshot: Snapshot) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    arrays = {"tokens": np.array(snapshot.record.tokens, dtype=np.int64),
-              "ends": np.array(snapshot.record.ends, dtype=np.int64)}
-    if snapshot.tail is not None:
-        arrays.update(_numpy(snapshot.tail, "tail."))
-    metadata = {"agent_id": snapshot.agent_id, "text": snapshot.record.text,
-                "chain": json.dumps(list(snapshot.chain)),
-                "tail_tokens": str(snapshot.tail.n_tokens if snapshot.tail else 0)}
-    return arrays, metadata
+def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
+    return {name: mx.array(array) for name, array in arrays.items()}
 
 
 class Persister(threading.Thread):
@@ -72,47 +166,57 @@ class Persister(threading.Thread):
         super().__init__(name="semantic-persist", daemon=True)
         self._files = files
         self._sessions = sessions
-        self._queue: queue.Queue[Snapshot | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._queue: queue.Queue[Snapshot | Forget | None] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Condition()
 
-    def submit(self, snapshot: Snapshot) -> None:
-        self._idle.clear()
-        self._queue.put(snapshot)
+    def submit(self, item: Snapshot | Forget) -> None:
+        with self._lock:
+            self._pending += 1
+        self._queue.put(item)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until everything submitted so far is on disk."""
-        return self._idle.wait(timeout_s)
+        """Wait until everything submitted so far is done (written or deleted)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._pending == 0, timeout_s)
 
     def stop(self, timeout_s: float = 30) -> None:
         self._queue.put(None)
         self.join(timeout_s)
 
     def run(self) -> None:
-        while (snapshot := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             try:
-                self._write(snapshot)
+                if isinstance(item, Snapshot):
+                    self._write(item)
+                else:
+                    self._forget(item.conversation_id)
             except Exception:  # a failed write is a future cache miss, never a crash
-                log.exception("persisting the cache of agent %s failed", snapshot.agent_id)
-            if self._queue.empty():
-                self._idle.set()
+                log.exception("persisting a cache failed (%s)", item)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._lock.notify_all()
 
     def _write(self, snapshot: Snapshot) -> None:
-        fingerprint = self._files.fingerprint
+        cache = snapshot.cache
         rows = []
         parent = None
-        for block in snapshot.chain:
-            path = self._files.block_path(block)
-            digest = ""
-            if not path.exists():
-                data = snapshot.blocks[block]
-                digest, _ = blockfiles.write(path, _numpy(data), {
-                    "fingerprint": fingerprint, "hash": block, "n_tokens": str(data.n_tokens)})
-            rows.append(cache_index.BlockRow(block, parent, snapshot.blocks[block].n_tokens, str(path),
-                                             path.stat().st_size, digest))
+        for block in cache.chain:
+            path, digest = self._files.write_block(block, snapshot.blocks[block])
+            rows.append(cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest))
             parent = block
-        record_path = self._files.record_path(snapshot.agent_id)
-        blockfiles.write(record_path, *record_arrays(snapshot))
+        record_path = self._files.write_record(cache)
         with self._sessions.begin() as session:
-            cache_index.save_cache(session, snapshot.agent_id, fingerprint, snapshot.record.n_tokens,
-                                   str(record_path), rows, utcnow())
+            now = utcnow()
+            ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
+            cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
+                                   cache.record.n_tokens, str(record_path), rows, now)
+
+    def _forget(self, conversation_id: str) -> None:
+        with self._sessions.begin() as session:
+            entry = cache_index.load_cache(session, conversation_id, self._files.fingerprint)
+            orphans = cache_index.drop_cache(session, conversation_id, self._files.fingerprint)
+        paths = [entry.record_path] if entry else []
+        for path in [*paths, *orphans]:
+            Path(path).unlink(missing_ok=True)

@@ -1,9 +1,11 @@
 """BlockPool: reference counts, byte accounting and LRU order of the hot tier. Pure.
 
 It holds no arrays, only ids and sizes: the manager keeps the arrays and asks
-the pool what to drop. Agents reference the blocks of their chains; a block
-whose count falls to zero leaves memory (it is on disk). When the pool is over
-budget, the least recently used agents are the ones to spill.
+the pool what to drop. Owners (conversations) reference the blocks of their
+chains and hold private bytes of their own (a partial tail block, a float
+working copy). A block no owner references stays cached, in an LRU of free
+blocks, so a later request with the same prefix can still share it; under
+budget pressure free blocks go first, then the least recently used owners.
 """
 
 from __future__ import annotations
@@ -18,63 +20,89 @@ class BlockPool:
     budget_bytes: int
     _refs: Counter[str] = field(default_factory=Counter)
     _sizes: dict[str, int] = field(default_factory=dict)
-    _agents: "OrderedDict[str, int]" = field(default_factory=OrderedDict)  # agent -> private bytes
+    _free: "OrderedDict[str, None]" = field(default_factory=OrderedDict)  # unreferenced, least recent first
+    _owners: "OrderedDict[str, int]" = field(default_factory=OrderedDict)  # owner -> private bytes
 
     @property
     def nbytes(self) -> int:
-        return sum(self._sizes.values()) + sum(self._agents.values())
+        return sum(self._sizes.values()) + sum(self._owners.values())
 
     @property
     def n_blocks(self) -> int:
         return len(self._sizes)
 
+    @property
+    def n_free_blocks(self) -> int:
+        return len(self._free)
+
     def contains(self, block: str) -> bool:
         return block in self._sizes
 
     def add_block(self, block: str, nbytes: int) -> None:
-        self._sizes.setdefault(block, nbytes)
+        """A block now held in memory, referenced by nobody yet (most recent free block)."""
+        if block not in self._sizes:
+            self._sizes[block] = nbytes
+            self._free[block] = None
 
-    def assign(self, agent: str, blocks: Iterable[str], private_bytes: int, previous: Iterable[str] = ()) -> list[str]:
-        """Point ``agent`` at ``blocks`` (replacing ``previous``); mark it most recent.
+    def touch_block(self, block: str) -> None:
+        """A free block was used (read for sharing): it becomes the most recent."""
+        if block in self._free:
+            self._free.move_to_end(block)
 
-        Returns:
-            Blocks no agent references any more (the caller frees them).
-        """
+    def assign(self, owner: str, blocks: Iterable[str], private_bytes: int, previous: Iterable[str] = ()) -> None:
+        """Point ``owner`` at ``blocks`` (replacing ``previous``); mark it most recent."""
         for block in blocks:
             assert block in self._sizes, "blocks are added before they are referenced"
             self._refs[block] += 1
-        self._agents[agent] = private_bytes
-        self._agents.move_to_end(agent)
-        return self._release(previous)
+            self._free.pop(block, None)
+        self._owners[owner] = private_bytes
+        self._owners.move_to_end(owner)
+        self._release(previous)
 
-    def set_private(self, agent: str, nbytes: int) -> None:
-        """What a hot agent holds besides shared blocks (its tail, its float working copy)."""
-        if agent in self._agents:
-            self._agents[agent] = nbytes
+    def set_private(self, owner: str, nbytes: int) -> None:
+        """What a hot owner holds besides shared blocks (its tail, its float working copy)."""
+        if owner in self._owners:
+            self._owners[owner] = nbytes
 
-    def touch(self, agent: str) -> None:
-        if agent in self._agents:
-            self._agents.move_to_end(agent)
+    def touch(self, owner: str) -> None:
+        if owner in self._owners:
+            self._owners.move_to_end(owner)
 
-    def remove_agent(self, agent: str, blocks: Iterable[str]) -> list[str]:
-        """Forget a hot agent; returns blocks that became unreferenced."""
-        self._agents.pop(agent, None)
-        return self._release(blocks)
+    def remove_owner(self, owner: str, blocks: Iterable[str]) -> None:
+        """Forget a hot owner; its blocks no one else references become free."""
+        self._owners.pop(owner, None)
+        self._release(blocks)
 
     def over_budget(self) -> bool:
         return self.nbytes > self.budget_bytes
 
-    def lru_agents(self, keep: str | None = None) -> list[str]:
-        """Hot agents, least recently used first, without ``keep``."""
-        return [agent for agent in self._agents if agent != keep]
+    def evict_free(self) -> list[str]:
+        """Drop free blocks, least recently used first, until within budget.
 
-    def _release(self, blocks: Iterable[str]) -> list[str]:
-        freed = []
+        Returns:
+            The blocks dropped (the caller frees their arrays).
+        """
+        dropped = []
+        while self.over_budget() and self._free:
+            block, _ = self._free.popitem(last=False)
+            del self._sizes[block]
+            dropped.append(block)
+        return dropped
+
+    def lru_owners(self, keep: str | None = None) -> list[str]:
+        """Hot owners, least recently used first, without ``keep``."""
+        return [owner for owner in self._owners if owner != keep]
+
+    def _release(self, blocks: Iterable[str]) -> None:
         for block in blocks:
             self._refs[block] -= 1
             assert self._refs[block] >= 0, "reference counts never go negative"
             if self._refs[block] == 0:
                 del self._refs[block]
-                self._sizes.pop(block, None)
-                freed.append(block)
-        return freed
+                self._free[block] = None
+
+    def check(self) -> None:
+        """Internal invariants (tests): every block is referenced or free, never both."""
+        assert set(self._refs) | set(self._free) == set(self._sizes)
+        assert not set(self._refs) & set(self._free)
+        assert all(n > 0 for n in self._refs.values())

@@ -1,6 +1,8 @@
 """Engine: the public surface of inference (submit, render, stats, health).
 
-Everything MLX lives behind this class; the API layer holds one Engine.
+Everything MLX lives behind this class; the API layer holds one Engine and sees
+only plain values through it (``ModelInfo``, ``EngineStatus``, prompts, jobs),
+so the API can be tested against a fake engine.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ class CacheConfig:
         return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model, as the API needs to know it."""
+
+    name: str
+    path: Path
+    fingerprint: str  # weights, tokenizer, template and KV format: caches of another never match
+    context_length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +109,17 @@ class Engine:
 
     @property
     def loaded(self) -> LoadedModel:
+        """The model object itself (for tests and benchmarks; the API uses ``model``)."""
         if self._runner.loaded is None:
             raise EngineUnavailable("the model is still loading" if not self._runner.ready.is_set()
                                     else "the model is not loaded")
         return self._runner.loaded
+
+    @property
+    def model(self) -> ModelInfo:
+        """Raises EngineUnavailable while the model loads."""
+        loaded = self.loaded
+        return ModelInfo(loaded.name, loaded.path, loaded.fingerprint, loaded.context_length)
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
         """The prompt the model would see for ``messages`` (no generation)."""
@@ -140,14 +159,19 @@ class Engine:
 
     @property
     def caches(self) -> CacheManager:
-        """The cache manager (owned by the engine thread; read-only use elsewhere)."""
+        """The cache manager, owned by the engine thread (for tests and benchmarks)."""
         if self._runner.caches is None:
             raise EngineUnavailable("the engine is not running")
         return self._runner.caches
 
+    def hot_tokens(self, agent_id: str) -> dict[str, int]:
+        """Cached tokens of the agent's conversations held in memory, by conversation id."""
+        caches = self._runner.caches
+        return caches.hot_tokens(agent_id) if caches is not None else {}
+
     def forget_agent(self, agent_id: str) -> None:
         """Delete the agent's caches: memory, files and index rows (engine thread)."""
-        self._runner.call(lambda caches: caches.forget(agent_id))
+        self._runner.call(lambda caches: caches.forget_agent(agent_id))
 
     def wait_idle(self, timeout_s: float = 60) -> bool:
         """Wait until queued generations are done, their caches committed included."""

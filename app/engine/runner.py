@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
@@ -204,17 +204,18 @@ class Runner(threading.Thread):
         whether the resulting record may be stored). Reuse is taken only if the
         reused tokens plus the new ones spell the prompt exactly (Invariant 2).
         """
-        loaded, caches, prompt = self.loaded, self.caches, job.request.prompt
+        loaded, caches, request = self.loaded, self.caches, job.request
         assert loaded is not None and caches is not None
-        lease = caches.lease(job.request.agent_id, prompt, whole_blocks=job.request.whole_blocks)
+        prompt = request.prompt
+        lease = caches.lease(request.agent_id, request.conversation_id, prompt, whole_blocks=request.whole_blocks)
         if lease.n_reused:
             start = lease.record.ends[-1]
             ids, ends = tokenize_with_ends(loaded.tokenizer, prompt.text[start:])
             if spells(loaded.token_bytes, lease.record.tokens + ids, prompt.text):
                 return lease, ids, ends, True
-            log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold",
-                        job.request.request_id)
-            lease = caches.lease(None, prompt)
+            log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold", request.request_id)
+            lease = caches.cold(lease.agent_id, lease.conversation_id,
+                                replace(lease.report, reason="respell", n_chars=0))
         exact = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
         return lease, prompt.token_ids, prompt.ends, exact
 
@@ -225,7 +226,7 @@ class Runner(threading.Thread):
         started = time.perf_counter()
         lease, prompt_ids, prompt_ends, storable = self._lease(job)
         n_prompt = lease.n_reused + len(prompt_ids)
-        n_written = len(prompt_ids) if storable and caches.enabled and request.agent_id else 0
+        n_written = len(prompt_ids) if storable and lease.conversation_id is not None else 0
         job.put(Started(n_prompt, lease.n_reused, n_written))
         sampling = request.sampling
         max_new = min(sampling.max_tokens, loaded.context_length - n_prompt)
@@ -288,15 +289,14 @@ class Runner(threading.Thread):
             unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
             record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
             try:
-                caches.commit(request.agent_id, lease, record, lease.cache, persist=request.persist,
-                              hot_ttl_s=request.hot_ttl_s)
+                caches.commit(lease, record, lease.cache, persist=request.persist, hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
         job.put(Finished(
             stop_reason=reason, stop_sequence=stop_sequence,
             n_prompt_tokens=n_prompt, n_cached_tokens=lease.n_reused, n_cache_written=n_written,
             n_output_tokens=len(output), ttft_s=ttft, total_s=total,
-            match_outcome=lease.outcome, output_token_ids=tuple(output),
+            match_outcome=lease.outcome, output_token_ids=tuple(output), reuse=lease.report,
         ))
 
 

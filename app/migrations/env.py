@@ -37,13 +37,23 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
+    """Foreign keys are off while migrating: a batch rebuild drops and recreates a
+    table, and with them on, dropping it would cascade into every table that
+    references it (messages, caches). They are checked once all steps ran."""
     engine = make_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")  # no transaction is open yet
+        connection.commit()
         context.configure(connection=connection, target_metadata=target_metadata,
                           render_as_batch=True)
         with context.begin_transaction():
             context.run_migrations()
+        problems = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+        connection.commit()
     engine.dispose()
+    if problems:
+        raise RuntimeError(f"migration left rows that break foreign keys: {problems[:10]}")
 
 
 if context.is_offline_mode():

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.errors import InvalidRequest
 from app.protocol import tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
-from app.protocol.turn import ParsedTurn
+from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
 
@@ -158,6 +158,12 @@ def _drop_billing_header(blocks: list[TextBlock]) -> list[TextBlock]:
     return kept
 
 
+def system_digest(system_text: str) -> str:
+    """What identifies a conversation's start besides its messages: the system prompt with
+    the tools section (as rendered; "" for none)."""
+    return content_digest("system", system_text)
+
+
 def session_from_user_id(user_id: str | None) -> str | None:
     """Claude Code sends ``metadata.user_id`` as a JSON string with a ``session_id``."""
     if not user_id:
@@ -184,16 +190,18 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
         )
     messages: list[ChatMessage] = []
     system = parsed.system if isinstance(parsed.system, str) else _drop_billing_header(parsed.system or [])
-    system_text = _flatten(system, "system") if system else ""
+    own_system = _flatten(system, "system") if system else ""
     choice = parsed.tool_choice or ToolChoice(type="auto")
     use_tools = bool(parsed.tools) and choice.type != "none"
-    if use_tools:
-        offered = [t.model_dump() for t in parsed.tools or []]
-        system_text = "\n\n".join(p for p in (system_text, tools.render_tools_system(offered)) if p)
+    tools_text = tools.render_tools_system([t.model_dump() for t in parsed.tools or []]) if use_tools else ""
+    system_text = "\n\n".join(p for p in (own_system, tools_text) if p)
     if system_text:
         messages.append(ChatMessage("system", system_text))
+    parts = [("system", own_system), ("tools", tools_text)]
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
+        parts.append((f"messages.{i}", messages[-1].content))
+    digests = tuple(content_digest(m.role, m.content) for m in messages[-len(parsed.messages):])
     forced = _forced_call(choice, parsed.tools or [])
     prefill = _prefill(messages, len(parsed.messages) - 1, forced)
     sampling = SamplingParams(
@@ -216,6 +224,9 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
         prefill=prefill,
         reply_prefix=forced,
         hot_ttl_seconds=cache_ttl(body),
+        system_digest=system_digest(system_text),
+        message_digests=digests,
+        parts=tuple((label, text) for label, text in parts if text),
     )
 
 
@@ -317,6 +328,12 @@ def _signature(thinking: str) -> str:
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
+def message_digest(message: dict[str, Any]) -> str:
+    """The digest of a message in its stored (request) shape, e.g. a reply as history keeps it."""
+    valid = validate(MessageIn, message)
+    return content_digest(valid.role, _flatten(valid.content, "content"))
+
+
 def content_blocks(message_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
     """The reply's content blocks: thinking, text and tool_use, as the request allows."""
     blocks: list[dict[str, Any]] = []
@@ -337,6 +354,11 @@ def content_blocks(message_id: str, parsed: ParsedTurn, text: str) -> list[dict[
         if block["type"] == "thinking":
             block["signature"] = _signature(block["thinking"])
     return blocks or [{"type": "text", "text": ""}]
+
+
+def reply_message(message_id: str, parsed: ParsedTurn, text: str) -> dict[str, Any]:
+    """The reply as a request message (how the client sends it back, and history keeps it)."""
+    return {"role": "assistant", "content": content_blocks(message_id, parsed, text)}
 
 
 def render_message(message_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.errors import InvalidRequest
 from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
-from app.protocol.turn import CacheMode, ParsedTurn
+from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import validate
 from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
 
@@ -82,6 +82,10 @@ class ToolMessage(_Strict):
 
 
 MessageIn = Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage]
+
+
+class _OneMessage(_Strict):
+    message: Annotated[MessageIn, Field(discriminator="role")]
 
 
 class FunctionDefinition(_Strict):
@@ -143,29 +147,36 @@ def _arguments(call: ToolCallIn, where: str) -> Any:
         raise InvalidRequest(f"{where}.function.arguments: not valid JSON", f"{where}.function.arguments") from None
 
 
-def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
+def _rendered(message: MessageIn, where: str) -> ChatMessage:
+    """One message as the template sees it, on its own (tool results as the user's side)."""
+    if isinstance(message, AssistantMessage):
+        calls = [tools.render_call(c.function.name, _arguments(c, f"{where}.tool_calls.{j}"))
+                 for j, c in enumerate(message.tool_calls or [])]
+        return ChatMessage("assistant", "\n".join(p for p in (_text(message.content, f"{where}.content"), *calls) if p))
+    if isinstance(message, SystemMessage):
+        return ChatMessage("system", _text(message.content, f"{where}.content"))
+    text = _text(message.content, f"{where}.content")
+    return ChatMessage("user", tools.render_result(text, False) if isinstance(message, ToolMessage) else text)
+
+
+def _chat_messages(messages: list[MessageIn], rendered: list[ChatMessage]) -> list[ChatMessage]:
     """What the chat template sees. Tool results are the user's side of the
     conversation: consecutive ones, and a user message right after them, are one turn."""
     out: list[ChatMessage] = []
     results_open = False
-    for i, message in enumerate(messages):
-        if isinstance(message, AssistantMessage):
-            calls = [tools.render_call(c.function.name, _arguments(c, f"messages.{i}.tool_calls.{j}"))
-                     for j, c in enumerate(message.tool_calls or [])]
-            text = "\n".join(p for p in (_text(message.content, f"messages.{i}.content"), *calls) if p)
-            out.append(ChatMessage("assistant", text))
-        elif isinstance(message, SystemMessage):
-            out.append(ChatMessage("system", _text(message.content, f"messages.{i}.content")))
+    for message, one in zip(messages, rendered):
+        if results_open and one.role == "user":
+            out[-1] = ChatMessage("user", f"{out[-1].content}\n{one.content}")
         else:
-            text = _text(message.content, f"messages.{i}.content")
-            if isinstance(message, ToolMessage):
-                text = tools.render_result(text, False)
-            if results_open:
-                out[-1] = ChatMessage("user", f"{out[-1].content}\n{text}")
-            else:
-                out.append(ChatMessage("user", text))
+            out.append(one)
         results_open = isinstance(message, ToolMessage)
     return out
+
+
+def message_digest(message: dict[str, Any]) -> str:
+    """The digest of a message in its request shape (also a reply as history keeps it)."""
+    one = _rendered(validate(_OneMessage, {"message": message}).message, "message")
+    return content_digest(one.role, one.content)
 
 
 def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
@@ -198,7 +209,8 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
     limit = parsed.max_completion_tokens or parsed.max_tokens or defaults.default_max_tokens
     if limit > defaults.max_output_tokens:
         raise InvalidRequest(f"max_tokens: {limit} > {defaults.max_output_tokens}, the maximum allowed", "max_tokens")
-    messages = _chat_messages(parsed.messages)
+    rendered = [_rendered(m, f"messages.{i}") for i, m in enumerate(parsed.messages)]
+    messages = _chat_messages(parsed.messages, rendered)
     tools_system, forced = _tool_setup(parsed)
     if tools_system:
         if messages[0].role == "system":
@@ -215,7 +227,16 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
                       tuple(body["messages"]),
                       include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                       parse_tools=bool(tools_system), reply_prefix=forced, ttl_seconds=parsed.ttl,
-                      cache_mode=parsed.cache_mode)
+                      cache_mode=parsed.cache_mode, system_digest=content_digest("tools", tools_system),
+                      message_digests=tuple(content_digest(m.role, m.content) for m in rendered),
+                      parts=_parts(rendered, tools_system))
+
+
+def _parts(rendered: list[ChatMessage], tools_system: str) -> tuple[tuple[str, str], ...]:
+    """The prompt's pieces in order: the tools section follows a leading system message."""
+    parts = [(f"messages.{i}", m.content) for i, m in enumerate(rendered)]
+    parts.insert(1 if rendered[0].role == "system" else 0, ("tools", tools_system))
+    return tuple((label, text) for label, text in parts if text)
 
 
 def new_completion_id() -> str:
@@ -256,13 +277,6 @@ def reply_message(completion_id: str, parsed: ParsedTurn, text: str) -> dict[str
     if not calls:
         return {"role": "assistant", "content": content}
     return {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
-
-
-def history_content(completion_id: str, parsed: ParsedTurn, text: str) -> Any:
-    """The reply as history stores it: its text, or the message without its role when it calls tools."""
-    message = reply_message(completion_id, parsed, text)
-    return message["content"] if "tool_calls" not in message else \
-        {k: v for k, v in message.items() if k != "role"}
 
 
 def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.types import ChatMessage, SamplingParams
 
 CacheMode = Literal["full", "prefix"]
+
+
+def content_digest(role: str, text: str) -> str:
+    """Identity of a message as the model sees it (role and rendered text), so a
+    resent message matches its stored copy whatever JSON shape it came in
+    (a string or one text block, ``cache_control`` markers anywhere)."""
+    return hashlib.sha256(f"{role}\0{text}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +34,32 @@ class ParsedTurn:
     ttl_seconds: int | None = None  # how long the agent's cache is kept (OpenAI ``ttl``); 0: not on disk
     hot_ttl_seconds: int | None = None  # Anthropic ``cache_control`` hint: how long to keep it in memory
     cache_mode: CacheMode = "full"  # OpenAI ``cache_mode``: "prefix" reuses whole shared blocks only
+    # What identifies the conversation (history by content): a digest of what the prompt
+    # holds besides the messages (system field, tools), and one per raw message.
+    system_digest: str = ""
+    message_digests: tuple[str, ...] = ()
+    # The prompt's pieces in order, (label, text): "system", "tools", "messages.N". Where
+    # a cache match ends is reported as the piece it falls in (cache-miss diagnostics).
+    parts: tuple[tuple[str, str], ...] = ()
 
     @property
     def reply_start(self) -> str:
         """What the prompt holds after the template's generation prompt."""
         return self.prefill + self.reply_prefix
+
+
+def locate_part(parts: tuple[tuple[str, str], ...], text: str, offset: int) -> str:
+    """Which piece of the rendered prompt ``text`` character ``offset`` falls in:
+    a label of ``parts`` (found in order), or "template" between them (role
+    markers and separators the chat template adds)."""
+    cursor = 0
+    for label, part in parts:
+        at = text.find(part, cursor)
+        if at < 0:
+            continue
+        if offset < at:
+            return "template"
+        if offset < at + len(part):
+            return label
+        cursor = at + len(part)
+    return "template"

@@ -1,4 +1,4 @@
-"""Agent rows and their history, for the direct agent API. Functions take a Session."""
+"""Agent rows, their conversations and history, for the direct agent API. Functions take a Session."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from app.store.models import Agent, Cache, Message
+from app.store.models import Agent, Cache, Conversation, Message
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationView:
+    id: str
+    n_messages: int
+    created_at: datetime
+    last_access_at: datetime
+    caches: tuple[tuple[str, int, str], ...]  # (model fingerprint, cached tokens, tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +32,7 @@ class AgentView:
     status: str
     metadata: dict[str, Any]
     n_messages: int
-    caches: tuple[tuple[str, int, str], ...]  # (model fingerprint, cached tokens, tier)
+    conversations: tuple[ConversationView, ...]  # most recently used first
 
 
 def create(session: Session, agent_id: str, metadata: dict[str, Any], ttl_seconds: int | None, now: datetime) -> bool:
@@ -35,26 +44,53 @@ def create(session: Session, agent_id: str, metadata: dict[str, Any], ttl_second
     return True
 
 
+def _conversations(session: Session, agent_id: str) -> tuple[ConversationView, ...]:
+    counts: dict[str, int] = {c: n for c, n in session.execute(
+        select(Message.conversation_id, func.count()).where(Message.agent_id == agent_id)
+        .group_by(Message.conversation_id))}
+    caches: dict[str, list[tuple[str, int, str]]] = {}
+    for conversation_id, fingerprint, n_tokens, tier in session.execute(
+            select(Cache.conversation_id, Cache.model_fingerprint, Cache.n_tokens, Cache.tier)
+            .where(Cache.agent_id == agent_id)):
+        caches.setdefault(conversation_id, []).append((fingerprint, n_tokens, tier))
+    rows = session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
+                           .order_by(Conversation.last_access_at.desc()))
+    return tuple(ConversationView(c.id, counts.get(c.id, 0), c.created_at, c.last_access_at,
+                                  tuple(caches.get(c.id, ()))) for c in rows)
+
+
 def view(session: Session, agent_id: str) -> AgentView | None:
     agent = session.get(Agent, agent_id)
     if agent is None:
         return None
-    n_messages = session.scalar(select(func.count()).where(Message.agent_id == agent_id)) or 0
-    caches = tuple(session.execute(select(Cache.model_fingerprint, Cache.n_tokens, Cache.tier)
-                                   .where(Cache.agent_id == agent_id)).tuples())
+    conversations = _conversations(session, agent_id)
     return AgentView(agent.id, agent.origin, agent.created_at, agent.last_access_at, agent.ttl_seconds,
-                     agent.hot_ttl_seconds, agent.status, dict(agent.metadata_json or {}), n_messages, caches)
+                     agent.hot_ttl_seconds, agent.status, dict(agent.metadata_json or {}),
+                     sum(c.n_messages for c in conversations), conversations)
 
 
 def list_ids(session: Session, limit: int, offset: int) -> list[str]:
     return list(session.scalars(select(Agent.id).order_by(Agent.last_access_at.desc()).limit(limit).offset(offset)))
 
 
-def history(session: Session, agent_id: str) -> list[Message]:
-    return list(session.scalars(select(Message).where(Message.agent_id == agent_id).order_by(Message.position)))
+def history(session: Session, agent_id: str, conversation_id: str | None = None) -> list[Message]:
+    """Messages of one conversation, or of all the agent's conversations (oldest conversation first)."""
+    query = (select(Message).join(Conversation, Conversation.id == Message.conversation_id)
+             .where(Message.agent_id == agent_id)
+             .order_by(Conversation.created_at, Conversation.id, Message.position))
+    if conversation_id is not None:
+        query = query.where(Message.conversation_id == conversation_id)
+    return list(session.scalars(query))
+
+
+def latest_conversation(session: Session, agent_id: str) -> str | None:
+    """The agent's most recently used conversation."""
+    return session.scalar(select(Conversation.id).where(Conversation.agent_id == agent_id)
+                          .order_by(Conversation.last_access_at.desc()).limit(1))
 
 
 def remove(session: Session, agent_id: str) -> None:
-    """Delete the agent and its messages (requests keep their rows, unlinked)."""
+    """Delete the agent, its conversations and messages (requests keep their rows, unlinked)."""
     session.execute(delete(Message).where(Message.agent_id == agent_id))
+    session.execute(delete(Conversation).where(Conversation.agent_id == agent_id))
     session.execute(delete(Agent).where(Agent.id == agent_id))

@@ -43,9 +43,9 @@ def _refresh_ref_counts(session: Session, hashes: Iterable[str]) -> None:
             block.ref_count = count
 
 
-def save_cache(session: Session, agent_id: str, fingerprint: str, n_tokens: int, record_path: str,
-               blocks: Sequence[BlockRow], now: datetime) -> None:
-    """Record an agent's cache (replacing its previous block list)."""
+def save_cache(session: Session, agent_id: str, conversation_id: str, fingerprint: str, n_tokens: int,
+               record_path: str, blocks: Sequence[BlockRow], now: datetime) -> None:
+    """Record a conversation's cache (replacing its previous block list)."""
     for row in blocks:
         existing = session.get(Block, row.hash)
         if existing is None:
@@ -54,10 +54,10 @@ def save_cache(session: Session, agent_id: str, fingerprint: str, n_tokens: int,
                               ref_count=0, tier="warm", created_at=now, last_access_at=now))
         else:
             existing.last_access_at = now
-    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
+    cache = _cache(session, conversation_id, fingerprint)
     if cache is None:
-        cache = Cache(agent_id=agent_id, model_fingerprint=fingerprint, created_at=now, tier="warm",
-                      n_tokens=0, updated_at=now, last_access_at=now)
+        cache = Cache(agent_id=agent_id, conversation_id=conversation_id, model_fingerprint=fingerprint,
+                      created_at=now, tier="warm", n_tokens=0, updated_at=now, last_access_at=now)
         session.add(cache)
         session.flush()
     old = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
@@ -69,10 +69,14 @@ def save_cache(session: Session, agent_id: str, fingerprint: str, n_tokens: int,
     _refresh_ref_counts(session, [*old, *(row.hash for row in blocks)])
 
 
-def load_cache(session: Session, agent_id: str, fingerprint: str) -> CacheEntry | None:
-    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint,
-                                               Cache.tier != "cold"))
-    if cache is None or cache.record_path is None:
+def _cache(session: Session, conversation_id: str, fingerprint: str) -> Cache | None:
+    return session.scalar(select(Cache).where(Cache.conversation_id == conversation_id,
+                                              Cache.model_fingerprint == fingerprint))
+
+
+def load_cache(session: Session, conversation_id: str, fingerprint: str) -> CacheEntry | None:
+    cache = _cache(session, conversation_id, fingerprint)
+    if cache is None or cache.tier == "cold" or cache.record_path is None:
         return None
     rows = session.execute(
         select(Block).join(CacheBlock, CacheBlock.block_hash == Block.hash)
@@ -82,14 +86,30 @@ def load_cache(session: Session, agent_id: str, fingerprint: str) -> CacheEntry 
     return CacheEntry(cache.record_path, cache.n_tokens, blocks)
 
 
-def drop_cache(session: Session, agent_id: str, fingerprint: str) -> list[str]:
-    """Forget an agent's cache for one model.
+def agent_caches(session: Session, agent_id: str, fingerprint: str) -> list[tuple[str, str]]:
+    """The agent's stored (warm) conversation caches for one model, most recently used
+    first, as (conversation id, record path)."""
+    rows = session.execute(select(Cache.conversation_id, Cache.record_path)
+                           .where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint,
+                                  Cache.tier != "cold", Cache.record_path.is_not(None))
+                           .order_by(Cache.last_access_at.desc()))
+    return [(conversation_id, path) for conversation_id, path in rows]
+
+
+def block_file(session: Session, block_hash: str) -> tuple[str, str | None] | None:
+    """(path, checksum) of a stored block, if it has a file."""
+    block = session.get(Block, block_hash)
+    return (block.path, block.checksum or None) if block is not None and block.path else None
+
+
+def drop_cache(session: Session, conversation_id: str, fingerprint: str) -> list[str]:
+    """Forget a conversation's cache for one model.
 
     Returns:
         Paths of block files no cache references any more; their rows are
         deleted and the files are the caller's to delete.
     """
-    cache = session.scalar(select(Cache).where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint))
+    cache = _cache(session, conversation_id, fingerprint)
     if cache is None:
         return []
     hashes = list(session.scalars(select(CacheBlock.block_hash).where(CacheBlock.cache_id == cache.id)))
@@ -122,31 +142,6 @@ def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
             orphans.append(block.path)
         session.delete(block)
     return orphans
-
-
-def candidates_for_chain(session: Session, fingerprint: str, chain: Sequence[str]) -> list[tuple[str, str, int]]:
-    """Agents whose whole cached block chain is a prefix of ``chain``, longest first.
-
-    Returns (agent id, record path, chain length) triples.
-    """
-    if not chain:
-        return []
-    found: list[tuple[str, str, int]] = []
-    rows = session.execute(
-        select(Cache.agent_id, Cache.record_path, func.count(CacheBlock.position), Cache.last_access_at)
-        .join(CacheBlock, CacheBlock.cache_id == Cache.id)
-        .where(Cache.model_fingerprint == fingerprint, Cache.tier != "cold",
-               CacheBlock.position == 0, CacheBlock.block_hash == chain[0])
-        .group_by(Cache.id)
-    ).all()
-    for agent_id, record_path, _, _ in rows:
-        hashes = list(session.scalars(
-            select(CacheBlock.block_hash).join(Cache, Cache.id == CacheBlock.cache_id)
-            .where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint)
-            .order_by(CacheBlock.position)))
-        if hashes == list(chain[:len(hashes)]) and record_path:
-            found.append((agent_id, record_path, len(hashes)))
-    return sorted(found, key=lambda item: -item[2])
 
 
 def caches_by_tier(session: Session) -> dict[str, int]:

@@ -1,23 +1,92 @@
-"""Agents, requests and message history: the writes every protocol makes.
+"""Agents, conversations, requests and message history: the writes every protocol makes.
 
 Each function takes a Session and commits nothing; callers keep transactions
 short (one ``with session.begin()`` per step).
+
+A conversation is recognised by content: each stored message carries the
+digest of what the model saw (role and rendered text), and a request
+continues the conversation whose stored digests are a prefix of its own
+(same system prompt and tools). History is appended to that conversation
+only, so side conversations sent under one identity never mix.
 """
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.orm import Session
 
-from app.store.models import Agent, Message, Request
+from app.store.models import Agent, Conversation, Message, Request
 from app.types import Finished
+
+# Conversations looked at when a request names no agent and is recognised by content.
+CONTENT_CANDIDATES = 50
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def new_conversation_id() -> str:
+    return f"conv_{uuid.uuid4().hex[:20]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationMatch:
+    """A stored conversation a request continues: it resends its ``n_messages`` messages."""
+
+    agent_id: str
+    conversation_id: str
+    n_messages: int
+
+
+def _digests(session: Session, conversation_ids: Sequence[str]) -> dict[str, list[str | None]]:
+    found: dict[str, list[str | None]] = {c: [] for c in conversation_ids}
+    rows = session.execute(select(Message.conversation_id, Message.digest)
+                           .where(Message.conversation_id.in_(conversation_ids))
+                           .order_by(Message.conversation_id, Message.position))
+    for conversation_id, digest in rows:
+        found[conversation_id].append(digest)
+    return found
+
+
+def _longest_prefix(candidates: Sequence[Conversation], stored: dict[str, list[str | None]],
+                    digests: Sequence[str], minimum: int) -> ConversationMatch | None:
+    """The candidate whose stored digests are a prefix of ``digests``, most messages first
+    (then the most recently used)."""
+    best: ConversationMatch | None = None
+    for conversation in sorted(candidates, key=lambda c: c.last_access_at, reverse=True):
+        mine = stored.get(conversation.id, [])
+        if len(mine) < minimum or len(mine) > len(digests) or list(digests[:len(mine)]) != mine:
+            continue
+        if best is None or len(mine) > best.n_messages:
+            best = ConversationMatch(conversation.agent_id, conversation.id, len(mine))
+    return best
+
+
+def find_conversation(session: Session, agent_id: str, system_digest: str,
+                      digests: Sequence[str]) -> ConversationMatch | None:
+    """The agent's conversation that ``digests`` continue (same system prompt and tools)."""
+    candidates = list(session.scalars(select(Conversation).where(Conversation.agent_id == agent_id,
+                                                                 Conversation.system_digest == system_digest)))
+    return _longest_prefix(candidates, _digests(session, [c.id for c in candidates]), digests, minimum=0)
+
+
+def find_by_content(session: Session, system_digest: str, digests: Sequence[str]) -> ConversationMatch | None:
+    """For a request that names no agent: the stored conversation (of any agent) it resends
+    and extends; at least its first message must match."""
+    if not digests:
+        return None
+    first = select(Message.conversation_id).where(Message.position == 0, Message.digest == digests[0])
+    candidates = list(session.scalars(
+        select(Conversation).where(Conversation.id.in_(first), Conversation.system_digest == system_digest)
+        .order_by(Conversation.last_access_at.desc()).limit(CONTENT_CANDIDATES)))
+    return _longest_prefix(candidates, _digests(session, [c.id for c in candidates]), digests, minimum=1)
 
 
 def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
@@ -36,18 +105,47 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
     return agent
 
 
+def ensure_conversation(session: Session, conversation_id: str, agent_id: str, origin: str, now: datetime,
+                        system_digest: str | None = None) -> None:
+    """Create the agent and the conversation rows if missing (the server's request path and
+    its cache persister both may be first; neither fails on the other's insert)."""
+    session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
+                                         status="active", metadata_json={}).on_conflict_do_nothing())
+    session.execute(insert(Conversation).values(id=conversation_id, agent_id=agent_id, system_digest=system_digest,
+                                                created_at=now, last_access_at=now)
+                    .on_conflict_do_nothing())
+    if system_digest is not None:  # the persister may have created it without one
+        conversation = session.get_one(Conversation, conversation_id)
+        conversation.system_digest = conversation.system_digest or system_digest
+
+
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,
-                  served_model: str | None, stream: bool, agent_id: str | None,
-                  n_input_tokens: int | None, now: datetime) -> None:
+                  served_model: str | None, stream: bool, n_input_tokens: int | None, now: datetime) -> None:
+    """The request's row, before the engine runs it (its agent is written when it ends)."""
     session.add(Request(id=request_id, protocol=protocol, model=model, served_model=served_model,
-                        stream=stream, agent_id=agent_id, n_input_tokens=n_input_tokens,
-                        status="running", created_at=now))
+                        stream=stream, n_input_tokens=n_input_tokens, status="running", created_at=now))
 
 
-def finish_request(session: Session, request_id: str, finished: Finished, now: datetime) -> None:
+@dataclass(frozen=True, slots=True)
+class ReuseDiagnosis:
+    """How cache reuse ended for one request (the ``requests`` diagnostics columns)."""
+
+    reason: str
+    n_chars: int
+    offset: int | None = None
+    part: str | None = None
+    stored: str | None = None
+    new: str | None = None
+
+
+def finish_request(session: Session, request_id: str, finished: Finished, now: datetime, *,
+                   agent_id: str | None = None, conversation_id: str | None = None,
+                   reuse: ReuseDiagnosis | None = None) -> None:
     row = session.get_one(Request, request_id)
     row.status = "cancelled" if finished.stop_reason == "cancelled" else "ok"
     row.stop_reason = finished.stop_reason
+    row.agent_id = agent_id or row.agent_id
+    row.conversation_id = conversation_id or row.conversation_id
     row.n_input_tokens = finished.n_prompt_tokens
     row.n_cached_tokens = finished.n_cached_tokens
     row.n_output_tokens = finished.n_output_tokens
@@ -55,6 +153,10 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
     row.ttft_ms = finished.ttft_s * 1000
     row.total_ms = finished.total_s * 1000
     row.finished_at = now
+    if reuse is not None:
+        row.reuse_reason, row.n_reused_chars = reuse.reason, reuse.n_chars
+        row.diverge_offset, row.diverge_part = reuse.offset, reuse.part
+        row.diverge_stored, row.diverge_new = reuse.stored, reuse.new
 
 
 def fail_request(session: Session, request_id: str, *, status: str, error_type: str,
@@ -72,16 +174,25 @@ def fail_request(session: Session, request_id: str, *, status: str, error_type: 
     row.finished_at = now
 
 
-def append_history(session: Session, agent_id: str, messages: Sequence[tuple[str, Any]],
-                   request_id: str, now: datetime) -> int:
-    """Append the messages at positions the agent's history does not have yet.
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    role: str
+    content: Any  # JSON as received
+    digest: str
 
-    Stateless protocols resend the whole conversation each turn; only its new
-    tail is stored. Returns the number of messages written.
+
+def append_messages(session: Session, agent_id: str, conversation_id: str, messages: Sequence[StoredMessage],
+                    request_id: str, now: datetime) -> int:
+    """Append to a conversation the messages it does not hold yet.
+
+    ``messages`` is the whole conversation as the request resent it, plus the
+    reply: the stored messages are a prefix of it (that is how the conversation
+    was chosen), so only what follows them is written. Returns the number written.
     """
-    n_stored = session.scalar(select(func.count()).where(Message.agent_id == agent_id)) or 0
-    new = list(messages)[n_stored:]
-    for offset, (role, content) in enumerate(new):
-        session.add(Message(agent_id=agent_id, position=n_stored + offset, role=role,
-                            content=content, created_at=now, request_id=request_id))
-    return len(new)
+    n_stored = session.scalar(select(func.count()).where(Message.conversation_id == conversation_id)) or 0
+    for offset, message in enumerate(messages[n_stored:]):
+        session.add(Message(agent_id=agent_id, conversation_id=conversation_id, position=n_stored + offset,
+                            role=message.role, content=message.content, digest=message.digest,
+                            created_at=now, request_id=request_id))
+    session.get_one(Conversation, conversation_id).last_access_at = now
+    return max(len(messages) - n_stored, 0)

@@ -46,6 +46,26 @@ class Agent(Base):
     metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
 
+class Conversation(Base):
+    """One conversation of an agent: its own history and its own cache.
+
+    Real clients send several conversations under one identity (Claude Code's
+    title request, subagents and summaries share the main session id). A
+    request continues the conversation whose stored messages it resends (by
+    content: the digest of each message as the model sees it), else it starts
+    a new one.
+    """
+
+    __tablename__ = "conversations"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), index=True)
+    # Digest of what the prompt holds besides its messages (system prompt, tools).
+    system_digest: Mapped[str | None] = mapped_column(String(32))
+    created_at: Mapped[datetime]
+    last_access_at: Mapped[datetime] = mapped_column(index=True)
+
+
 class Request(Base):
     """One generation request, whatever its protocol and outcome."""
 
@@ -53,6 +73,8 @@ class Request(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), index=True)
+    conversation_id: Mapped[str | None] = mapped_column(ForeignKey("conversations.id", ondelete="SET NULL"),
+                                                        index=True)
     protocol: Mapped[str] = mapped_column(String(16))  # anthropic / openai / direct
     model: Mapped[str | None] = mapped_column(String(256))  # as requested
     served_model: Mapped[str | None] = mapped_column(String(256))
@@ -62,6 +84,16 @@ class Request(Base):
     n_output_tokens: Mapped[int | None]
     # exact / extend / diverge / shared / miss (NULL when no generation ran).
     match_outcome: Mapped[str | None] = mapped_column(String(16))
+    # How reuse ended (cache-miss diagnostics): why less than the whole prompt came from
+    # cache, how many characters did, and where the best stored text parted from the prompt:
+    # the character offset, the piece of the prompt it fell in ("system", "tools",
+    # "messages.N", "template") and a short excerpt of the stored and the new text there.
+    reuse_reason: Mapped[str | None] = mapped_column(String(32))
+    n_reused_chars: Mapped[int | None]
+    diverge_offset: Mapped[int | None]
+    diverge_part: Mapped[str | None] = mapped_column(String(64))
+    diverge_stored: Mapped[str | None]
+    diverge_new: Mapped[str | None]
     ttft_ms: Mapped[float | None]
     total_ms: Mapped[float | None]
     # running / ok / error / rejected / cancelled
@@ -74,14 +106,18 @@ class Request(Base):
 
 
 class Message(Base):
-    """One message of an agent's history, in conversation order."""
+    """One message of a conversation's history, in order (``position`` counts within it)."""
 
     __tablename__ = "messages"
-    __table_args__ = (UniqueConstraint("agent_id", "position"),)
+    __table_args__ = (UniqueConstraint("conversation_id", "position"),)
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), index=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"))
     position: Mapped[int]
+    # The message as the model saw it (role and rendered text), hashed: how a resent
+    # conversation is recognised. NULL for messages stored before conversations existed.
+    digest: Mapped[str | None] = mapped_column(String(32), index=True)
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[Any] = mapped_column(JSON)
     created_at: Mapped[datetime]
@@ -90,13 +126,14 @@ class Message(Base):
 
 
 class Cache(Base):
-    """An agent's KV cache for one model fingerprint."""
+    """A conversation's KV cache for one model fingerprint."""
 
     __tablename__ = "caches"
-    __table_args__ = (UniqueConstraint("agent_id", "model_fingerprint"),)
+    __table_args__ = (UniqueConstraint("conversation_id", "model_fingerprint"),)
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), index=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"))
     model_fingerprint: Mapped[str] = mapped_column(String(64))
     n_tokens: Mapped[int] = mapped_column(default=0)
     tier: Mapped[str] = mapped_column(String(8))  # hot / warm / cold

@@ -88,8 +88,9 @@ def test_the_worker_migrates_and_its_consumer_runs_queued_jobs(tmp_path: Path) -
         # Calling a Huey task enqueues it in huey.db; the running consumer executes it.
         subprocess.run([sys.executable, "-c", "from worker.tasks import JOBS\nfor job in JOBS.values(): job()"],
                        cwd=ROOT, env=env, check=True, timeout=60)
-        assert wait_for(lambda: len(query(db, "SELECT name FROM job_runs")) == 3), process.stdout
-        assert sorted(name for (name,) in query(db, "SELECT name FROM job_runs")) == ["compact", "evict", "expire"]
+        # (A periodic run may land too when the test crosses a scheduled minute.)
+        names = lambda: {name for (name,) in query(db, "SELECT name FROM job_runs")}  # noqa: E731
+        assert wait_for(lambda: names() == {"compact", "evict", "expire"}), process.stdout
     finally:
         process.terminate()
         process.wait(timeout=20)

@@ -58,7 +58,8 @@ def test_errors_use_the_openai_shape(client: openai.OpenAI, server: ServerProces
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=[], max_tokens=8)
     assert info.value.body["message"].startswith("messages:")
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{oops")
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{oops",
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="n:"):
         client.chat.completions.create(model="m", messages=QUESTION, n=2)

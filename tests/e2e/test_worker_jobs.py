@@ -80,9 +80,14 @@ def test_expire_compact_evict_and_restart(tmp_path: Path, smollm2_dir: Path) -> 
     server = start_server(home, smollm2_dir)  # the memory copies are gone: every cache is cold now
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k", max_retries=0)
+        (reply,) = query(db, "SELECT json_extract(content, '$') FROM messages WHERE agent_id = 'keep' "
+                             "AND role = 'assistant'")[0]
         again = client.chat.completions.create(model="m", max_tokens=4, temperature=0, extra_body={
-            "session_id": "keep"}, messages=[SYSTEM, {"role": "user", "content": "Plan a trip for keep."}])
+            "session_id": "keep"}, messages=[SYSTEM, {"role": "user", "content": "Plan a trip for keep."},
+                                             {"role": "assistant", "content": reply},
+                                             {"role": "user", "content": "And a hotel?"}])
         assert again.usage.prompt_tokens_details.cached_tokens == 0 and again.choices[0].message.content
+        # The same conversation continues (one cache row), its cache written again from scratch.
         assert query(db, "SELECT tier FROM caches WHERE agent_id = 'keep'") in ([("cold",)], [("warm",)])
         wait_persisted(db, "keep", 512)  # written again, the cold row revived
         assert query(db, "SELECT tier FROM caches WHERE agent_id = 'keep'") == [("warm",)]

@@ -48,8 +48,13 @@ def engine(home: Path, smollm2_dir: Path) -> Iterator[Engine]:
     running.stop()
 
 
+def conv(agent: str | None) -> str | None:
+    """Each agent here holds one conversation."""
+    return f"{agent}-conversation" if agent else None
+
+
 def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams = GREEDY) -> tuple[str, Finished]:
-    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages), sampling, agent))
+    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages), sampling, agent, conv(agent)))
     events = list(job.events())
     finished = events[-1]
     assert isinstance(finished, Finished)
@@ -97,7 +102,7 @@ def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> No
     assert f2.match_outcome == "extend"
     # Turn 1's prompt and its whole reply were reused.
     assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
-    record = engine.caches.record("wc")
+    record = engine.caches.record(conv("wc"))
     assert record is not None
     prompt = record.tokens[:f2.n_prompt_tokens]
     splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})  # one per turn
@@ -107,12 +112,12 @@ def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> No
 
 def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
     _, f1, f2 = conversation(engine, "logits")
-    record = engine.caches.record("logits")
+    record = engine.caches.record(conv("logits"))
     assert record is not None
     k = record.n_tokens - 10  # inside turn 2's reply: turn 1 and turn 2 both shaped it
     from app.types import Prompt
     text = record.text[:record.ends[k - 1]] + "\u0000diverge"
-    lease = engine.caches.lease("logits", Prompt(text, (), ()))
+    lease = engine.caches.lease("logits", conv("logits"), Prompt(text, (), ()))
     assert lease.n_reused == k
     suffix = record.tokens[k:]
     warm = engine.loaded.model(mx.array([suffix]), cache=lease.cache)[0, -1]
@@ -129,7 +134,7 @@ def test_restart_resumes_from_disk_with_the_same_answer(tmp_path: Path, smollm2_
     uninterrupted = make_engine_at(tmp_path / "a", smollm2_dir)  # turns 1, 2, 3 in one engine
     try:
         messages, _, _ = conversation(uninterrupted, "restart")
-        record = uninterrupted.caches.record("restart")
+        record = uninterrupted.caches.record(conv("restart"))
         assert record is not None
         marker = "<|im_start|>assistant\n"
         reply_2 = record.text[record.text.rindex(marker) + len(marker):].removesuffix("<|im_end|>")
@@ -157,8 +162,8 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
     messages, _, f2 = conversation(first, "damaged")
     first.stop()
     model_dir = smollm2_dir
-    blocks = sorted(p for p in (tmp_path / "blocks").rglob("*.safetensors") if "agents" not in p.parts)
-    record = next((tmp_path / "blocks").rglob("agents/*.safetensors"))
+    blocks = sorted(p for p in (tmp_path / "blocks").rglob("*.safetensors") if "conversations" not in p.parts)
+    record = next((tmp_path / "blocks").rglob("conversations/*.safetensors"))
     if damage == "corrupt block":
         data = bytearray(blocks[0].read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -185,7 +190,7 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         if finished.match_outcome == "miss":
             assert text == turn(engine, None, messages)[0]  # a cold prefill of the same prompt
         else:
-            record = second.caches.record("damaged")
+            record = second.caches.record(conv("damaged"))
             assert record is not None
             _, tokens = cold_same_split(second, record.tokens[:finished.n_prompt_tokens],
                                         [finished.n_cached_tokens], finished.n_output_tokens)

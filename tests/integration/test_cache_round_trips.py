@@ -97,27 +97,27 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
     more = rng.integers(0, VOCAB, 40).tolist()
     caches = manager(tmp_path, n_layers)
 
-    lease = caches.lease("a", as_prompt(first))
+    lease = caches.lease("a", "a-c", as_prompt(first))
     assert lease.n_reused == 0
     forward(model, lease.cache, first)
-    caches.commit("a", lease, CacheRecord(*_record_fields(first)), lease.cache)
+    caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
 
     # EXTEND in memory: every cached token reused, same logits as cold with the same split.
-    lease = caches.lease("a", as_prompt(first + more))
+    lease = caches.lease("a", "a-c", as_prompt(first + more))
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more))
 
     # Trim: diverge inside the tail.
     edited = first[:280] + [(first[280] + 1) % VOCAB] + more
-    lease = caches.lease("a", as_prompt(edited))
+    lease = caches.lease("a", "a-c", as_prompt(edited))
     assert (lease.n_reused, lease.outcome) == (280, "diverge")
     assert mx.array_equal(forward(model, lease.cache, edited[280:]), cold_same_split(model, n_layers, first[:280], edited[280:]))
 
     # Persist and reload in a new manager (a restart): the same logits, bit for bit.
     caches.flush(30)
     reloaded = manager(tmp_path, n_layers)
-    lease = reloaded.lease("a", as_prompt(first + more))
+    lease = reloaded.lease("a", "a-c", as_prompt(first + more))
     assert lease.n_reused == 300
     assert mx.array_equal(forward(model, lease.cache, more), warm)
     reloaded.close()
@@ -147,20 +147,20 @@ def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
     caches = manager(tmp_path, n_layers)
     prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "b")}
     for agent, tokens in prompts.items():
-        lease = caches.lease(agent, as_prompt(tokens))
+        lease = caches.lease(agent, agent + "-c", as_prompt(tokens))
         forward(model, lease.cache, tokens)
-        caches.commit(agent, lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+        caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
     one_agent = caches.stats().pool_bytes // 2
     caches._pool.budget_bytes = int(one_agent * 1.5)  # room for one agent only
     more = rng.integers(0, VOCAB, 20).tolist()
-    lease = caches.lease("b", as_prompt(prompts["b"] + more))
+    lease = caches.lease("b", "b-c", as_prompt(prompts["b"] + more))
     forward(model, lease.cache, more)
     record = CacheRecord(*_record_fields(prompts["b"] + more))
     caches.flush(30)
-    caches.commit("b", lease, record, lease.cache)
-    assert caches.stats().hot_agents == 1 and caches.record("a") is None  # "a" went warm
+    caches.commit(lease, record, lease.cache)
+    assert caches.stats().hot_agents == 1 and caches.record("a-c") is None  # "a" went warm
     caches.flush(30)
-    lease = caches.lease("a", as_prompt(prompts["a"] + more))  # warm -> hot from disk
+    lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))  # warm -> hot from disk
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
     caches.close()
@@ -175,16 +175,16 @@ def test_a_hot_ttl_sends_an_unused_agent_to_disk(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
     prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("brief", "lasting", "no hint")}
     for (agent, tokens), ttl in zip(prompts.items(), (300.0, 3600.0, None)):
-        lease = caches.lease(agent, as_prompt(tokens))
+        lease = caches.lease(agent, agent + "-c", as_prompt(tokens))
         forward(model, lease.cache, tokens)
-        caches.commit(agent, lease, CacheRecord(*_record_fields(tokens)), lease.cache, hot_ttl_s=ttl)
+        caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache, hot_ttl_s=ttl)
     assert caches.expire_hot() == []
     now[0] += 301
-    assert caches.expire_hot() == ["brief"]
-    assert caches.record("brief") is None and caches.record("lasting") and caches.record("no hint")
+    assert caches.expire_hot() == ["brief-c"]
+    assert caches.record("brief-c") is None and caches.record("lasting-c") and caches.record("no hint-c")
     caches.flush(30)
     more, tokens = [1, 2, 3], prompts["brief"]
-    lease = caches.lease("brief", as_prompt(tokens + more))  # warm -> hot from disk
+    lease = caches.lease("brief", "brief-c", as_prompt(tokens + more))  # warm -> hot from disk
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, len(model.layers), tokens, more))
     caches.close()
@@ -194,11 +194,11 @@ def test_the_float_working_copy_counts_against_the_memory_budget(tmp_path: Path)
     model = build("llama")
     caches = manager(tmp_path, len(model.layers))
     tokens = np.random.default_rng(9).integers(0, VOCAB, 300).tolist()
-    lease = caches.lease("a", as_prompt(tokens))
+    lease = caches.lease("a", "a-c", as_prompt(tokens))
     forward(model, lease.cache, tokens)
-    caches.commit("a", lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
     with_copy = caches.stats().pool_bytes
-    caches.lease("a", as_prompt(tokens + [1]))  # the lease takes the working copy out of the pool
+    caches.lease("a", "a-c", as_prompt(tokens + [1]))  # the lease takes the working copy out of the pool
     args = FAMILIES["llama"]
     float_bytes = 300 * args["num_hidden_layers"] * 2 * args["num_key_value_heads"] * \
         (args["hidden_size"] // args["num_attention_heads"]) * 4

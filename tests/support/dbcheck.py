@@ -30,8 +30,8 @@ def wait_persisted(db_path: Path, agent_id: str, n_tokens: int, timeout_s: float
     """Wait until the server has written ``agent_id``'s cache of at least ``n_tokens``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        rows = query(db_path, "SELECT n_tokens FROM caches WHERE agent_id = ?", agent_id)
-        if rows and rows[0][0] >= n_tokens:
+        rows = query(db_path, "SELECT max(n_tokens) FROM caches WHERE agent_id = ?", agent_id)
+        if rows and rows[0][0] is not None and rows[0][0] >= n_tokens:
             return
         time.sleep(0.1)
     raise AssertionError(f"the cache of {agent_id} was not persisted")

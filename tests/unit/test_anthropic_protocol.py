@@ -226,3 +226,44 @@ def test_a_final_assistant_message_is_a_prefill() -> None:
     with pytest.raises(InvalidRequest, match="tool_choice"):
         parse({**BASE, "tools": TOOLS, "tool_choice": {"type": "any"},
                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi"}]})
+
+
+def test_message_digests_ignore_json_shape_but_not_content() -> None:
+    """A conversation is recognised by what the model sees: a string or one text block,
+    cache_control anywhere, are the same message; other text, role or system is not."""
+    as_string = parse({**BASE, "system": "S", "messages": [{"role": "user", "content": "Hi"}]})
+    as_blocks = parse({**BASE, "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": [
+                           {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}]})
+    assert as_string.message_digests == as_blocks.message_digests
+    assert as_string.system_digest == as_blocks.system_digest
+    other = parse({**BASE, "system": "T", "messages": [{"role": "user", "content": "Hi!"}]})
+    assert other.system_digest != as_string.system_digest and other.message_digests != as_string.message_digests
+    with_tools = parse({**BASE, "system": "S", "messages": [{"role": "user", "content": "Hi"}],
+                        "tools": [{"name": "t", "input_schema": {"type": "object"}}]})
+    assert with_tools.system_digest != as_string.system_digest  # tools are part of the conversation's start
+
+
+def test_a_reply_digests_as_the_client_resends_it() -> None:
+    turn = parse({**BASE, "messages": [{"role": "user", "content": "Hi"}],
+                  "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]})
+    reply = anthropic.reply_message("msg_1", turn, 'Sure. <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
+    resent = parse({**BASE, "messages": [{"role": "user", "content": "Hi"}, reply,
+                                         {"role": "user", "content": "thanks"}]})
+    assert resent.message_digests[1] == anthropic.message_digest(reply)
+
+
+def test_parts_locate_a_divergence() -> None:
+    from app.protocol.turn import locate_part
+
+    turn = parse({**BASE, "system": "You are terse.", "messages": [
+        {"role": "user", "content": "first question"}, {"role": "assistant", "content": "zebra crossing"},
+        {"role": "user", "content": "second question"}],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]})
+    labels = [label for label, _ in turn.parts]
+    assert labels == ["system", "tools", "messages.0", "messages.1", "messages.2"]
+    rendered = "".join(f"[{label}]{part}" for label, part in turn.parts)
+    assert locate_part(turn.parts, rendered, rendered.index("second") + 3) == "messages.2"
+    assert locate_part(turn.parts, rendered, rendered.index("zebra")) == "messages.1"
+    assert locate_part(turn.parts, rendered, rendered.index("terse")) == "system"
+    assert locate_part(turn.parts, rendered, rendered.index("[messages.1]")) == "template"

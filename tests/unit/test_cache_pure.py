@@ -67,33 +67,42 @@ def test_block_hashes_chain_and_salt() -> None:
     assert chain_hashes("fp", [9] + tokens[1:], 256)[1] != chain[1]  # the parent changes every later id
 
 
-def test_pool_counts_shared_blocks_once_and_frees_at_zero() -> None:
+def test_pool_counts_shared_blocks_once_and_keeps_unreferenced_ones_free() -> None:
     pool = BlockPool(budget_bytes=1000)
     for block in ("s", "a", "b"):
         pool.add_block(block, 100)
-    assert pool.assign("A", ["s", "a"], private_bytes=10) == []
-    assert pool.assign("B", ["s", "b"], private_bytes=10) == []
-    assert pool.nbytes == 3 * 100 + 20
-    assert pool.remove_agent("A", ["s", "a"]) == ["a"]  # "s" is still B's
-    assert pool.contains("s") and not pool.contains("a")
-    assert pool.remove_agent("B", ["s", "b"]) == ["s", "b"]
-    assert pool.nbytes == 0
+    assert pool.n_free_blocks == 3  # loaded, referenced by nobody yet
+    pool.assign("A", ["s", "a"], private_bytes=10)
+    pool.assign("B", ["s", "b"], private_bytes=10)
+    assert pool.nbytes == 3 * 100 + 20 and pool.n_free_blocks == 0
+    pool.remove_owner("A", ["s", "a"])
+    assert pool.n_free_blocks == 1 and pool.contains("a")  # "a" stays cached, free; "s" is still B's
+    pool.remove_owner("B", ["s", "b"])
+    assert pool.n_free_blocks == 3 and pool.nbytes == 300
+    pool.check()
+    assert pool.evict_free() == []  # within budget: kept for sharing
+    pool.budget_bytes = 150
+    pool.touch_block("a")
+    assert pool.evict_free() == ["s", "b"]  # least recently used free blocks first
+    assert pool.nbytes == 100 and pool.contains("a")
+    pool.check()
 
 
 def test_pool_lru_order_and_budget() -> None:
     pool = BlockPool(budget_bytes=250)
-    for agent in ("A", "B", "C"):
-        pool.add_block(agent.lower(), 100)
-        pool.assign(agent, [agent.lower()], private_bytes=0)
+    for owner in ("A", "B", "C"):
+        pool.add_block(owner.lower(), 100)
+        pool.assign(owner, [owner.lower()], private_bytes=0)
     pool.touch("A")
     assert pool.over_budget()
-    assert pool.lru_agents(keep="C") == ["B", "A"]
+    assert pool.evict_free() == []  # every block is referenced
+    assert pool.lru_owners(keep="C") == ["B", "A"]
 
 
 def test_reference_counts_never_go_negative() -> None:
     pool = BlockPool(budget_bytes=10)
     pool.add_block("x", 1)
     pool.assign("A", ["x"], 0)
-    pool.remove_agent("A", ["x"])
+    pool.remove_owner("A", ["x"])
     with pytest.raises(AssertionError):
-        pool.remove_agent("A", ["x"])
+        pool.remove_owner("A", ["x"])

@@ -79,8 +79,12 @@ def test_tool_calls_in_the_reply() -> None:
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-    assert openai.history_content("chatcmpl-1", turn, REPLY)["tool_calls"] == choice["message"]["tool_calls"]
-    assert openai.history_content("chatcmpl-1", parse(), "plain") == "plain"
+    assert openai.reply_message("chatcmpl-1", turn, REPLY) == choice["message"]
+    assert openai.reply_message("chatcmpl-1", parse(), "plain") == {"role": "assistant", "content": "plain"}
+    # Resent as the SDK sends it back, the reply is the same message to the model.
+    resent = parse(tools=WEATHER, messages=[{"role": "user", "content": "Weather?"}, choice["message"],
+                                            {"role": "tool", "tool_call_id": "x", "content": "Sunny"}])
+    assert resent.message_digests[1] == openai.message_digest(choice["message"])
     for cut in range(len(REPLY) + 1):
         events = [Started(10, 0, 10), TextDelta(REPLY[:cut]), TextDelta(REPLY[cut:]), FINISHED]
         chunks = [c for c in openai.render_chunks("chatcmpl-1", turn, iter(events)) if isinstance(c, dict)]
