@@ -18,8 +18,8 @@ from app.agents.identity import AgentKey, new_agent
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
 from app.store import cache_index, history
-from app.store.history import ReuseDiagnosis, StoredMessage
-from app.types import Finished
+from app.store.history import StoredMessage
+from app.types import Finished, ReuseReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,24 +113,29 @@ class AgentService:
             history.start_request(session, request_id, protocol=protocol, model=model, served_model=served_model,
                                   stream=stream, n_input_tokens=n_input_tokens, now=history.utcnow())
 
+    def accept(self, target: ConversationTarget, *, ttl_seconds: int | None = None,
+               hot_ttl_seconds: int | None = None) -> None:
+        """The engine took the request: the agent (with the TTLs it asks for) and its
+        conversation exist from now on (before the engine can store a cache for them)."""
+        now = history.utcnow()
+        with self._sessions.begin() as session:
+            history.touch_agent(session, target.agent.agent_id, target.agent.origin, now, ttl_seconds=ttl_seconds,
+                                hot_ttl_seconds=hot_ttl_seconds)
+            history.ensure_conversation(session, target.conversation_id, target.agent.agent_id, target.agent.origin,
+                                        now, target.system_digest)
+
     def complete(self, request_id: str, target: ConversationTarget, messages: Sequence[StoredMessage],
-                 finished: Finished, reuse: ReuseDiagnosis | None = None, *, ttl_seconds: int | None = None,
-                 hot_ttl_seconds: int | None = None) -> None:
-        """Record the outcome; the agent (and the TTLs it asked for), the conversation, and
-        the messages the conversation does not hold yet (``messages`` ends with the reply).
-        A cancelled turn stores no history."""
+                 finished: Finished, reuse: ReuseReport | None = None) -> None:
+        """Record the outcome, and append to the conversation the messages it does not hold
+        yet (``messages`` ends with the reply). A cancelled turn stores no history."""
         now = history.utcnow()
         agent_id, conversation_id = target.agent.agent_id, target.conversation_id
         with self._sessions.begin() as session:
-            history.touch_agent(session, agent_id, target.agent.origin, now, ttl_seconds=ttl_seconds,
-                                hot_ttl_seconds=hot_ttl_seconds)
-            stored = finished.stop_reason != "cancelled"
-            if stored:
-                history.ensure_conversation(session, conversation_id, agent_id, target.agent.origin, now,
-                                            target.system_digest)
+            history.touch_agent(session, agent_id, target.agent.origin, now)
+            if finished.stop_reason != "cancelled":
                 history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
             history.finish_request(session, request_id, finished, now, agent_id=agent_id,
-                                   conversation_id=conversation_id if stored else None, reuse=reuse)
+                                   conversation_id=conversation_id, reuse=reuse)
 
     def fail(self, request_id: str, error_type: str, message: str, status: str = "error") -> None:
         """Record a generation that ended without a result (``status``: error / cancelled)."""

@@ -113,6 +113,7 @@ class GenerationResource:
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
                 hot_ttl_s=parsed.hot_ttl_seconds))
+            self._agents.accept(target, ttl_seconds=parsed.ttl_seconds, hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
@@ -135,8 +136,7 @@ class GenerationResource:
         reuse = finished.reuse
         if reuse is not None and reuse.offset is not None:
             reuse = replace(reuse, part=locate_part(parsed.parts, turn.prompt.text, reuse.offset))
-        self._agents.complete(turn.request_id, turn.target, messages, finished, reuse,
-                              ttl_seconds=parsed.ttl_seconds, hot_ttl_seconds=parsed.hot_ttl_seconds)
+        self._agents.complete(turn.request_id, turn.target, messages, finished, reuse)
         self._metrics.observe(self._dialect.name, finished)
         _log_turn(turn, finished, reuse)
 

@@ -22,7 +22,7 @@ from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.orm import Session
 
 from app.store.models import Agent, Conversation, Message, Request
-from app.types import Finished
+from app.types import Finished, ReuseReport
 
 # Conversations looked at when a request names no agent and is recognised by content.
 CONTENT_CANDIDATES = 50
@@ -91,12 +91,11 @@ def find_by_content(session: Session, system_digest: str, digests: Sequence[str]
 
 def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
                 ttl_seconds: int | None = None, hot_ttl_seconds: int | None = None) -> Agent:
-    """Get the agent, creating it on first sight; record the access and any TTL the request sets."""
-    agent = session.get(Agent, agent_id)
-    if agent is None:
-        agent = Agent(id=agent_id, origin=origin, created_at=now, last_access_at=now,
-                      status="active", metadata_json={})
-        session.add(agent)
+    """Get the agent, creating it on first sight; record the access and any TTL the request sets.
+    (The cache persister may create the row at the same moment: the insert yields to it.)"""
+    session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
+                                         status="active", metadata_json={}).on_conflict_do_nothing())
+    agent = session.get_one(Agent, agent_id)
     agent.last_access_at = now
     if ttl_seconds is not None:
         agent.ttl_seconds = ttl_seconds
@@ -126,21 +125,9 @@ def start_request(session: Session, request_id: str, *, protocol: str, model: st
                         stream=stream, n_input_tokens=n_input_tokens, status="running", created_at=now))
 
 
-@dataclass(frozen=True, slots=True)
-class ReuseDiagnosis:
-    """How cache reuse ended for one request (the ``requests`` diagnostics columns)."""
-
-    reason: str
-    n_chars: int
-    offset: int | None = None
-    part: str | None = None
-    stored: str | None = None
-    new: str | None = None
-
-
 def finish_request(session: Session, request_id: str, finished: Finished, now: datetime, *,
                    agent_id: str | None = None, conversation_id: str | None = None,
-                   reuse: ReuseDiagnosis | None = None) -> None:
+                   reuse: ReuseReport | None = None) -> None:
     row = session.get_one(Request, request_id)
     row.status = "cancelled" if finished.stop_reason == "cancelled" else "ok"
     row.stop_reason = finished.stop_reason
