@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 from app.errors import ConfigError
-from app.types import RequestDefaults
+from app.types import RequestOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -46,6 +46,12 @@ class Settings:
     max_output_tokens: int = 131072
     # Output bound of requests that set none (OpenAI may omit max_tokens; the direct API too).
     default_max_tokens: int = 512
+    # Make what Claude Code's prompts change between requests stable (billing header dropped,
+    # tools sorted, the git status snapshot pinned per conversation): app/protocol/claude_code.py.
+    stable_prompts: bool = True
+    # A prompt beyond the context drops optional sections (Claude Code's auto memory
+    # instructions) before it is refused as too long.
+    fit_prompts: bool = True
     # Tokens per prefill step (bounds peak memory on long prompts).
     prefill_step_size: int = 256
     # Requests waiting for the engine before new ones get 429.
@@ -101,8 +107,9 @@ class Settings:
         return self.home / "blocks"
 
     @property
-    def request_defaults(self) -> RequestDefaults:
-        return RequestDefaults(self.max_output_tokens, self.default_temperature, self.default_max_tokens)
+    def request_options(self) -> RequestOptions:
+        return RequestOptions(self.max_output_tokens, self.default_temperature, self.default_max_tokens,
+                              self.stable_prompts)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -31,12 +31,15 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestDefaults:
-    """What the server fills in or bounds when a request leaves it open (settings)."""
+class RequestOptions:
+    """How the server reads requests (settings): what it fills in or bounds when a request
+    leaves it open, and which prompt transformations it applies."""
 
     max_output_tokens: int = 131072  # the largest max_tokens accepted
     default_temperature: float = 1.0  # for requests that name none
     default_max_tokens: int = 512  # for requests that name none (OpenAI, direct API)
+    stable_prompts: bool = True  # app.protocol.claude_code: volatile spans made stable
+    fit: bool = False  # drop optional sections (set when a prompt does not fit the context)
 
 
 @dataclass(frozen=True, slots=True)

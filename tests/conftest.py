@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,6 +52,29 @@ def gemma3_dir(models_dir: Path) -> Path:
     from app.catalog.registry import ensure_embedded
 
     return ensure_embedded(models_dir, "gemma3-270m", progress=False)
+
+
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+
+
+@pytest.fixture(scope="session")
+def claude() -> Path:
+    """The real Claude Code CLI, installed from the npm registry into the repository's cache once."""
+    install_dir = ROOT / ".cache" / "claude-code-2.1.197"
+    binary = install_dir / "node_modules" / ".bin" / "claude"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        assert npm, "npm is required for the Claude Code tests (Node.js 18+)"
+        subprocess.run([npm, "install", "--prefix", str(install_dir), CLAUDE_CODE], check=True,
+                       capture_output=True, timeout=600)
+    return binary
+
+
+def claude_env(base_url: str, home: Path) -> dict[str, str]:
+    """Headless Claude Code talking to ``base_url`` only (CLAUDE_CODE.md)."""
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": "dummy-key", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
 
 
 def free_port() -> int:

@@ -30,6 +30,7 @@ class ConversationTarget:
     conversation_id: str
     system_digest: str
     n_stored: int  # messages of the conversation already stored (0 for a new one)
+    snapshot: str | None = None  # pinned at the conversation's start (None: a new conversation pins its own)
 
 
 class AgentService:
@@ -49,7 +50,7 @@ class AgentService:
                 agent = AgentKey(found.agent_id, "content") if found else new_agent()
         if found is None:
             return ConversationTarget(agent, history.new_conversation_id(), system_digest, 0)
-        return ConversationTarget(agent, found.conversation_id, system_digest, found.n_messages)
+        return ConversationTarget(agent, found.conversation_id, system_digest, found.n_messages, found.snapshot)
 
     def n_stored_caches(self, fingerprint: str) -> int:
         with self._sessions() as session:
@@ -113,16 +114,17 @@ class AgentService:
             history.start_request(session, request_id, protocol=protocol, model=model, served_model=served_model,
                                   stream=stream, n_input_tokens=n_input_tokens, now=history.utcnow())
 
-    def accept(self, target: ConversationTarget, *, ttl_seconds: int | None = None,
+    def accept(self, target: ConversationTarget, snapshot: str, *, ttl_seconds: int | None = None,
                hot_ttl_seconds: int | None = None) -> None:
         """The engine took the request: the agent (with the TTLs it asks for) and its
-        conversation exist from now on (before the engine can store a cache for them)."""
+        conversation exist from now on (before the engine can store a cache for them);
+        a new conversation pins ``snapshot``."""
         now = history.utcnow()
         with self._sessions.begin() as session:
             history.touch_agent(session, target.agent.agent_id, target.agent.origin, now, ttl_seconds=ttl_seconds,
                                 hot_ttl_seconds=hot_ttl_seconds)
             history.ensure_conversation(session, target.conversation_id, target.agent.agent_id, target.agent.origin,
-                                        now, target.system_digest)
+                                        now, target.system_digest, snapshot)
 
     def complete(self, request_id: str, target: ConversationTarget, messages: Sequence[StoredMessage],
                  finished: Finished, reuse: ReuseReport | None = None) -> None:

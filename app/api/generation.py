@@ -19,11 +19,11 @@ from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import SseStream
-from app.errors import NotFound, SemanticError
+from app.errors import ContextTooLong, NotFound, SemanticError
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
-from app.types import Finished, GenerationEvent, GenerationRequest, Prompt, RequestDefaults, ReuseReport, TextDelta
+from app.types import Finished, GenerationEvent, GenerationRequest, Prompt, RequestOptions, ReuseReport, TextDelta
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -37,7 +37,7 @@ class Dialect:
     """How one protocol speaks. Every function is pure."""
 
     name: str  # anthropic / openai: the requests.protocol column
-    parse: Callable[[Any, RequestDefaults], ParsedTurn]
+    parse: Callable[[Any, RequestOptions], ParsedTurn]
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
     render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
@@ -100,26 +100,53 @@ class GenerationResource:
     def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
         try:
-            parsed = self._dialect.parse(body(), self._settings.request_defaults)
+            parsed, prompt, target = self._prepare(req, body(), agent)
             model = self._engine.model
-            self._check_model(parsed.model, model.name)
-            prompt = self._engine.render(parsed.messages, parsed.reply_start)
-            self._engine.check_fits(prompt)
-            target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
-                                          parsed.system_digest, parsed.message_digests)
             self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model.name,
                                stream=parsed.stream, n_input_tokens=prompt.n_tokens)
             job = self._engine.submit(GenerationRequest(
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
                 hot_ttl_s=parsed.hot_ttl_seconds))
-            self._agents.accept(target, ttl_seconds=parsed.ttl_seconds, hot_ttl_seconds=parsed.hot_ttl_seconds)
+            self._agents.accept(target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
+                                hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
             self._metrics.rejected(self._dialect.name)
             raise
         return Turn(request_id, self._dialect.new_id(), target, parsed, prompt), job
+
+    def _prepare(self, req: falcon.Request, body: Any,
+                 agent: AgentKey | None) -> tuple[ParsedTurn, Prompt, ConversationTarget]:
+        """Parse, find the conversation, render the prompt the model sees (with the
+        conversation's pinned snapshot); a prompt beyond the context is parsed again
+        without optional sections when ``fit_prompts`` allows.
+
+        Raises:
+            InvalidRequest, ContextTooLong, NotFound.
+        """
+        options = self._settings.request_options
+        parsed = self._dialect.parse(body, options)
+        self._check_model(parsed.model, self._engine.model.name)
+        target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
+                                      parsed.system_digest, parsed.message_digests)
+        parsed = parsed.with_snapshot(target.snapshot)
+        prompt = self._engine.render(parsed.messages, parsed.reply_start)
+        try:
+            self._engine.check_fits(prompt)
+        except ContextTooLong:
+            if not self._settings.fit_prompts:
+                raise
+            fitted = self._dialect.parse(body, replace(options, fit=True)).with_snapshot(target.snapshot)
+            if fitted.messages == parsed.messages:
+                raise
+            n_whole = prompt.n_tokens
+            parsed, prompt = fitted, self._engine.render(fitted.messages, fitted.reply_start)
+            log.info("request %s: prompt of %d tokens fitted to the context: optional sections dropped, %d left",
+                     req.context.request_id, n_whole, prompt.n_tokens)
+            self._engine.check_fits(prompt)
+        return parsed, prompt, target
 
     def _check_model(self, requested: str, served: str) -> None:
         if requested != served and not self._settings.map_unknown_models:

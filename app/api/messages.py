@@ -12,7 +12,7 @@ from app.api.generation import Dialect
 from app.api.sse import frame
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
-from app.types import GenerationEvent, RequestDefaults
+from app.types import GenerationEvent, RequestOptions
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -44,7 +44,7 @@ ANTHROPIC = Dialect(
 class CountTokensResource:
     """The exact number of tokens the messages endpoint would prefill cold."""
 
-    def __init__(self, engine: Engine, defaults: RequestDefaults) -> None:
+    def __init__(self, engine: Engine, defaults: RequestOptions) -> None:
         self._engine = engine
         self._defaults = defaults
 

@@ -34,7 +34,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
-    app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_defaults))
+    app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):

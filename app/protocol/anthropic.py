@@ -17,11 +17,11 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import tools
+from app.protocol import claude_code, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestOptions, SamplingParams, Started, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +146,6 @@ def _flatten(content: str | list[Any], where: str) -> str:
     return "\n".join(parts)
 
 
-BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-
-
-def _drop_billing_header(blocks: list[TextBlock]) -> list[TextBlock]:
-    """Claude Code's first system block is billing metadata whose hash part differs
-    per session; keeping it would defeat prefix reuse across sessions."""
-    kept = [b for b in blocks if not b.text.startswith(BILLING_HEADER_PREFIX)]
-    if len(kept) != len(blocks):
-        log.info("dropped %d x-anthropic-billing-header system block(s) from the prompt", len(blocks) - len(kept))
-    return kept
-
-
 def system_digest(system_text: str) -> str:
     """What identifies a conversation's start besides its messages: the system prompt with
     the tools section (as rendered; "" for none)."""
@@ -176,28 +164,46 @@ def session_from_user_id(user_id: str | None) -> str | None:
     return session if isinstance(session, str) and session else None
 
 
-def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
+def _system_texts(system: str | list[TextBlock] | None, options: RequestOptions) -> list[str]:
+    texts = [system] if isinstance(system, str) else [block.text for block in system or []]
+    return claude_code.drop_billing_header(texts) if options.stable_prompts else texts
+
+
+def _system_parts(system: str | list[TextBlock] | None, options: RequestOptions) -> claude_code.SystemParts:
+    """The system prompt as rendered: its stable text and the snapshot closing it."""
+    text = "\n".join(_system_texts(system, options))
+    return claude_code.split_system(text, options.fit) if options.stable_prompts else claude_code.SystemParts(text, "")
+
+
+def _identity(system: str | list[TextBlock] | None, options: RequestOptions) -> str:
+    """The system prompt as it identifies a conversation: without what volatile or optional
+    parts it has, so fitting a long conversation or a new snapshot keeps it the same one."""
+    text = "\n".join(_system_texts(system, options))
+    return claude_code.split_system(text, fit=True).stable if options.stable_prompts else text
+
+
+def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     """Validate a decoded JSON body.
 
     Raises:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(MessagesBody, body)
-    if parsed.max_tokens > defaults.max_output_tokens:
+    if parsed.max_tokens > options.max_output_tokens:
         raise InvalidRequest(
-            f"max_tokens: {parsed.max_tokens} > {defaults.max_output_tokens}, the maximum allowed "
+            f"max_tokens: {parsed.max_tokens} > {options.max_output_tokens}, the maximum allowed "
             "number of output tokens", "max_tokens",
         )
     messages: list[ChatMessage] = []
-    system = parsed.system if isinstance(parsed.system, str) else _drop_billing_header(parsed.system or [])
-    own_system = _flatten(system, "system") if system else ""
+    system = _system_parts(parsed.system, options)
     choice = parsed.tool_choice or ToolChoice(type="auto")
     use_tools = bool(parsed.tools) and choice.type != "none"
-    tools_text = tools.render_tools_system([t.model_dump() for t in parsed.tools or []]) if use_tools else ""
-    system_text = "\n\n".join(p for p in (own_system, tools_text) if p)
+    offered = claude_code.canonical_tools(parsed.tools or []) if options.stable_prompts else parsed.tools or []
+    tools_text = tools.render_tools_system([t.model_dump() for t in offered]) if use_tools else ""
+    system_text = "\n\n".join(p for p in (system.stable + system.snapshot, tools_text) if p)
     if system_text:
         messages.append(ChatMessage("system", system_text))
-    parts = [("system", own_system), ("tools", tools_text)]
+    parts = [("system", system.stable + system.snapshot), ("tools", tools_text)]
     for i, message in enumerate(parsed.messages):
         messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
         parts.append((f"messages.{i}", messages[-1].content))
@@ -205,7 +211,7 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
     forced = _forced_call(choice, parsed.tools or [])
     prefill = _prefill(messages, len(parsed.messages) - 1, forced)
     sampling = SamplingParams(
-        temperature=defaults.default_temperature if parsed.temperature is None else parsed.temperature,
+        temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         top_k=parsed.top_k or 0,
         max_tokens=parsed.max_tokens,
@@ -224,7 +230,8 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
         prefill=prefill,
         reply_prefix=forced,
         hot_ttl_seconds=cache_ttl(body),
-        system_digest=system_digest(system_text),
+        system_digest=system_digest("\n\n".join(p for p in (_identity(parsed.system, options), tools_text) if p)),
+        snapshot=system.snapshot,
         message_digests=digests,
         parts=tuple((label, text) for label, text in parts if text),
     )

@@ -27,7 +27,7 @@ from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, RequestDefaults, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestOptions, SamplingParams, Started, TextDelta
 
 
 class _Strict(BaseModel):
@@ -198,17 +198,17 @@ def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
     return tools.render_tools_system(offered), forced
 
 
-def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
+def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     """Validate a decoded JSON body. Without ``max_tokens`` (or ``max_completion_tokens``)
-    the reply is bounded by ``defaults.default_max_tokens``, as ``mlx_lm.server`` does.
+    the reply is bounded by ``options.default_max_tokens``, as ``mlx_lm.server`` does.
 
     Raises:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(ChatBody, body)
-    limit = parsed.max_completion_tokens or parsed.max_tokens or defaults.default_max_tokens
-    if limit > defaults.max_output_tokens:
-        raise InvalidRequest(f"max_tokens: {limit} > {defaults.max_output_tokens}, the maximum allowed", "max_tokens")
+    limit = parsed.max_completion_tokens or parsed.max_tokens or options.default_max_tokens
+    if limit > options.max_output_tokens:
+        raise InvalidRequest(f"max_tokens: {limit} > {options.max_output_tokens}, the maximum allowed", "max_tokens")
     rendered = [_rendered(m, f"messages.{i}") for i, m in enumerate(parsed.messages)]
     messages = _chat_messages(parsed.messages, rendered)
     tools_system, forced = _tool_setup(parsed)
@@ -219,7 +219,7 @@ def parse_request(body: Any, defaults: RequestDefaults) -> ParsedTurn:
             messages.insert(0, ChatMessage("system", tools_system))
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
-        temperature=defaults.default_temperature if parsed.temperature is None else parsed.temperature,
+        temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, stop_sequences=stops, end_after=(tools.CALL_END,) if tools_system else (),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.types import ChatMessage, SamplingParams
@@ -41,6 +41,20 @@ class ParsedTurn:
     # The prompt's pieces in order, (label, text): "system", "tools", "messages.N". Where
     # a cache match ends is reported as the piece it falls in (cache-miss diagnostics).
     parts: tuple[tuple[str, str], ...] = ()
+    # A snapshot closing the system prompt that the conversation keeps from its first
+    # request (Claude Code's git status; app.protocol.claude_code). "" if none.
+    snapshot: str = ""
+
+    def with_snapshot(self, pinned: str | None) -> ParsedTurn:
+        """The turn rendered with the conversation's pinned snapshot instead of this request's."""
+        if not self.snapshot or not pinned or pinned == self.snapshot:
+            return self
+        system = self.messages[0]
+        assert system.role == "system" and self.snapshot in system.content
+        messages = (ChatMessage("system", system.content.replace(self.snapshot, pinned, 1)), *self.messages[1:])
+        parts = tuple((label, text.replace(self.snapshot, pinned, 1) if label == "system" else text)
+                      for label, text in self.parts)
+        return replace(self, messages=messages, parts=parts, snapshot=pinned)
 
     @property
     def reply_start(self) -> str:

@@ -43,6 +43,7 @@ class ConversationMatch:
     agent_id: str
     conversation_id: str
     n_messages: int
+    snapshot: str | None  # the system prompt's snapshot pinned at its start
 
 
 def _digests(session: Session, conversation_ids: Sequence[str]) -> dict[str, list[str | None]]:
@@ -65,7 +66,7 @@ def _longest_prefix(candidates: Sequence[Conversation], stored: dict[str, list[s
         if len(mine) < minimum or len(mine) > len(digests) or list(digests[:len(mine)]) != mine:
             continue
         if best is None or len(mine) > best.n_messages:
-            best = ConversationMatch(conversation.agent_id, conversation.id, len(mine))
+            best = ConversationMatch(conversation.agent_id, conversation.id, len(mine), conversation.snapshot)
     return best
 
 
@@ -105,17 +106,18 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
 
 
 def ensure_conversation(session: Session, conversation_id: str, agent_id: str, origin: str, now: datetime,
-                        system_digest: str | None = None) -> None:
+                        system_digest: str | None = None, snapshot: str | None = None) -> None:
     """Create the agent and the conversation rows if missing (the server's request path and
     its cache persister both may be first; neither fails on the other's insert)."""
     session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
                                          status="active", metadata_json={}).on_conflict_do_nothing())
     session.execute(insert(Conversation).values(id=conversation_id, agent_id=agent_id, system_digest=system_digest,
-                                                created_at=now, last_access_at=now)
+                                                snapshot=snapshot or None, created_at=now, last_access_at=now)
                     .on_conflict_do_nothing())
     if system_digest is not None:  # the persister may have created it without one
         conversation = session.get_one(Conversation, conversation_id)
         conversation.system_digest = conversation.system_digest or system_digest
+        conversation.snapshot = conversation.snapshot or snapshot or None
 
 
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,

@@ -62,6 +62,9 @@ class Conversation(Base):
     agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), index=True)
     # Digest of what the prompt holds besides its messages (system prompt, tools).
     system_digest: Mapped[str | None] = mapped_column(String(32))
+    # The snapshot closing the system prompt kept from the conversation's first request
+    # (Claude Code's git status, app.protocol.claude_code); NULL if none.
+    snapshot: Mapped[str | None]
     created_at: Mapped[datetime]
     last_access_at: Mapped[datetime] = mapped_column(index=True)
 

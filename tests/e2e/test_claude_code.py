@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from conftest import ROOT, ServerProcess, start_server, stop_server
+from conftest import ServerProcess, claude_env, start_server, stop_server
 from support.dbcheck import query
-
-CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
-INSTALL_DIR = ROOT / ".cache" / "claude-code-2.1.197"
-
-
-@pytest.fixture(scope="module")
-def claude() -> Path:
-    """The CLI, installed from the npm registry into the repository's cache once."""
-    binary = INSTALL_DIR / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is required for the Claude Code test (Node.js 18+)"
-        subprocess.run([npm, "install", "--prefix", str(INSTALL_DIR), CLAUDE_CODE], check=True,
-                       capture_output=True, timeout=600)
-    return binary
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +23,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Itera
 
 
 def run_claude(claude: Path, server: ServerProcess, workdir: Path, home: Path, *args: str) -> dict:
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.url,
-           "ANTHROPIC_API_KEY": "dummy-key", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1",
-           "IS_SANDBOX": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300"}
+    env = {**claude_env(server.url, home), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300"}
     result = subprocess.run([str(claude), *args, "--output-format", "json", "--max-turns", "2",
                              "--tools", "Bash,Read", "--model", "claude-sonnet-5"],
                             cwd=workdir, env=env, capture_output=True, text=True, timeout=900)

@@ -14,7 +14,7 @@ import pytest
 from app.engine.model import LoadedModel, load_model
 from app.engine.prompting import render_chat, render_conversation_start
 from app.protocol import anthropic, openai
-from app.types import RequestDefaults
+from app.types import RequestOptions
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -42,7 +42,7 @@ def model(request: pytest.FixtureRequest) -> LoadedModel:
 
 
 def turn(module: Any, messages: list[dict[str, Any]], **body: Any) -> Any:
-    return module.parse_request({"model": "m", "max_tokens": 8, "messages": messages, **body}, RequestDefaults(max_output_tokens=64))
+    return module.parse_request({"model": "m", "max_tokens": 8, "messages": messages, **body}, RequestOptions(max_output_tokens=64))
 
 
 def test_openai_tool_conversation_renders(model: LoadedModel) -> None:

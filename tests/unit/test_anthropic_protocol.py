@@ -6,13 +6,13 @@ import pytest
 from app.errors import InvalidRequest
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
-from app.types import ChatMessage, Finished, RequestDefaults, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestOptions, Started, TextDelta
 
 BASE = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
 
 
 def parse(body: dict[str, Any]) -> ParsedTurn:
-    return anthropic.parse_request(body, RequestDefaults(max_output_tokens=1000))
+    return anthropic.parse_request(body, RequestOptions(max_output_tokens=1000))
 
 
 def test_string_and_single_text_block_render_identically() -> None:

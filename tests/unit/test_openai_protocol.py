@@ -10,7 +10,7 @@ import pytest
 from app.errors import InvalidRequest
 from app.protocol import openai
 from app.protocol.turn import ParsedTurn
-from app.types import ChatMessage, Finished, RequestDefaults, Started, TextDelta
+from app.types import ChatMessage, Finished, RequestOptions, Started, TextDelta
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                              "parameters": {"type": "object",
@@ -22,7 +22,7 @@ REPLY = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "P
 
 
 def parse(**body: Any) -> ParsedTurn:
-    return openai.parse_request({"model": "m", "messages": [ASK], **body}, RequestDefaults(max_output_tokens=1000))
+    return openai.parse_request({"model": "m", "messages": [ASK], **body}, RequestOptions(max_output_tokens=1000))
 
 
 def test_tool_history_renders_as_text_and_results_join_the_next_user_turn() -> None:

@@ -58,6 +58,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(64), nullable=False),
         sa.Column("agent_id", sa.String(128), nullable=False),
         sa.Column("system_digest", sa.String(32), nullable=True),
+        sa.Column("snapshot", sa.String(), nullable=True),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.Column("last_access_at", sa.DateTime(), nullable=False),
         sa.ForeignKeyConstraint(["agent_id"], ["agents.id"], name="fk_conversations_agent_id_agents",

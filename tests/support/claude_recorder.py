@@ -1,0 +1,140 @@
+"""A scripted stand-in for the Anthropic API that records what the real Claude Code CLI sends.
+
+The CLI is driven headless against it: each request is recorded (headers and JSON body)
+and answered from a small script, so a session takes the paths a real one takes (a tool
+call the CLI runs, a subagent it starts, the results it sends back) in seconds. The
+recorded requests are then replayed against a real Semantic server in the order, and the
+races, the real CLI produces.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+SUBAGENT_MARKER = "You are an agent for Claude Code"
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+def text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(b.get("text", "") if b.get("type") == "text" else json.dumps(b) for b in content)
+
+
+def system_text(body: dict[str, Any]) -> str:
+    return text_of(body.get("system") or [])
+
+
+def is_subagent(body: dict[str, Any]) -> bool:
+    return SUBAGENT_MARKER in system_text(body)
+
+
+def last_has_tool_result(body: dict[str, Any]) -> bool:
+    content = body["messages"][-1]["content"]
+    return isinstance(content, list) and any(b.get("type") == "tool_result" for b in content)
+
+
+Reply = dict[str, Any]  # {"text": ...} or {"tool": name, "input": {...}}
+
+
+def default_script(body: dict[str, Any]) -> Reply:
+    """Main conversation: run ``ls`` with Bash (or start a subagent when asked to), then
+    finish once the result is back; a subagent answers at once; anything else (titles,
+    summaries) gets a short text."""
+    if is_subagent(body):
+        return {"text": "The repository has a README and a src directory."}
+    if not body.get("tools"):
+        return {"text": '{"title": "Repository overview"}'}
+    if last_has_tool_result(body):
+        return {"text": "Done."}
+    prompt = text_of(body["messages"][-1]["content"]).lower()
+    if "subagent" in prompt:
+        return {"tool": "Agent", "input": {"description": "Survey files", "prompt": "List the files here.",
+                                           "subagent_type": "general-purpose"}}
+    return {"tool": "Bash", "input": {"command": "ls", "description": "List files"}}
+
+
+def _sse(body: dict[str, Any], reply: Reply, n: int) -> bytes:
+    message = {"id": f"msg_rec{n}", "type": "message", "role": "assistant", "model": body.get("model", "m"),
+               "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": 10, "output_tokens": 1}}
+    events: list[tuple[str, dict[str, Any]]] = [("message_start", {"type": "message_start", "message": message})]
+    if "tool" in reply:
+        block = {"type": "tool_use", "id": f"toolu_rec{n}", "name": reply["tool"], "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(reply["input"])}
+        stop = "tool_use"
+    else:
+        block = {"type": "text", "text": ""}
+        delta = {"type": "text_delta", "text": reply["text"]}
+        stop = "end_turn"
+    events += [("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}),
+               ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
+               ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+               ("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                                  "usage": {"output_tokens": 5}}),
+               ("message_stop", {"type": "message_stop"})]
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+def _json(body: dict[str, Any], reply: Reply, n: int) -> bytes:
+    if "tool" in reply:
+        content = [{"type": "tool_use", "id": f"toolu_rec{n}", "name": reply["tool"], "input": reply["input"]}]
+    else:
+        content = [{"type": "text", "text": reply["text"]}]
+    return json.dumps({"id": f"msg_rec{n}", "type": "message", "role": "assistant", "model": body.get("model", "m"),
+                       "content": content, "stop_reason": "tool_use" if "tool" in reply else "end_turn",
+                       "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 5}}).encode()
+
+
+@dataclass
+class Recorder:
+    script: Callable[[dict[str, Any]], Reply] = default_script
+    requests: list[Recorded] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        recorder = self
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with lock:
+                    recorder.requests.append(Recorded(self.path, dict(self.headers.items()), body))
+                    n = len(recorder.requests)
+                if not self.path.startswith("/v1/messages") or "count_tokens" in self.path:
+                    payload, kind = json.dumps({"input_tokens": 100}).encode(), "application/json"
+                elif body.get("stream"):
+                    payload, kind = _sse(body, recorder.script(body), n), "text/event-stream"
+                else:
+                    payload, kind = _json(body, recorder.script(body), n), "application/json"
+                self.send_response(200)
+                self.send_header("content-type", kind)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
