@@ -139,8 +139,10 @@ class AgentService:
             history.finish_request(session, request_id, finished, now, agent_id=agent_id,
                                    conversation_id=conversation_id, reuse=reuse)
 
-    def fail(self, request_id: str, error_type: str, message: str, status: str = "error") -> None:
+    def fail(self, request_id: str, target: ConversationTarget, error_type: str, message: str,
+             status: str = "error") -> None:
         """Record a generation that ended without a result (``status``: error / cancelled)."""
         with self._sessions.begin() as session:
-            history.fail_request(session, request_id, status=status, error_type=error_type,
-                                 message=message, now=history.utcnow())
+            history.fail_request(session, request_id, status=status, error_type=error_type, message=message,
+                                 now=history.utcnow(), agent_id=target.agent.agent_id,
+                                 conversation_id=target.conversation_id)

@@ -178,7 +178,7 @@ class GenerationResource:
                     self._record(turn, text, event)
                     return text, event
         except SemanticError as exc:
-            self._agents.fail(turn.request_id, "api_error", str(exc))
+            self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
             raise
         raise AssertionError("engine events ended without Finished")
 
@@ -198,11 +198,11 @@ class GenerationResource:
         except SemanticError as exc:
             # The status line is gone; report in-stream, as the protocols do.
             log.error("stream %s failed: %s", turn.request_id, exc)
-            self._agents.fail(turn.request_id, "api_error", str(exc))
+            self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
             yield self._dialect.render_stream_error(status_of(exc), str(exc))
         except GeneratorExit:
             job.cancel()
-            self._agents.fail(turn.request_id, "cancelled", "client disconnected", status="cancelled")
+            self._agents.fail(turn.request_id, turn.target, "cancelled", "client disconnected", status="cancelled")
             raise
 
 

@@ -148,13 +148,15 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
         row.diverge_stored, row.diverge_new = reuse.stored, reuse.new
 
 
-def fail_request(session: Session, request_id: str, *, status: str, error_type: str,
-                 message: str, now: datetime, protocol: str | None = None) -> None:
+def fail_request(session: Session, request_id: str, *, status: str, error_type: str, message: str, now: datetime,
+                 protocol: str | None = None, agent_id: str | None = None, conversation_id: str | None = None) -> None:
     """Mark a request failed; creates the row if validation failed before it existed."""
     row = session.get(Request, request_id)
     if row is None:
         row = Request(id=request_id, protocol=protocol or "unknown", status=status, created_at=now)
         session.add(row)
+    row.agent_id = agent_id or row.agent_id
+    row.conversation_id = conversation_id or row.conversation_id
     row.status = status
     if status == "cancelled":
         row.stop_reason = "cancelled"
