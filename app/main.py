@@ -66,7 +66,8 @@ def serve(settings: Settings) -> None:
     if not installed and settings.model not in EMBEDDED:
         raise NotFound(f"model {settings.model!r} is not installed in {settings.models_dir} and is not embedded")
     sessions = make_session_factory(make_engine(settings.db_url))
-    cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse)
+    cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
+                        settings.max_conversations)
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     prefill_step_size=settings.prefill_step_size, repetition_penalty=settings.repetition_penalty,
                     install=None if installed else lambda: ensure_embedded(settings.models_dir, settings.model))

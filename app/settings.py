@@ -63,6 +63,9 @@ class Settings:
     # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float
     # working copy of the most recently used agent; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
+    # Conversation caches an agent keeps (memory and disk); beyond it the least recently
+    # used one's cache is deleted (its history stays).
+    max_conversations: int = 8
     # Seconds an agent's cache stays on disk after its last access, for agents that
     # set no TTL of their own (the worker's expire job makes it cold after that).
     cache_ttl_seconds: int = 24 * 3600

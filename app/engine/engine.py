@@ -30,11 +30,13 @@ class CacheConfig:
     sessions: sessionmaker[Session]
     budget_bytes: int
     enabled: bool = True
+    max_conversations: int = 8
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
         return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
-                            budget_bytes=self.budget_bytes, enabled=self.enabled)
+                            budget_bytes=self.budget_bytes, enabled=self.enabled,
+                            max_conversations=self.max_conversations)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import Prompt
+from support.dbcheck import query
 
 VOCAB = 300
 FAMILIES = {
@@ -203,4 +204,43 @@ def test_the_float_working_copy_counts_against_the_memory_budget(tmp_path: Path)
     float_bytes = 300 * args["num_hidden_layers"] * 2 * args["num_key_value_heads"] * \
         (args["hidden_size"] // args["num_attention_heads"]) * 4
     assert with_copy - caches.stats().pool_bytes >= float_bytes
+    caches.close()
+
+
+def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> None:
+    """A side conversation starts from the main one's prefix without touching it; beyond
+    ``max_conversations`` only the least recently used conversation's cache is deleted."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(11)
+    caches = manager(tmp_path, n_layers, agents=("a",), max_conversations=2)
+    shared = rng.integers(0, VOCAB, 300).tolist()
+    main = shared + rng.integers(0, VOCAB, 60).tolist()
+    lease = caches.lease("a", "main", as_prompt(main))
+    forward(model, lease.cache, main)
+    caches.commit(lease, CacheRecord(*_record_fields(main)), lease.cache)
+
+    side = shared + rng.integers(0, VOCAB, 30).tolist()  # the same start, then its own
+    lease = caches.lease("a", "side", as_prompt(side))
+    assert (lease.n_reused, lease.outcome, lease.report.reason) == (300, "shared", "sibling")
+    assert lease.report.offset is not None and lease.report.offset > 0
+    assert mx.array_equal(forward(model, lease.cache, side[300:]), cold_same_split(model, n_layers, shared, side[300:]))
+    caches.commit(lease, CacheRecord(*_record_fields(side)), lease.cache)
+    assert caches.record("main") is not None and caches.record("main").tokens == tuple(main)  # untouched
+
+    lease = caches.lease("a", "main", as_prompt(main + [5, 6]))
+    assert (lease.n_reused, lease.outcome, lease.report.reason) == (360, "extend", "extend")
+    forward(model, lease.cache, [5, 6])
+    caches.commit(lease, CacheRecord(*_record_fields(main + [5, 6])), lease.cache)
+
+    third = rng.integers(0, VOCAB, 40).tolist()
+    lease = caches.lease("a", "third", as_prompt(third))
+    forward(model, lease.cache, third)
+    caches.commit(lease, CacheRecord(*_record_fields(third)), lease.cache)
+    caches.flush(30)
+    assert caches.record("side") is None  # the least recently used of three: deleted
+    assert caches.record("main") is not None and caches.record("third") is not None
+    rows = query(tmp_path / "semantic.db", "SELECT conversation_id FROM caches ORDER BY conversation_id")
+    assert rows == [("main",), ("third",)]
+    caches._pool.check()
     caches.close()
