@@ -69,7 +69,8 @@ def serve(settings: Settings) -> None:
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations)
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
-                    prefill_step_size=settings.prefill_step_size, repetition_penalty=settings.repetition_penalty,
+                    max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
+                    repetition_penalty=settings.repetition_penalty,
                     install=None if installed else lambda: ensure_embedded(settings.models_dir, settings.model))
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:

@@ -54,10 +54,13 @@ class Settings:
     fit_prompts: bool = True
     # Tokens per prefill step (bounds peak memory on long prompts).
     prefill_step_size: int = 256
-    # Requests waiting for the engine before new ones get 429.
+    # Generations the engine runs at once (prefilling or decoding, in one batch).
+    max_batch: int = 8
+    # Requests waiting for a place in the batch before new ones get 429.
     max_queue: int = 16
-    # Waitress worker threads (each streaming response holds one).
-    threads: int = 8
+    # Waitress worker threads (each streaming response holds one): more than max_batch +
+    # max_queue, so a full engine answers 429 and /health still answers.
+    threads: int = 32
     # Reuse KV caches across turns (0 = every prompt is prefilled cold).
     cache_reuse: bool = True
     # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float

@@ -67,7 +67,7 @@ class Engine:
 
     def __init__(self, model_name: str, model_path: Path, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
-                 install: Callable[[], object] | None = None) -> None:
+                 max_batch: int = 8, install: Callable[[], object] | None = None) -> None:
         """``install``, if given, runs on the engine thread before loading (e.g. the first
         import of an embedded model into ``model_path``), while the server already answers."""
 
@@ -78,7 +78,7 @@ class Engine:
 
         self._runner = Runner(load, cache.manager_for,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
-                              repetition_penalty=repetition_penalty)
+                              repetition_penalty=repetition_penalty, max_batch=max_batch)
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

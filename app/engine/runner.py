@@ -1,33 +1,44 @@
-"""The one thread that owns the model: it loads it, then runs queued generations.
+"""The one thread that owns the model: it loads it, then serves every admitted generation
+together (continuous batching).
 
-HTTP threads never touch MLX. They put a job on the queue and read events from
-the job's own queue; if this thread dies, readers notice (``Job.events``
-raises) instead of hanging.
+HTTP threads never touch MLX. They put a job on a bounded queue and read events
+from the job's own queue; if this thread dies, readers notice (``Job.events``
+raises) instead of hanging. Each loop iteration of this thread:
+
+1. runs cache-manager calls (``Call``), drops queued jobs whose client left, and
+   admits queued jobs up to ``max_batch`` (a lease on each one's conversation cache);
+2. gives every decoding sequence its next token in one batched forward pass;
+3. prefills one chunk of one sequence (``scheduler.PrefillPolicy``: the shortest
+   prompt first, a time-bounded chunk while others decode).
+
+A sequence that finishes hands its cache back to the cache manager (commit,
+4-bit blocks, persistence) before its ``Finished`` event, as a lone one did.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from app.cache.manager import CacheManager, Lease
+from app.cache.manager import CacheManager
+from app.engine.batch import DecodeBatch, prefill
 from app.engine.model import LoadedModel
 from app.engine.prompting import tokenize_with_ends
-from app.engine.stopping import EndMatcher, StopMatcher
-from app.engine.token_text import TextTracker, spells
+from app.engine.scheduler import PrefillPolicy
+from app.engine.sequence import Sequence
+from app.engine.token_text import spells
 from app.errors import EngineUnavailable, Overloaded
-from app.types import Finished, GenerationEvent, GenerationRequest, Started, StopReason, TextDelta
+from app.types import Finished, GenerationEvent, GenerationRequest, Started
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +63,8 @@ class Job:
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Stop generating at the next token (the client went away)."""
+        """Stop as soon as possible (the client went away): dropped if still queued, stopped
+        between prefill chunks, or removed from the batch at the next token."""
         self._cancelled.set()
 
     @property
@@ -66,8 +78,7 @@ class Job:
         """Events as the engine produces them, ending with ``Finished``.
 
         ``client_gone`` is polled while waiting: once it says the client left, the
-        job is cancelled (dropped if still queued, stopped between prefill chunks
-        or at the next token) and the events end with a cancelled ``Finished``.
+        job is cancelled and the events end with a cancelled ``Finished``.
 
         Raises:
             EngineUnavailable: the generation failed or the engine thread died.
@@ -88,54 +99,91 @@ class Job:
                 return
 
 
-class PrefillCancelled(Exception):
-    """Raised between prefill chunks when the job was cancelled."""
-
-
 @dataclass(frozen=True)
 class Call:
-    """Work on the cache manager that must run on the engine thread (between generations)."""
+    """Work on the cache manager that must run on the engine thread (between steps)."""
 
     fn: Callable[[CacheManager], Any]
     result: Future = field(default_factory=Future)
 
 
+class JobQueue:
+    """Jobs waiting for a place in the batch: bounded, and a job whose client left is
+    dropped from anywhere in it (it holds no place)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self.max_waiting = max_waiting
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        """Raises Overloaded when ``max_waiting`` jobs already wait."""
+        with self._lock:
+            if sum(not j.cancelled for j in self._jobs) >= self.max_waiting:
+                raise Overloaded(f"{self.max_waiting} requests are already waiting")
+            self._jobs.append(job)
+
+    def take(self) -> Job | None:
+        with self._lock:
+            return self._jobs.popleft() if self._jobs else None
+
+    def drop_cancelled(self) -> list[Job]:
+        with self._lock:
+            gone = [j for j in self._jobs if j.cancelled]
+            if gone:
+                self._jobs = deque(j for j in self._jobs if not j.cancelled)
+        return gone
+
+
 class Runner(threading.Thread):
-    """Loads the model, then generates for one job at a time, in queue order."""
+    """Loads the model, then runs admitted generations together."""
 
     def __init__(self, load: Callable[[], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
-                 max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0) -> None:
+                 max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0,
+                 max_batch: int = 8) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._make_caches = make_caches
         self.caches: CacheManager | None = None
-        self._jobs: queue.Queue[Job | Call | None] = queue.Queue(maxsize=max_queue)
-        self._prefill_step_size = prefill_step_size
+        self._queue = JobQueue(max_queue)
+        self._calls: queue.Queue[Call | None] = queue.Queue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._policy = PrefillPolicy(step_tokens=prefill_step_size)
         self._processors = make_logits_processors(repetition_penalty=repetition_penalty) \
-            if repetition_penalty != 1.0 else None
+            if repetition_penalty != 1.0 else []
+        self._max_batch = max_batch
+        self._prefilling: list[Sequence] = []
+        self._decoding: dict[int, Sequence] = {}
+        self._batch: DecodeBatch | None = None
+        self._uids = iter(range(1 << 62))
         self.ready = threading.Event()
         self.loaded: LoadedModel | None = None
         self.load_error: BaseException | None = None
-        self.n_active = 0
 
     @property
     def queue_depth(self) -> int:
-        return self._jobs.qsize()
+        return len(self._queue)
+
+    @property
+    def n_active(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue a generation.
 
         Raises:
-            Overloaded: the queue is full.
+            Overloaded: ``max_queue`` requests already wait.
             EngineUnavailable: the engine thread is not running.
         """
         if not self.is_alive() or self.loaded is None:
             raise EngineUnavailable("the engine is not running")
         job = Job(request, self)
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise Overloaded(f"{self._jobs.maxsize} requests are already waiting") from None
+        self._queue.put(job)
+        self._wake.set()
         return job
 
     def call(self, fn: Callable[[CacheManager], Any], timeout_s: float = 120) -> Any:
@@ -143,53 +191,182 @@ class Runner(threading.Thread):
         if not self.is_alive():
             raise EngineUnavailable("the engine is not running")
         call = Call(fn)
-        self._jobs.put(call)
+        self._calls.put(call)
+        self._wake.set()
         return call.result.result(timeout_s)
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        """Finish what is admitted and queued, then stop."""
+        self._calls.put(None)
+        self._wake.set()
 
     def run(self) -> None:
         try:
             self.loaded = self._load()
             self._warm_up(self.loaded)
             self.caches = self._make_caches(self.loaded)
+            self._batch = DecodeBatch(self.loaded.model)
         except BaseException as exc:  # reported to the starter through load_error
             self.load_error = exc
             return
         finally:
             self.ready.set()
         assert self.caches is not None
-        while (job := self._next()) is not None:
-            if isinstance(job, Call):
-                try:
-                    job.result.set_result(job.fn(self.caches))
-                except Exception as exc:  # handed to the caller
-                    job.result.set_exception(exc)
+        while not (self._stopping and not self.n_active and not len(self._queue)):
+            self._run_calls()
+            self._admit()
+            if not self.n_active:
+                self._idle()
                 continue
-            if job.cancelled:  # the client left while it waited
-                log.info("request %s: cancelled while queued", job.request.request_id)
-                job.put(_cancelled(job.request.prompt.n_tokens, 0, 0.0))
-                continue
-            self.n_active = 1
             try:
-                self._generate(job)
-            except Exception as exc:  # one failed generation must not kill the engine
-                log.exception("generation %s failed", job.request.request_id)
-                job.put(Failed(f"generation failed: {exc}"))
-            finally:
-                self.n_active = 0
+                self._step()
+            except Exception as exc:  # a failed step must not kill the engine: fail what was running
+                log.exception("engine step failed")
+                self._fail_all(f"generation failed: {exc}")
         self.caches.close()
 
-    def _next(self) -> Job | Call | None:
-        """The next queued item; while idle, caches past their hot TTL go warm."""
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _idle(self) -> None:
+        """Nothing to run: wait for work; caches past their hot TTL go warm meanwhile."""
+        assert self.caches is not None
+        self.caches.expire_hot()
+        self._wake.wait(IDLE_CHECK_S)
+        self._wake.clear()
+
+    def _run_calls(self) -> None:
         assert self.caches is not None
         while True:
-            self.caches.expire_hot()
             try:
-                return self._jobs.get(timeout=IDLE_CHECK_S)
+                call = self._calls.get_nowait()
             except queue.Empty:
+                return
+            if call is None:
+                self._stopping = True
                 continue
+            try:
+                call.result.set_result(call.fn(self.caches))
+            except Exception as exc:  # handed to the caller
+                call.result.set_exception(exc)
+
+    def _admit(self) -> None:
+        for job in self._queue.drop_cancelled():
+            log.info("request %s: cancelled while queued", job.request.request_id)
+            job.put(_cancelled_in_queue(job))
+        while self.n_active < self._max_batch and (job := self._queue.take()) is not None:
+            if job.cancelled:
+                job.put(_cancelled_in_queue(job))
+                continue
+            try:
+                self._prefilling.append(self._start(job))
+            except Exception as exc:  # one bad request must not stop the others
+                log.exception("request %s could not start", job.request.request_id)
+                job.put(Failed(f"generation failed: {exc}"))
+
+    def _start(self, job: Job) -> Sequence:
+        """A lease on the conversation's cache and the prompt tokens still to compute.
+
+        Reuse is taken only if the reused tokens plus the new ones spell the prompt
+        exactly (Invariant 2); else the prompt is prefilled cold.
+        """
+        loaded, caches, request = self.loaded, self.caches, job.request
+        assert loaded is not None and caches is not None
+        prompt = request.prompt
+        lease = caches.lease(request.agent_id, request.conversation_id, prompt, whole_blocks=request.whole_blocks)
+        ids, ends, storable = prompt.token_ids, prompt.ends, bool(prompt.ends) and spells(
+            loaded.token_bytes, prompt.token_ids, prompt.text)
+        if lease.n_reused:
+            suffix_ids, suffix_ends = tokenize_with_ends(loaded.tokenizer, prompt.text[lease.record.ends[-1]:])
+            if spells(loaded.token_bytes, lease.record.tokens + suffix_ids, prompt.text):
+                ids, ends, storable = suffix_ids, suffix_ends, True
+            else:
+                log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold", request.request_id)
+                lease = caches.cold(lease.agent_id, lease.conversation_id,
+                                    replace(lease.report, reason="respell", n_chars=0))
+        sampling = request.sampling
+        sequence = Sequence(job, lease, tuple(ids), tuple(ends), storable,
+                            max_new=min(sampling.max_tokens, loaded.context_length - lease.n_reused - len(ids)),
+                            sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k),
+                            token_bytes=loaded.token_bytes, stop_ids=loaded.stop_token_ids)
+        job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
+        return sequence
+
+    def _step(self) -> None:
+        self._decode_step()
+        self._prefill_step()
+
+    def _decode_step(self) -> None:
+        assert self._batch is not None
+        if not len(self._batch):
+            return
+        done = []
+        for uid, token in self._batch.step():
+            if self._decoding[uid].accept(token):
+                done.append(uid)
+        for uid in done:
+            sequence = self._decoding.pop(uid)
+            self._finish(sequence, self._batch.remove(uid))
+
+    def _prefill_step(self) -> None:
+        for sequence in [s for s in self._prefilling if s.job.cancelled]:
+            self._prefilling.remove(sequence)
+            log.info("request %s: cancelled during prefill", sequence.job.request.request_id)
+            sequence.reason = "cancelled"
+            sequence.put(sequence.finished(committed=False))
+        if not self._prefilling:
+            return
+        sequence = self._prefilling[self._policy.pick(self._prefilling)]
+        if sequence.n_pending > 0:
+            n = self._policy.chunk(sequence, others_decoding=bool(self._decoding))
+            loaded = self.loaded
+            assert loaded is not None
+            start = time.perf_counter()
+            prefill(loaded.model, sequence.cache, sequence.prompt_ids[sequence.n_prefilled:sequence.n_prefilled + n])
+            sequence.seconds_per_token = (time.perf_counter() - start) / n
+            sequence.n_prefilled += n
+        if sequence.n_pending <= 0:
+            self._prefilling.remove(sequence)
+            if sequence.max_new > 0:
+                self._begin_decoding(sequence)
+            else:  # prefill only: the cache is the result
+                sequence.reason = "max_tokens"
+                self._finish(sequence, sequence.cache)
+
+    def _begin_decoding(self, sequence: Sequence) -> None:
+        assert self._batch is not None
+        uid = next(self._uids)
+        self._decoding[uid] = sequence
+        self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
+                        self._processors)
+
+    def _finish(self, sequence: Sequence, cache: list[Any]) -> None:
+        """Commit the turn's cache (before ``Finished``: a client that saw its turn end finds
+        it committed), then end the job."""
+        caches, request = self.caches, sequence.job.request
+        assert caches is not None
+        if sequence.reason == "cancelled":
+            log.info("request %s: cancelled after %d output tokens", request.request_id, len(sequence.output))
+        sequence.flush_text()
+        committed = sequence.storable and sequence.lease.conversation_id is not None
+        if committed:
+            lease = sequence.lease
+            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
+            record = lease.record.extend(sequence.prompt_ids, unreused, sequence.prompt_ends) \
+                .extend(sequence.output, sequence.tracker.text, sequence.tracker.ends)
+            try:
+                caches.commit(lease, record, cache, persist=request.persist, hot_ttl_s=request.hot_ttl_s)
+            except Exception:  # the reply is still good; only reuse is lost
+                log.exception("request %s: storing the cache failed", request.request_id)
+        sequence.put(sequence.finished(committed))
+
+    def _fail_all(self, message: str) -> None:
+        """After a failed step: every running sequence fails (their caches are in doubt)."""
+        for sequence in [*self._prefilling, *self._decoding.values()]:
+            sequence.put(Failed(message))
+        self._prefilling.clear()
+        self._decoding.clear()
+        assert self.loaded is not None
+        self._batch = DecodeBatch(self.loaded.model)
 
     @staticmethod
     def _warm_up(loaded: LoadedModel) -> None:
@@ -197,110 +374,8 @@ class Runner(threading.Thread):
         cache = make_prompt_cache(loaded.model)
         mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))
 
-    def _lease(self, job: Job) -> tuple[Lease, tuple[int, ...], tuple[int, ...], bool]:
-        """The working cache and the prompt tokens still to prefill.
 
-        Returns (lease, token ids, their ends relative to the unreused text,
-        whether the resulting record may be stored). Reuse is taken only if the
-        reused tokens plus the new ones spell the prompt exactly (Invariant 2).
-        """
-        loaded, caches, request = self.loaded, self.caches, job.request
-        assert loaded is not None and caches is not None
-        prompt = request.prompt
-        lease = caches.lease(request.agent_id, request.conversation_id, prompt, whole_blocks=request.whole_blocks)
-        if lease.n_reused:
-            start = lease.record.ends[-1]
-            ids, ends = tokenize_with_ends(loaded.tokenizer, prompt.text[start:])
-            if spells(loaded.token_bytes, lease.record.tokens + ids, prompt.text):
-                return lease, ids, ends, True
-            log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold", request.request_id)
-            lease = caches.cold(lease.agent_id, lease.conversation_id,
-                                replace(lease.report, reason="respell", n_chars=0))
-        exact = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
-        return lease, prompt.token_ids, prompt.ends, exact
-
-    def _generate(self, job: Job) -> None:
-        loaded, caches = self.loaded, self.caches
-        assert loaded is not None and caches is not None
-        request = job.request
-        started = time.perf_counter()
-        lease, prompt_ids, prompt_ends, storable = self._lease(job)
-        n_prompt = lease.n_reused + len(prompt_ids)
-        n_written = len(prompt_ids) if storable and lease.conversation_id is not None else 0
-        job.put(Started(n_prompt, lease.n_reused, n_written))
-        sampling = request.sampling
-        max_new = min(sampling.max_tokens, loaded.context_length - n_prompt)
-        sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        tracker = TextTracker(loaded.token_bytes)
-        stops = StopMatcher(sampling.stop_sequences)
-        ends = EndMatcher(sampling.end_after)
-        output: list[int] = []
-        ttft = 0.0
-        reason: StopReason = "max_tokens"
-        stop_sequence: str | None = None
-        def check_cancelled(_done: int, _total: int) -> None:
-            if job.cancelled:
-                raise PrefillCancelled
-
-        steps = generate_step(mx.array(prompt_ids), loaded.model, max_tokens=max_new, sampler=sampler,
-                              logits_processors=self._processors, prompt_cache=lease.cache,
-                              prefill_step_size=self._prefill_step_size, prompt_progress_callback=check_cancelled)
-        try:
-            first = next(steps, None)
-        except PrefillCancelled:
-            log.info("request %s: cancelled during prefill", request.request_id)
-            job.put(_cancelled(n_prompt, lease.n_reused, time.perf_counter() - started))
-            return
-        for token, _ in itertools.chain([first] if first is not None else [], steps):
-            token = int(token)
-            if not output:
-                ttft = time.perf_counter() - started
-            output.append(token)  # every yielded token has been fed to the cache
-            text = tracker.add(token)
-            if job.cancelled:
-                reason = "cancelled"
-                break
-            if token in loaded.stop_token_ids:
-                reason = "end_turn"
-                break
-            check = stops.feed(text)
-            if check.emit:
-                job.put(TextDelta(check.emit))
-            if check.stop_sequence is not None:
-                reason, stop_sequence = "stop_sequence", check.stop_sequence
-                break
-            if ends.feed(text):
-                reason = "end_turn"
-                break
-        if reason == "cancelled":
-            log.info("request %s: cancelled after %d output tokens", request.request_id, len(output))
-        tail = tracker.finish()
-        if reason == "max_tokens":
-            check = stops.feed(tail)
-            if check.stop_sequence is not None:
-                reason, stop_sequence = "stop_sequence", check.stop_sequence
-            rest = check.emit if check.stop_sequence else check.emit + stops.flush()
-            if rest:
-                job.put(TextDelta(rest))
-        elif reason == "end_turn" and (held := stops.flush()):
-            job.put(TextDelta(held))
-        total = time.perf_counter() - started
-        if storable:  # before Finished: a client that saw its turn end finds the cache committed
-            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
-            record = lease.record.extend(prompt_ids, unreused, prompt_ends).extend(output, tracker.text, tracker.ends)
-            try:
-                caches.commit(lease, record, lease.cache, persist=request.persist, hot_ttl_s=request.hot_ttl_s)
-            except Exception:  # the reply is still good; only reuse is lost
-                log.exception("request %s: storing the cache failed", request.request_id)
-        job.put(Finished(
-            stop_reason=reason, stop_sequence=stop_sequence,
-            n_prompt_tokens=n_prompt, n_cached_tokens=lease.n_reused, n_cache_written=n_written,
-            n_output_tokens=len(output), ttft_s=ttft, total_s=total,
-            match_outcome=lease.outcome, output_token_ids=tuple(output), reuse=lease.report,
-        ))
-
-
-def _cancelled(n_prompt: int, n_cached: int, total_s: float) -> Finished:
-    """The end of a generation cancelled before its first token: nothing generated, nothing stored."""
-    return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=n_prompt, n_cached_tokens=n_cached,
-                    n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=total_s)
+def _cancelled_in_queue(job: Job) -> Finished:
+    """The end of a job dropped before it started: nothing computed, nothing stored."""
+    return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=job.request.prompt.n_tokens,
+                    n_cached_tokens=0, n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=0.0)

@@ -12,7 +12,6 @@ blocks, tools, metadata), each assistant turn replaced by what the server answer
 from __future__ import annotations
 
 import copy
-import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,7 +19,7 @@ import anthropic
 import pytest
 
 from conftest import ServerProcess, claude_env, start_server, stop_server
-from support.claude_recorder import Recorded, Recorder, is_subagent
+from support.claude_recorder import Recorded, is_subagent, record_headless_session
 from support.dbcheck import query
 
 REPLAY_MAX_TOKENS = 16
@@ -30,24 +29,7 @@ KEPT_HEADERS = ("X-Claude-Code-Session-Id", "anthropic-beta", "anthropic-version
 @pytest.fixture(scope="module")
 def recorded(claude: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Recorded]:
     work, home = tmp_path_factory.mktemp("repo"), tmp_path_factory.mktemp("claude-home")
-    git = ["git", "-c", "user.email=dev@example.com", "-c", "user.name=dev"]
-    (work / "README.md").write_text("# demo\n")
-    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
-        subprocess.run([*git, *args], cwd=work, check=True, capture_output=True)
-    recorder = Recorder()
-    try:
-        for prompt in ("List the files here.", "Now use a subagent to survey the files."):
-            if recorder.requests:
-                (work / "notes.txt").write_text("changed between the turns\n")
-            continued = ["-c"] if recorder.requests else []
-            done = subprocess.run([str(claude), *continued, "-p", prompt, "--output-format", "json", "--max-turns",
-                                   "4", "--model", "claude-sonnet-5", "--dangerously-skip-permissions"],
-                                  cwd=work, env=claude_env(recorder.url, home), capture_output=True, text=True,
-                                  timeout=300)
-            assert done.returncode == 0, (done.stdout, done.stderr)
-    finally:
-        recorder.close()
-    return [r for r in recorder.requests if r.path.startswith("/v1/messages") and "count_tokens" not in r.path]
+    return record_headless_session(claude, work, home, claude_env("", home))
 
 
 @pytest.fixture(scope="module")

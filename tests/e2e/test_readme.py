@@ -65,4 +65,5 @@ def test_sql_and_job_examples_run_on_what_the_examples_stored(fresh_server: Serv
                               cwd=ROOT, env={"PATH": "/usr/bin:/bin", "SEMANTIC_HOME": str(fresh_server.home)})
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
-    assert "my-app-1" in outputs[0] and "weather-1" in outputs[0]  # agents the API examples created
+    # The agents the API examples created are in the turns view.
+    assert any("my-app-1" in out and "weather-1" in out for out in outputs), outputs

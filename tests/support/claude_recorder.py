@@ -10,9 +10,11 @@ races, the real CLI produces.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable
 
 SUBAGENT_MARKER = "You are an agent for Claude Code"
@@ -138,3 +140,31 @@ class Recorder:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+SESSION_PROMPTS = ("List the files here.", "Now use a subagent to survey the files.")
+
+
+def record_headless_session(claude: Path, work: Path, home: Path, env: dict[str, str]) -> list[Recorded]:
+    """Run the real CLI headless, twice, in a fresh git repository ``work``: turn 1 has a
+    Bash round trip; a file changes (the CLI's git status snapshot with it); turn 2 (``-c``)
+    starts a subagent between two main requests. ``env`` is the CLI's environment without
+    ``ANTHROPIC_BASE_URL`` (set here). Returns the /v1/messages requests, in order."""
+    git = ["git", "-c", "user.email=dev@example.com", "-c", "user.name=dev"]
+    (work / "README.md").write_text("# demo\n")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
+        subprocess.run([*git, *args], cwd=work, check=True, capture_output=True)
+    recorder = Recorder()
+    try:
+        for turn, prompt in enumerate(SESSION_PROMPTS):
+            if turn:
+                (work / "notes.txt").write_text("changed between the turns\n")
+            done = subprocess.run([str(claude), *(["-c"] if turn else []), "-p", prompt, "--output-format", "json",
+                                   "--max-turns", "4", "--model", "claude-sonnet-5", "--dangerously-skip-permissions"],
+                                  cwd=work, env={**env, "ANTHROPIC_BASE_URL": recorder.url, "HOME": str(home)},
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"claude exited with {done.returncode}: {done.stdout} {done.stderr}")
+    finally:
+        recorder.close()
+    return [r for r in recorder.requests if r.path.startswith("/v1/messages") and "count_tokens" not in r.path]

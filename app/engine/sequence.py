@@ -1,0 +1,113 @@
+"""One generation in flight on the engine thread: its prompt still to prefill, its output so
+far, when it ends and how. Holds no MLX arrays of its own but its working cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from app.cache.manager import Lease
+from app.engine.stopping import EndMatcher, StopMatcher
+from app.engine.token_text import TextTracker, TokenBytes
+from app.types import Finished, GenerationEvent, StopReason, TextDelta
+
+if TYPE_CHECKING:
+    from app.engine.runner import Job
+
+
+@dataclass
+class Sequence:
+    job: Job
+    lease: Lease
+    prompt_ids: tuple[int, ...]  # the prompt tokens this turn computes (after the reused ones)
+    prompt_ends: tuple[int, ...]
+    storable: bool  # the record may be stored (the tokens spell the prompt exactly)
+    max_new: int
+    sampler: Callable[..., Any]
+    token_bytes: TokenBytes
+    stop_ids: frozenset[int]
+    started: float = field(default_factory=time.perf_counter)
+    n_prefilled: int = 0
+    seconds_per_token: float | None = None  # the speed of its last prefill chunk
+    output: list[int] = field(default_factory=list)
+    ttft: float = 0.0
+    reason: StopReason = "max_tokens"
+    stop_sequence: str | None = None
+
+    def __post_init__(self) -> None:
+        self.tracker = TextTracker(self.token_bytes)
+        self.stops = StopMatcher(self.job.request.sampling.stop_sequences)
+        self.ends = EndMatcher(self.job.request.sampling.end_after)
+
+    @property
+    def cache(self) -> list[Any]:
+        return self.lease.cache
+
+    @property
+    def n_prompt(self) -> int:
+        return self.lease.n_reused + len(self.prompt_ids)
+
+    @property
+    def n_written(self) -> int:
+        """Prompt tokens this turn adds to the conversation's cache."""
+        return len(self.prompt_ids) if self.storable and self.lease.conversation_id is not None else 0
+
+    @property
+    def n_pending(self) -> int:
+        """Prompt tokens still to prefill before decoding starts (the last one starts it;
+        a prefill-only turn computes them all)."""
+        return len(self.prompt_ids) - self.n_prefilled - (1 if self.max_new > 0 else 0)
+
+    @property
+    def context_tokens(self) -> list[int]:
+        """Every token in the cache once prefill is done (repetition penalty context)."""
+        return [*self.lease.record.tokens, *self.prompt_ids[:-1]]
+
+    def put(self, event: GenerationEvent) -> None:
+        self.job.put(event)
+
+    def accept(self, token: int) -> bool:
+        """Take one generated token (already in the cache); True when the turn is over."""
+        if not self.output:
+            self.ttft = time.perf_counter() - self.started
+        self.output.append(token)
+        text = self.tracker.add(token)
+        if self.job.cancelled:
+            self.reason = "cancelled"
+            return True
+        if token in self.stop_ids:
+            self.reason = "end_turn"
+            return True
+        check = self.stops.feed(text)
+        if check.emit:
+            self.put(TextDelta(check.emit))
+        if check.stop_sequence is not None:
+            self.reason, self.stop_sequence = "stop_sequence", check.stop_sequence
+            return True
+        if self.ends.feed(text):
+            self.reason = "end_turn"
+            return True
+        return len(self.output) >= self.max_new
+
+    def flush_text(self) -> None:
+        """Send what is held back (a stop sequence's possible start), as the turn ends."""
+        tail = self.tracker.finish()
+        if self.reason == "max_tokens":
+            check = self.stops.feed(tail)
+            if check.stop_sequence is not None:
+                self.reason, self.stop_sequence = "stop_sequence", check.stop_sequence
+            rest = check.emit if check.stop_sequence else check.emit + self.stops.flush()
+            if rest:
+                self.put(TextDelta(rest))
+        elif self.reason == "end_turn" and (held := self.stops.flush()):
+            self.put(TextDelta(held))
+
+    def finished(self, committed: bool) -> Finished:
+        """The turn's last event; ``committed``: its cache was stored."""
+        return Finished(
+            stop_reason=self.reason, stop_sequence=self.stop_sequence, n_prompt_tokens=self.n_prompt,
+            n_cached_tokens=self.lease.n_reused, n_cache_written=self.n_written if committed else 0,
+            n_output_tokens=len(self.output), ttft_s=self.ttft, total_s=time.perf_counter() - self.started,
+            match_outcome=self.lease.outcome, output_token_ids=tuple(self.output), reuse=self.lease.report)

@@ -1,0 +1,109 @@
+"""Continuous batching on the real SmolLM2: several agents at once give the answers they get
+alone, caches come back committed, and a long cold prefill is interleaved with decoding."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from app.engine.engine import CacheConfig, Engine
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+FILLER = "The committee reviewed the quarterly figures and noted steady progress across every region. "
+# Prompts of different lengths: about 40, 400, 900 and 1,500 tokens.
+PROMPTS = {f"agent-{i}": [ChatMessage("system", FILLER * words), ChatMessage("user", f"Question {i}: name a colour.")]
+           for i, words in enumerate((1, 25, 60, 100))}
+
+
+def start_engine(home: Path, model_dir: Path, reuse: bool) -> Engine:
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    cache = CacheConfig(home / "blocks", make_session_factory(make_engine(url)), 1 << 30, enabled=reuse)
+    running = Engine("smollm2", model_dir, cache, max_queue=8, max_batch=8)
+    running.start()
+    return running
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    running = start_engine(tmp_path_factory.mktemp("batching-home"), smollm2_dir, reuse=True)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def cold_engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """Reuse off: every run computes its prompt from scratch, alone or batched, so the two
+    differ by batching only (a warm run would read 4-bit KV where a cold one has floats)."""
+    running = start_engine(tmp_path_factory.mktemp("batching-cold"), smollm2_dir, reuse=False)
+    yield running
+    running.stop()
+
+
+def request(engine: Engine, agent: str, conversation: str) -> GenerationRequest:
+    return GenerationRequest(f"req-{conversation}", engine.render(PROMPTS[agent]), GREEDY, agent, conversation)
+
+
+def collect(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tuple[str, Finished]]:
+    """Submit all at once (they run in one batch), collect each one's text and end."""
+    jobs = {r.conversation_id: engine.submit(r) for r in requests}
+    results: dict[str, tuple[str, Finished]] = {}
+
+    def read(conversation: str) -> None:
+        events = list(jobs[conversation].events())
+        results[conversation] = ("".join(e.text for e in events if isinstance(e, TextDelta)), events[-1])
+
+    threads = [threading.Thread(target=read, args=(c,)) for c in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_batched_greedy_output_equals_solo_output(cold_engine: Engine) -> None:
+    engine = cold_engine
+    solo = {agent: collect(engine, [request(engine, agent, f"solo-{agent}")])[f"solo-{agent}"] for agent in PROMPTS}
+    batched = collect(engine, [request(engine, agent, f"batch-{agent}") for agent in PROMPTS])
+    for agent in PROMPTS:
+        text, finished = batched[f"batch-{agent}"]
+        assert finished.output_token_ids == solo[agent][1].output_token_ids, agent
+        assert text == solo[agent][0]
+
+
+def test_every_batched_conversation_commits_its_whole_cache(engine: Engine) -> None:
+    batched = collect(engine, [request(engine, agent, f"batch-{agent}") for agent in PROMPTS])
+    for agent in PROMPTS:
+        record = engine.caches.record(f"batch-{agent}")
+        finished = batched[f"batch-{agent}"][1]
+        assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
+
+
+def test_a_second_turn_in_a_batch_continues_its_cache(engine: Engine) -> None:
+    """Turn 2 of every agent at once: each extends its own conversation's cache (warm)."""
+    first = collect(engine, [request(engine, agent, f"t-{agent}") for agent in PROMPTS])
+    follow_ups = []
+    for agent in PROMPTS:
+        reply = first[f"t-{agent}"][0]
+        messages = [*PROMPTS[agent], ChatMessage("assistant", reply), ChatMessage("user", "And another one?")]
+        follow_ups.append(GenerationRequest(f"req-t2-{agent}", engine.render(messages), GREEDY, agent, f"t-{agent}"))
+    second = collect(engine, follow_ups)
+    for agent in PROMPTS:
+        finished = second[f"t-{agent}"][1]
+        assert finished.match_outcome == "extend"
+        assert finished.n_cached_tokens >= first[f"t-{agent}"][1].n_prompt_tokens
+
+
+def test_prefill_only_jobs_and_generations_share_the_engine(engine: Engine) -> None:
+    prefill_only = GenerationRequest("req-prefill", engine.render(PROMPTS["agent-3"]),
+                                     SamplingParams(max_tokens=0), "agent-3", "prefilled")
+    results = collect(engine, [prefill_only, request(engine, "agent-0", "beside-prefill")])
+    assert results["prefilled"][1].n_output_tokens == 0 and results["prefilled"][0] == ""
+    record = engine.caches.record("prefilled")
+    assert record is not None and record.n_tokens == results["prefilled"][1].n_prompt_tokens
+    assert results["beside-prefill"][1].n_output_tokens > 0
