@@ -46,6 +46,12 @@ class Overloaded(SemanticError):
     retry_after_s = 1
 
 
+class MemoryExhausted(Overloaded):
+    """The memory a request needs cannot be freed (its working cache alone exceeds the budget)."""
+
+    retry_after_s = 10
+
+
 class Unauthorized(SemanticError):
     """An API key is configured and the request did not carry it."""
 

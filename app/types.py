@@ -119,4 +119,9 @@ class Finished:
     reuse: ReuseReport | None = None
 
 
-GenerationEvent = Started | TextDelta | Finished
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Nothing new for a while (a long prefill): streams send a keep-alive."""
+
+
+GenerationEvent = Started | TextDelta | Finished | Heartbeat

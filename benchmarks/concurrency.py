@@ -3,10 +3,14 @@
     .venv/bin/python benchmarks/concurrency.py [--levels 1 2 4 8] [--turns 3]
 
 Each of N client threads drives its own agent (OpenAI API, streamed, greedy,
-64-token replies) for a few turns, all at once against one real server. The
-aggregate rate is all output tokens over the wall time; TTFT includes the
-wait in the engine's queue. Prints a table, writes
-benchmarks/results/concurrency.json and concurrency.png.
+64-token replies) for a few turns, all at once against one real server, which
+decodes the agents together in one batch and interleaves their prefills. Three
+rates: engine decode (tokens from batched decode steps over the time those
+steps took, read from the server's /health counters), client decode (tokens
+after each reply's first, over the time during which at least one reply was
+streaming, prefill chunks interleaved) and overall (all output tokens over the
+wall time). TTFT includes any wait for a place in the batch.
+Prints a table, writes benchmarks/results/concurrency.json and concurrency.png.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,8 +41,15 @@ from conftest import start_server, stop_server  # noqa: E402
 REPLY_TOKENS = 64
 
 
-def agent(url: str, name: str, turns: int) -> list[tuple[float, int]]:
-    """(TTFT, output tokens) per turn of one agent's conversation."""
+@dataclass(frozen=True)
+class Turn:
+    ttft_s: float
+    n_tokens: int
+    decode_from: float  # perf_counter of the first token
+    decode_to: float  # and of the end of the reply
+
+
+def agent(url: str, name: str, turns: int) -> list[Turn]:
     rng = random.Random(name)
     history = [SYSTEM]
     out = []
@@ -43,10 +57,21 @@ def agent(url: str, name: str, turns: int) -> list[tuple[float, int]]:
         history.append({"role": "user", "content": user_message(rng, 150)})
         body = {"model": "m", "messages": history, "max_tokens": REPLY_TOKENS, "temperature": 0,
                 "stream_options": {"include_usage": True}, "session_id": name}
+        start = time.perf_counter()
         ttft, text, usage = openai_stream(f"{url}/v1/chat/completions", body)
         history.append({"role": "assistant", "content": text})
-        out.append((ttft, usage.get("completion_tokens", 0)))
+        out.append(Turn(ttft, usage.get("completion_tokens", 0), start + ttft, time.perf_counter()))
     return out
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one interval is open."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,35 +89,50 @@ def main() -> None:
     results = []
     try:
         for level in args.levels:
+            before = httpx.get(f"{server.url}/health").json()["engine"]
             start = time.perf_counter()
             with ThreadPoolExecutor(level) as pool:
                 runs = list(pool.map(lambda i: agent(server.url, f"c{level}-{i}", args.turns), range(level)))
             wall = time.perf_counter() - start
-            ttfts = [t for run in runs for t, _ in run]
-            tokens = sum(n for run in runs for _, n in run)
+            turns = [t for run in runs for t in run]
+            ttfts = [t.ttft_s for t in turns]
+            tokens = sum(t.n_tokens for t in turns)
+            decoding = covered([(t.decode_from, t.decode_to) for t in turns])
+            after = httpx.get(f"{server.url}/health").json()["engine"]
+            steps = after["decode_steps"] - before["decode_steps"]
             results.append({"agents": level, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+                            "engine_decode_tokens_per_s": (after["decode_tokens"] - before["decode_tokens"])
+                            / (after["decode_s"] - before["decode_s"]),
+                            "mean_batch": (after["decode_tokens"] - before["decode_tokens"]) / steps,
+                            "decode_tokens_per_s": sum(t.n_tokens - 1 for t in turns) / decoding,
                             "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95)})
     finally:
         stop_server(server)
 
-    print_table(["agents", "output tokens", "wall s", "aggregate tok/s", "TTFT p50 s", "TTFT p95 s"],
-                [[r["agents"], r["output_tokens"], r["wall_s"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"]]
-                 for r in results])
+    base = results[0]["engine_decode_tokens_per_s"]
+    print_table(["agents", "output tokens", "wall s", "engine decode tok/s", "x one agent", "mean batch",
+                 "client decode tok/s", "overall tok/s", "TTFT p50 s", "TTFT p95 s"],
+                [[r["agents"], r["output_tokens"], r["wall_s"], r["engine_decode_tokens_per_s"],
+                  r["engine_decode_tokens_per_s"] / base, r["mean_batch"], r["decode_tokens_per_s"], r["tokens_per_s"],
+                  r["ttft_p50_s"], r["ttft_p95_s"]] for r in results])
     print(f"wrote {write_results('concurrency', {'args': vars(args), 'levels': results})}")
     plt = pyplot()
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     levels = [r["agents"] for r in results]
-    left.plot(levels, [r["tokens_per_s"] for r in results], "o-")
+    left.plot(levels, [r["engine_decode_tokens_per_s"] for r in results], "o-", label="engine decode")
+    left.plot(levels, [r["decode_tokens_per_s"] for r in results], "o-", label="client decode")
+    left.plot(levels, [r["tokens_per_s"] for r in results], "o-", label="overall (prefills included)")
     left.set_xlabel("concurrent agents")
-    left.set_ylabel("aggregate tokens/s (prefill + decode wall)")
+    left.set_ylabel("aggregate tokens/s")
+    left.legend()
     right.plot(levels, [r["ttft_p50_s"] for r in results], "o-", label="p50")
     right.plot(levels, [r["ttft_p95_s"] for r in results], "o-", label="p95")
     right.set_xlabel("concurrent agents")
     right.set_ylabel("TTFT (s)")
     right.legend()
-    fig.suptitle("Concurrent agents, one engine thread (no batching yet), SmolLM2-135M, 2-core CPU")
+    fig.suptitle("Concurrent agents, continuous batching, SmolLM2-135M, 2-core CPU")
     save_plot(fig, "concurrency")
 
 

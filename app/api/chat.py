@@ -18,7 +18,7 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
 
 def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
     for chunk in openai.render_chunks(completion_id, parsed, events):
-        yield frame(None, chunk)
+        yield f"{chunk}\n\n".encode() if chunk == openai.KEEP_ALIVE else frame(None, chunk)
 
 
 OPENAI = Dialect(

@@ -8,7 +8,8 @@ from typing import Any, Callable
 import falcon
 
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
-                        NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized, UnsupportedMediaType)
+                        MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized,
+                        UnsupportedMediaType)
 from app.protocol import anthropic, openai
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ STATUS: dict[type[SemanticError], int] = {
     RequestTooLarge: 413,
     UnsupportedMediaType: 415,
     NotFound: 404,
+    MemoryExhausted: 529,
     Overloaded: 429,
     EngineUnavailable: 503,
     InvalidModelFile: 500,

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 10.0  # a stream waiting this long for its next event (a long prefill) sends a keep-alive
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -186,7 +188,7 @@ class GenerationResource:
         parts: list[str] = []
 
         def observed() -> Iterator[GenerationEvent]:
-            for event in job.events(client_gone):
+            for event in job.events(client_gone, heartbeat_s=HEARTBEAT_S):
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):

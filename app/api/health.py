@@ -46,6 +46,10 @@ class HealthResource:
             "uptime_s": round(time.time() - self._engine.started_at, 1),
             "queue_depth": status.queue_depth,
             "active_requests": status.n_active,
+            "engine": {  # totals since start: batched decode steps and prefill chunks
+                "decode_steps": status.counters.decode_steps, "decode_tokens": status.counters.decode_tokens,
+                "decode_s": round(status.counters.decode_s, 3), "prefill_tokens": status.counters.prefill_tokens,
+                "prefill_s": round(status.counters.prefill_s, 3)},
         }
         if status.cache is not None:
             stored = self._agents.n_stored_caches(self._engine.model.fingerprint)

@@ -8,7 +8,7 @@ so the API can be tested against a fake engine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.manager import CacheManager, CacheStats
 from app.engine.model import LoadedModel, backend_name, load_model
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
-from app.engine.runner import Job, Runner
-from app.errors import EngineUnavailable
+from app.engine.runner import EngineCounters, Job, Runner, working_bytes
+from app.errors import EngineUnavailable, MemoryExhausted
 from app.types import ChatMessage, GenerationRequest, Prompt
 
 
@@ -60,6 +60,7 @@ class EngineStatus:
     queue_depth: int
     n_active: int
     cache: CacheStats | None
+    counters: EngineCounters
 
 
 class Engine:
@@ -76,9 +77,11 @@ class Engine:
                 install()
             return load_model(model_name, model_path, dtype)
 
+        self._memory_bytes = cache.budget_bytes
         self._runner = Runner(load, cache.manager_for,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
-                              repetition_penalty=repetition_penalty, max_batch=max_batch)
+                              repetition_penalty=repetition_penalty, max_batch=max_batch,
+                              memory_bytes=cache.budget_bytes)
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:
@@ -136,9 +139,15 @@ class Engine:
         """Queue a generation; iterate ``job.events()`` for its output.
 
         Raises:
-            ContextTooLong, Overloaded, EngineUnavailable.
+            ContextTooLong, EngineUnavailable;
+            MemoryExhausted: its working cache alone would exceed the memory budget;
+            Overloaded: ``max_queue`` requests already wait for a place in the batch.
         """
         self.check_fits(request.prompt)
+        need = working_bytes(request, self.loaded)
+        if need > self._memory_bytes:
+            raise MemoryExhausted(f"this request needs {need / 2**20:.0f} MiB of working memory for its KV cache; "
+                                  f"the memory budget (cache_memory_bytes) is {self._memory_bytes / 2**20:.0f} MiB")
         return self._runner.submit(request)
 
     def check_fits(self, prompt: Prompt) -> None:
@@ -157,6 +166,7 @@ class Engine:
             queue_depth=self._runner.queue_depth,
             n_active=self._runner.n_active,
             cache=self._runner.caches.stats() if self._runner.caches else None,
+            counters=replace(self._runner.counters),
         )
 
     @property

@@ -35,6 +35,7 @@ class LoadedModel:
     stop_token_ids: frozenset[int]
     fingerprint: str
     token_bytes: TokenBytes
+    kv_bytes_per_token: int  # a float working cache's bytes per token (keys and values, every layer)
 
     @property
     def n_layers(self) -> int:
@@ -84,6 +85,14 @@ def model_fingerprint(path: Path, kv_format: str) -> str:
     return final.hexdigest()
 
 
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
+    """Keys and values of one token in every layer, at ``dtype_bytes`` a value."""
+    heads = int(config.get("num_attention_heads", 1))
+    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return int(config.get("num_hidden_layers", 0)) * 2 * kv_heads * head_dim * dtype_bytes
+
+
 def backend_name() -> str:
     device = mx.default_device()
     if device.type == mx.gpu:
@@ -124,4 +133,5 @@ def load_model(name: str, path: Path, dtype: str = "auto") -> LoadedModel:
     fingerprint = model_fingerprint(path, KV_FORMAT)
     token_bytes = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, context, used)
-    return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes)
+    return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes,
+                       kv_bytes_per_token(config, _param_dtype(model).size))

@@ -21,7 +21,7 @@ from app.protocol import claude_code, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, RequestOptions, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, Heartbeat, RequestOptions, SamplingParams, Started, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ class _Blocks:
 
 
 def render_events(message_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished]) -> Iterator[Event]:
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[Event]:
     """Engine events -> (event name, data) pairs of Anthropic's SSE stream."""
     structured = parsed.parse_tools or parsed.parse_thinking
     parser = ReplyParser.for_turn(parsed)
@@ -453,8 +453,13 @@ def render_events(message_id: str, parsed: ParsedTurn,
             elif part and (blocks.open == "text" or part.strip()):
                 yield from blocks.text(part)
 
+    started = False
     for event in events:
-        if isinstance(event, Started):
+        if isinstance(event, Heartbeat):
+            if started:  # the SDKs expect message_start before anything else
+                yield "ping", {"type": "ping"}
+        elif isinstance(event, Started):
+            started = True
             yield "message_start", {"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "model": parsed.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,

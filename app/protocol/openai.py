@@ -27,7 +27,7 @@ from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, RequestOptions, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, Heartbeat, RequestOptions, SamplingParams, Started, TextDelta
 
 
 class _Strict(BaseModel):
@@ -289,9 +289,13 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
     }
 
 
+KEEP_ALIVE = ": keep-alive"  # an SSE comment: clients ignore it, proxies see traffic
+
+
 def render_chunks(completion_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished]) -> Iterator[dict[str, Any] | str]:
-    """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker."""
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str]:
+    """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker;
+    ``KEEP_ALIVE`` for a heartbeat."""
     created = int(time.time())
     parser = ReplyParser.for_turn(parsed)
     n_calls = 0
@@ -310,7 +314,9 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
                 yield chunk({"content": part}, None)
 
     for event in events:
-        if isinstance(event, Started):
+        if isinstance(event, Heartbeat):
+            yield KEEP_ALIVE
+        elif isinstance(event, Started):
             yield chunk({"role": "assistant", "content": ""}, None)
         elif isinstance(event, TextDelta):
             yield from deltas(parser.feed(event.text))
@@ -324,8 +330,10 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-               404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
-ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large", 429: "rate_limit_exceeded"}
+               404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               529: "server_error", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large", 429: "rate_limit_exceeded",
+               529: "overloaded"}
 
 
 def render_error(status: int, message: str) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""The API layer alone: routing, errors and admission against a fake engine (no model, no MLX),
+through falcon's TestClient, with the real store. The real engine behind the same surface is
+tested end to end in tests/e2e."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import falcon.testing
+import pytest
+
+from app.agents.service import AgentService
+from app.api.routes import Deps
+from app.errors import ContextTooLong, MemoryExhausted, Overloaded
+from app.main import create_app
+from app.settings import Settings
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.types import ChatMessage, Finished, GenerationRequest, Prompt, Started, TextDelta
+from support.dbcheck import query
+
+CONTEXT = 64
+
+
+@dataclass
+class FakeJob:
+    request: GenerationRequest
+    cancelled: bool = False
+
+    def events(self, client_gone=None) -> Iterator:  # type: ignore[no-untyped-def]
+        n = self.request.prompt.n_tokens
+        yield Started(n, 0, n)
+        yield TextDelta("Hello there.")
+        yield Finished("end_turn", None, n, 0, n, 3, 0.01, 0.02)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class FakeStatus:
+    healthy: bool = True
+    loading: bool = False
+    model: str | None = "fake"
+    backend: str = "none"
+    dtype: str | None = "float32"
+    context_length: int | None = CONTEXT
+    queue_depth: int = 0
+    n_active: int = 0
+    cache: None = None
+    counters: object = field(default_factory=lambda: type("C", (), {
+        "decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0})())
+
+
+class FakeEngine:
+    """The Engine's surface, with words for tokens."""
+
+    def __init__(self, path: Path) -> None:
+        from app.engine.engine import ModelInfo
+
+        self.model = ModelInfo("fake", path, "fp-fake", CONTEXT)
+        self.started_at = time.time()
+        self.refuse: Exception | None = None
+        self.loading = False
+        self.submitted: list[GenerationRequest] = []
+
+    def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "") -> Prompt:
+        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + reply_prefix
+        words = text.split()
+        return Prompt(text, tuple(range(len(words))), ())
+
+    def render_start(self, system: str) -> None:
+        return None
+
+    def check_fits(self, prompt: Prompt) -> None:
+        if prompt.n_tokens > CONTEXT - 1:
+            raise ContextTooLong(prompt.n_tokens, CONTEXT - 1)
+
+    def submit(self, request: GenerationRequest) -> FakeJob:
+        self.check_fits(request.prompt)
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(request)
+        return FakeJob(request)
+
+    def hot_tokens(self, agent_id: str) -> dict[str, int]:
+        return {}
+
+    def forget_agent(self, agent_id: str) -> None:
+        pass
+
+    def status(self) -> FakeStatus:
+        return FakeStatus(healthy=not self.loading, loading=self.loading)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[tuple[falcon.testing.TestClient, FakeEngine, Path]]:
+    db = tmp_path / "semantic.db"
+    upgrade(f"sqlite:///{db}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    engine = FakeEngine(tmp_path)
+    settings = Settings(home=tmp_path, allowed_hosts="falconframework.org")  # the TestClient's Host
+    yield falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions))), engine, db
+
+
+MESSAGES = {"model": "claude-sonnet-5", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}
+CHAT = {"model": "gpt-x", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}
+
+
+def store(db: Path) -> tuple[int, ...]:
+    return tuple(query(db, f"SELECT count(*) FROM {t}")[0][0] for t in ("agents", "conversations", "messages"))
+
+
+def test_a_turn_is_answered_and_its_history_stored(app) -> None:  # type: ignore[no-untyped-def]
+    client, engine, db = app
+    response = client.simulate_post("/v1/messages", json=MESSAGES, headers={"x-session-id": "s1"})
+    assert response.status_code == 200 and response.json["content"][0]["text"] == "Hello there."
+    assert engine.submitted[0].agent_id == "s1" and engine.submitted[0].conversation_id
+    assert query(db, "SELECT role FROM messages WHERE agent_id = 's1' ORDER BY position") == [("user",), ("assistant",)]
+    chat = client.simulate_post("/v1/chat/completions", json=CHAT)
+    assert chat.status_code == 200 and chat.json["choices"][0]["message"]["content"] == "Hello there."
+
+
+@pytest.mark.parametrize("refusal,status,kind", [
+    (Overloaded("16 requests are already waiting"), 429, "rate_limit_error"),
+    (MemoryExhausted("needs 900 MiB"), 529, "overloaded_error"),
+])
+def test_admission_refusals_have_their_status_retry_after_and_write_nothing(app, refusal, status, kind) -> None:  # type: ignore[no-untyped-def]
+    client, engine, db = app
+    engine.refuse = refusal
+    before = store(db)
+    response = client.simulate_post("/v1/messages", json=MESSAGES, headers={"x-session-id": "s2"})
+    assert response.status_code == status and response.json["error"]["type"] == kind
+    assert int(response.headers["retry-after"]) >= 1
+    assert store(db) == before  # no agent, conversation or message for a refused request
+    assert query(db, "SELECT status FROM requests") == [("rejected",)]
+    chat = client.simulate_post("/v1/chat/completions", json=CHAT)
+    assert chat.status_code == status and chat.json["error"]["type"] in ("rate_limit_exceeded", "server_error")
+
+
+def test_a_prompt_beyond_the_context_is_the_anthropic_400_and_writes_nothing(app) -> None:  # type: ignore[no-untyped-def]
+    client, _, db = app
+    long = {**MESSAGES, "messages": [{"role": "user", "content": "word " * 200}]}
+    response = client.simulate_post("/v1/messages", json=long)
+    assert response.status_code == 400
+    assert response.json["error"]["message"].startswith("prompt is too long:")
+    assert store(db) == (0, 0, 0)
+
+
+def test_health_says_loading_until_the_engine_is_ready(app) -> None:  # type: ignore[no-untyped-def]
+    client, engine, _ = app
+    engine.loading = True
+    response = client.simulate_get("/health")
+    assert response.status_code == 503 and response.json["status"] == "loading"
+    engine.loading = False
+    assert client.simulate_get("/health").json["status"] == "ok"
+
+
+def test_routing_and_protocol_error_shapes(app) -> None:  # type: ignore[no-untyped-def]
+    client, _, _ = app
+    assert client.simulate_head("/").status_code == 200
+    assert client.simulate_get("/v1/nope").json["error"]["type"] == "not_found_error"
+    assert client.simulate_get("/v1/chat/nope").json["error"]["type"] == "invalid_request_error"
+    assert client.simulate_get("/v1/agents/missing").status_code == 404
+    bad = client.simulate_post("/v1/chat/completions", json={"model": "m", "messages": []})
+    assert bad.status_code == 400 and "messages" in bad.json["error"]["message"]
+    created = client.simulate_post("/v1/agents", json={"id": "a1", "system_prompt": "Be brief."})
+    assert created.status_code == 201 and created.json["id"] == "a1"
+    generated = client.simulate_post("/v1/agents/a1/generate", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert generated.status_code == 200 and generated.json["content"][0]["text"] == "Hello there."
+    assert [m["role"] for m in client.simulate_get("/v1/agents/a1/history").json["messages"]] == ["user", "assistant"]
