@@ -15,6 +15,7 @@ from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
+from app.api.status_page import StatusPageResource
 from app.settings import Settings
 from app.store import jobs
 
@@ -33,6 +34,7 @@ class Deps:
 def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents))
+    app.add_route("/status", StatusPageResource(deps.engine, deps.sessions, deps.settings))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))

@@ -1,0 +1,75 @@
+"""What an operator looks at first, read from the store: agents with their conversations and
+hit rates, the latest cache misses and why. Functions take a Session."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from app.store.models import Agent, Cache, Conversation, Message
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationRow:
+    id: str
+    n_messages: int
+    cached_tokens: int  # on disk (warm); the page adds what is in memory
+    tier: str  # warm / cold / none
+    last_access_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRow:
+    id: str
+    origin: str
+    last_access_at: datetime
+    turns: int
+    hit_rate: float | None
+    conversations: tuple[ConversationRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MissRow:
+    request_id: str
+    created_at: datetime
+    agent_id: str | None
+    reason: str
+    n_cached: int
+    n_input: int
+    part: str | None
+    stored: str | None
+    new: str | None
+
+
+def agents(session: Session, limit: int = 50) -> list[AgentRow]:
+    """The most recently used agents, each with its conversations (most recent first)."""
+    rows = list(session.scalars(select(Agent).order_by(Agent.last_access_at.desc()).limit(limit)))
+    ids = [a.id for a in rows]
+    hits = {agent: (turns, rate) for agent, turns, rate in session.execute(text(
+        "SELECT h.agent_id, t.turns, h.hit_rate FROM agent_cache_hits h JOIN agent_turns t USING (agent_id)"))}
+    counts: dict[str, int] = {c: n for c, n in session.execute(
+        select(Message.conversation_id, func.count()).where(Message.agent_id.in_(ids)).group_by(Message.conversation_id))}
+    caches: dict[str, tuple[int, str]] = {}
+    for conversation_id, n_tokens, tier in session.execute(
+            select(Cache.conversation_id, Cache.n_tokens, Cache.tier).where(Cache.agent_id.in_(ids))):
+        caches[conversation_id] = (max(n_tokens, caches.get(conversation_id, (0, ""))[0]), tier)
+    conversations: dict[str, list[ConversationRow]] = {}
+    for c in session.scalars(select(Conversation).where(Conversation.agent_id.in_(ids))
+                             .order_by(Conversation.last_access_at.desc())):
+        n_tokens, tier = caches.get(c.id, (0, "none"))
+        conversations.setdefault(c.agent_id, []).append(
+            ConversationRow(c.id, counts.get(c.id, 0), n_tokens, tier, c.last_access_at))
+    return [AgentRow(a.id, a.origin, a.last_access_at, hits.get(a.id, (0, None))[0], hits.get(a.id, (0, None))[1],
+                     tuple(conversations.get(a.id, ()))) for a in rows]
+
+
+def recent_misses(session: Session, limit: int = 20) -> list[MissRow]:
+    """The latest requests that did not simply continue their conversation's cache."""
+    rows = session.execute(text(
+        "SELECT request_id, created_at, agent_id, reuse_reason, n_cached_tokens, n_input_tokens, diverge_part, "
+        "diverge_stored, diverge_new FROM cache_misses ORDER BY created_at DESC LIMIT :limit"), {"limit": limit})
+    return [MissRow(r[0], datetime.fromisoformat(str(r[1])), r[2], r[3], r[4] or 0, r[5] or 0, r[6], r[7], r[8])
+            for r in rows]
