@@ -9,6 +9,9 @@ Per turn, side by side in one run:
 * cold: a second real server with SEMANTIC_CACHE_REUSE=0, same conversation;
 * token-level: mlx-lm alone in this process, float32 cache in memory, reusing
   the longest common *token* prefix (what prefix caches keyed by token ids do);
+  it generates its own greedy reply and caches the generated token ids, as a
+  token-level server does (a reply re-tokenized in the next prompt may split
+  differently: the loss Semantic's character matching avoids);
 * floor: mlx-lm alone prefilling exactly the tokens the warm server prefilled,
   on an in-memory cache of the length the warm server reused; everything
   Semantic adds shows up as warm / floor.
@@ -89,6 +92,20 @@ class MlxLmAlone:
         keep = min(common, len(tokens) - 1)
         return self.prefill(tokens, keep), keep
 
+    def generate(self, n_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+        """Greedy tokens after the prefilled prompt (the last prompt token is fed first);
+        they join the cached ids as generated."""
+        for layer in self.cache:
+            layer.trim(1)
+        token, generated = self.tokens[-1], []
+        for _ in range(n_tokens):
+            token = int(mx.argmax(self.loaded.model(mx.array([[token]]), cache=self.cache)[0, -1]))
+            generated.append(token)
+            if token in stop_ids:
+                break
+        self.tokens += generated
+        return generated
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,23 +137,25 @@ def main() -> None:
             floor_keep = min(reused, len(floor.tokens))
             floor_ttft = floor.prefill(rendered[:floor_keep + new] if floor_keep + new <= len(rendered) else rendered,
                                        floor_keep)
-            for model in (token_level, floor):  # the reply joins the cached tokens, as a server's would
-                reply_ids = loaded.tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
-                model.prefill(model.tokens + reply_ids, len(model.tokens))
+            own = token_level.generate(args.reply_tokens, loaded.stop_token_ids)
+            same_reply = loaded.tokenizer.decode([t for t in own if t not in loaded.stop_token_ids]) == reply
+            reply_ids = loaded.tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
+            floor.prefill(floor.tokens + reply_ids, len(floor.tokens))  # the floor's cache holds the reply
             messages.append({"role": "assistant", "content": reply})
             context = reused + new
             result = {"turn": len(results) + 1, "context": context, "reused": reused, "new": new,
                       "warm_s": warm_ttft, "cold_s": cold_ttft, "token_level_s": tl_ttft,
-                      "token_level_reused": tl_reused, "floor_s": floor_ttft}
+                      "token_level_reused": tl_reused, "token_level_same_reply": same_reply, "floor_s": floor_ttft}
             results.append(result)
             rows.append([result["turn"], context, new, warm_ttft, cold_ttft, tl_ttft, floor_ttft,
-                         warm_ttft / floor_ttft, cold_ttft / warm_ttft])
+                         warm_ttft / floor_ttft, cold_ttft / warm_ttft, tl_reused, reused])
             print(f"turn {result['turn']}: context {context}, warm {warm_ttft:.2f}s, cold {cold_ttft:.2f}s, "
                   f"floor {floor_ttft:.2f}s", file=sys.stderr)
     finally:
         stop_server(warm_server)
         stop_server(cold_server)
-    print_table(["turn", "context", "new", "warm s", "cold s", "token-level s", "floor s", "warm/floor", "cold/warm"], rows)
+    print_table(["turn", "context", "new", "warm s", "cold s", "token-level s", "floor s", "warm/floor", "cold/warm",
+                 "token-level reused", "Semantic reused"], rows)
     ratios = sorted(r["warm_s"] / r["floor_s"] for r in results)
     last = results[-1]
     summary = {"median_warm_over_floor": ratios[len(ratios) // 2], "at_max_context": {
