@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Role = Literal["system", "user", "assistant"]
+
+MAX_STOP_SEQUENCES = 16  # each checked on every generated token
+MAX_STOP_CHARS = 256
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # a TTL beyond ten years is a mistake (and overflows dates)
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # agent ids, wherever they come from
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
 
 

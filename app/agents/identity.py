@@ -9,9 +9,15 @@ agent is created.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Mapping
+
+from app.errors import InvalidRequest
+from app.types import SESSION_ID_PATTERN
+
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,18 +32,27 @@ def anthropic_agent(headers: Mapping[str, str], metadata_session: str | None) ->
     ``headers`` must be keyed in upper case (as Falcon presents them). None
     means: resolve by content, else create a new agent (``new_agent``).
     """
-    for candidate in (headers.get("X-CLAUDE-CODE-SESSION-ID"), metadata_session, headers.get("X-SESSION-ID")):
+    for where, candidate in (("X-Claude-Code-Session-Id", headers.get("X-CLAUDE-CODE-SESSION-ID")),
+                             ("metadata.user_id.session_id", metadata_session),
+                             ("X-Session-ID", headers.get("X-SESSION-ID"))):
         if candidate:
-            return AgentKey(candidate, "anthropic")
+            return AgentKey(_checked(candidate, where), "anthropic")
     return None
 
 
 def openai_agent(headers: Mapping[str, str], body_session: str | None) -> AgentKey | None:
     """The agent an OpenAI request names: ``session_id`` in the body, else ``X-Session-ID``."""
-    for candidate in (body_session, headers.get("X-SESSION-ID")):
+    for where, candidate in (("session_id", body_session), ("X-Session-ID", headers.get("X-SESSION-ID"))):
         if candidate:
-            return AgentKey(candidate, "openai")
+            return AgentKey(_checked(candidate, where), "openai")
     return None
+
+
+def _checked(session_id: str, where: str) -> str:
+    """A session id is a lookup key: letters, digits and ``._:-``, at most 128 characters."""
+    if not _SESSION_ID.match(session_id):
+        raise InvalidRequest(f"{where}: a session id is 1 to 128 letters, digits or ._:- characters", where)
+    return session_id
 
 
 def new_agent() -> AgentKey:

@@ -22,7 +22,7 @@ from app.protocol import anthropic
 from app.protocol.validation import validate
 from app.store.history import new_conversation_id
 from app.store.agents import AgentView
-from app.types import Finished, GenerationRequest, Prompt, SamplingParams
+from app.types import MAX_TTL_SECONDS, SESSION_ID_PATTERN, Finished, GenerationRequest, Prompt, SamplingParams
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 class CreateAgent(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     system_prompt: str | None = None
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS)
     metadata: dict[str, Any] = Field(default_factory=dict)
     prefill: bool = True  # compute the system prompt's cache now, so the first turn is warm
 

@@ -20,6 +20,28 @@ def read_json(req: falcon.Request) -> Any:
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object", "body")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", "body") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", "body") from None
+    if b"\\u" in raw and _has_lone_surrogate(body):  # only a \u escape can make one
+        raise InvalidRequest("request body has an unpaired UTF-16 surrogate (\\ud800-\\udfff) in a string", "body")
+    return body
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False

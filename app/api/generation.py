@@ -134,19 +134,18 @@ class GenerationResource:
         target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
                                       parsed.system_digest, parsed.message_digests)
         parsed = parsed.with_snapshot(target.snapshot)
-        prompt = self._engine.render(parsed.messages, parsed.reply_start)
         try:
+            prompt = self._engine.render(parsed.messages, parsed.reply_start)
             self._engine.check_fits(prompt)
-        except ContextTooLong:
+        except ContextTooLong as too_long:
             if not self._settings.fit_prompts:
                 raise
             fitted = self._dialect.parse(body, replace(options, fit=True)).with_snapshot(target.snapshot)
             if fitted.messages == parsed.messages:
                 raise
-            n_whole = prompt.n_tokens
             parsed, prompt = fitted, self._engine.render(fitted.messages, fitted.reply_start)
             log.info("request %s: prompt of %d tokens fitted to the context: optional sections dropped, %d left",
-                     req.context.request_id, n_whole, prompt.n_tokens)
+                     req.context.request_id, too_long.n_tokens, prompt.n_tokens)
             self._engine.check_fits(prompt)
         return parsed, prompt, target
 

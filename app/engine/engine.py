@@ -128,7 +128,9 @@ class Engine:
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
         """The prompt the model would see for ``messages`` (no generation)."""
-        return render_chat(self.loaded.tokenizer, messages, reply_prefix)
+        loaded = self.loaded
+        return render_chat(loaded.tokenizer, messages, reply_prefix, max_tokens=loaded.context_length - 1,
+                           max_token_chars=loaded.token_bytes.longest)
 
     def render_start(self, system: str) -> Prompt | None:
         """What every conversation under ``system`` starts with; None when the

@@ -36,6 +36,7 @@ class LoadedModel:
     fingerprint: str
     token_bytes: TokenBytes
     kv_bytes_per_token: int  # a float working cache's bytes per token (keys and values, every layer)
+    vocab_size: int
 
     @property
     def n_layers(self) -> int:
@@ -134,4 +135,5 @@ def load_model(name: str, path: Path, dtype: str = "auto") -> LoadedModel:
     token_bytes = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, context, used)
     return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes,
-                       kv_bytes_per_token(config, _param_dtype(model).size))
+                       kv_bytes_per_token(config, _param_dtype(model).size),
+                       int(config.get("vocab_size") or len(tokenizer.vocab)))

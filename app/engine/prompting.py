@@ -25,15 +25,24 @@ def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
         raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: str = "",
+                max_tokens: int | None = None, max_token_chars: int = 1) -> Prompt:
     """Render ``messages`` with the model's chat template, ready for a reply
     that starts with ``reply_prefix``.
+
+    With ``max_tokens``, a text that cannot fit is refused before it is tokenized
+    (no token spells more than ``max_token_chars`` characters): a huge body costs
+    a string length, not a tokenizer pass.
 
     Raises:
         InvalidRequest: the model has no chat template or it rejects the
             conversation (e.g. roles that must alternate).
+        ContextTooLong: the text alone proves the prompt longer than ``max_tokens``.
     """
     text = _apply_template(tokenizer, messages) + reply_prefix
+    at_least = -(-len(text) // max_token_chars)
+    if max_tokens is not None and at_least > max_tokens:
+        raise ContextTooLong(at_least, max_tokens)
     return Prompt(text, *tokenize_with_ends(tokenizer, text))
 
 

@@ -319,7 +319,8 @@ class Runner(threading.Thread):
         sampling = request.sampling
         sequence = Sequence(job, lease, tuple(ids), tuple(ends), storable,
                             max_new=min(sampling.max_tokens, loaded.context_length - lease.n_reused - len(ids)),
-                            sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k),
+                            sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
+                                                 top_k=sampling.top_k if sampling.top_k < loaded.vocab_size else 0),
                             token_bytes=loaded.token_bytes, stop_ids=loaded.stop_token_ids)
         job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
         return sequence

@@ -43,6 +43,7 @@ class TokenBytes:
 
     def __init__(self, pieces: list[bytes]) -> None:
         self._pieces = pieces
+        self.longest = max((len(p) for p in pieces), default=1) or 1  # bytes, so also characters
 
     @classmethod
     def from_tokenizer_json(cls, path: Path) -> TokenBytes:

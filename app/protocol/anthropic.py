@@ -21,7 +21,8 @@ from app.protocol import claude_code, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, Heartbeat, RequestOptions, SamplingParams, Started, TextDelta
+from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, RequestOptions,
+                       SamplingParams, Started, TextDelta)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class MessagesBody(_Strict):
     messages: list[MessageIn] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: Union[str, list[TextBlock], None] = None
-    stop_sequences: list[str] = Field(default_factory=list)
+    stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -291,7 +293,7 @@ def cache_ttl(body: dict[str, Any]) -> int | None:
         if not isinstance(control, dict):
             continue
         ttl = control.get("ttl", "5m")
-        if ttl not in CACHE_TTLS:
+        if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
             raise InvalidRequest(f"{where}.cache_control.ttl: Input should be '5m' or '1h'", f"{where}.cache_control.ttl")
         longest = max(longest or 0, CACHE_TTLS[ttl])
     return longest

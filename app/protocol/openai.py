@@ -27,7 +27,8 @@ from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import validate
-from app.types import ChatMessage, Finished, Heartbeat, RequestOptions, SamplingParams, Started, TextDelta
+from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, ChatMessage, Finished, Heartbeat,
+                       RequestOptions, SamplingParams, Started, TextDelta)
 
 
 class _Strict(BaseModel):
@@ -119,7 +120,9 @@ class ChatBody(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: Union[str, list[str], None] = None
+    stop: Union[Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+                list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], None] = Field(default=None,
+                                                                                     max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
@@ -127,7 +130,7 @@ class ChatBody(_Strict):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     session_id: str | None = None
     cache_mode: CacheMode = "full"
-    ttl: int | None = Field(default=None, ge=0)
+    ttl: int | None = Field(default=None, ge=0, le=MAX_TTL_SECONDS)
 
 
 def _text(content: Content | None, where: str) -> str:

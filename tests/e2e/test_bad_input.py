@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
-from support.dbcheck import request_row
+from support.dbcheck import query, request_row
 
 OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -36,6 +36,14 @@ CASES: list[tuple[str, Any, str]] = [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
      "messages.0.content.0: image content is not supported"),
     ("body is a list", [OK], "body: Input should be a valid dictionary"),
+    ("too many stop sequences", {**OK, "stop_sequences": [f"s{i}" for i in range(17)]},
+     "stop_sequences: List should have at most 16 items"),
+    ("a very long stop sequence", {**OK, "stop_sequences": ["x" * 1000]}, "stop_sequences.0: String should have at most"),
+    ("cache_control ttl as a list", {**OK, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": ["1h"]}}]}]},
+     "messages.0.content.0.cache_control.ttl"),
+    ("a prompt far beyond the context", {**OK, "messages": [{"role": "user", "content": "lorem ipsum " * 300_000}]},
+     "prompt is too long:"),
 ]
 
 
@@ -62,3 +70,51 @@ def test_unknown_route_and_method_use_the_error_shape(server: ServerProcess) -> 
     assert httpx.get(f"{server.url}/v1/nothing").json()["error"]["type"] == "not_found_error"
     response = httpx.put(f"{server.url}/v1/messages")
     assert response.status_code == 405 and response.json()["type"] == "error"
+
+
+def store(server: ServerProcess) -> tuple[int, ...]:
+    return tuple(query(server.db_path, f"SELECT count(*) FROM {t}")[0][0] for t in ("agents", "conversations", "messages"))
+
+
+@pytest.mark.parametrize("raw", [b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                                 b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}'],
+                         ids=["deep nesting", "lone surrogate"])
+def test_hostile_json_is_a_400_not_a_500(server: ServerProcess, raw: bytes) -> None:
+    before = store(server)
+    response = httpx.post(f"{server.url}/v1/messages", content=raw, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert store(server) == before
+
+
+@pytest.mark.parametrize("headers, body, field", [
+    ({"x-session-id": "a/b"}, {}, "X-Session-ID"),
+    ({"x-claude-code-session-id": "x" * 129}, {}, "X-Claude-Code-Session-Id"),
+    ({}, {"metadata": {"user_id": '{"session_id": "bad id with spaces"}'}}, "metadata.user_id.session_id"),
+])
+def test_session_ids_are_validated_and_nothing_is_written(server: ServerProcess, headers: dict, body: dict,
+                                                          field: str) -> None:
+    before = store(server)
+    response = httpx.post(f"{server.url}/v1/messages", json={**OK, **body}, headers=headers, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(field)
+    assert store(server) == before
+
+
+def test_openai_limits(server: ServerProcess) -> None:
+    chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, field in (({"ttl": 2**63}, "ttl"), ({"stop": [str(i) for i in range(17)]}, "stop"),
+                         ({"session_id": "no spaces allowed"}, "session_id")):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, **extra}, timeout=30)
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["message"].startswith(field)
+
+
+def test_odd_but_valid_requests_are_served(server: ServerProcess) -> None:
+    """A top_k beyond the vocabulary means no top-k filter; a tool schema of an unexpected
+    shape is offered as far as it can be read."""
+    weird_tool = {"name": "t", "input_schema": {"type": "object", "properties": ["not", "an", "object"],
+                                                "required": "city"}}
+    for extra in ({"top_k": 10**6}, {"tools": [weird_tool]}):
+        response = httpx.post(f"{server.url}/v1/messages", json={**OK, **extra}, timeout=120)
+        assert response.status_code == 200, (extra, response.text)
