@@ -133,13 +133,14 @@ class JobQueue:
                 raise Overloaded(f"{self.max_waiting} requests are already waiting")
             self._jobs.append(job)
 
-    def peek(self) -> Job | None:
+    def take(self, ready: Callable[[Job], bool]) -> Job | None:
+        """The first waiting job that is ``ready`` to start (others keep their places)."""
         with self._lock:
-            return self._jobs[0] if self._jobs else None
-
-    def take(self) -> Job | None:
-        with self._lock:
-            return self._jobs.popleft() if self._jobs else None
+            for job in self._jobs:
+                if ready(job):
+                    self._jobs.remove(job)
+                    return job
+            return None
 
     def drop_cancelled(self) -> list[Job]:
         with self._lock:
@@ -277,8 +278,7 @@ class Runner(threading.Thread):
         for job in self._queue.drop_cancelled():
             log.info("request %s: cancelled while queued", job.request.request_id)
             job.put(_cancelled_in_queue(job))
-        while self.n_active < self._max_batch and self._has_memory_for(self._queue.peek()) \
-                and (job := self._queue.take()) is not None:
+        while self.n_active < self._max_batch and (job := self._queue.take(self._can_start)) is not None:
             if job.cancelled:
                 job.put(_cancelled_in_queue(job))
                 continue
@@ -288,13 +288,17 @@ class Runner(threading.Thread):
                 log.exception("request %s could not start", job.request.request_id)
                 job.put(Failed(f"generation failed: {exc}"))
 
-    def _has_memory_for(self, job: Job | None) -> bool:
-        """Whether ``job``'s working cache fits beside the admitted ones' (one always runs)."""
-        if job is None or not self.n_active:
-            return job is not None
+    def _can_start(self, job: Job) -> bool:
+        """Whether ``job`` may join the batch now: its conversation is not running (two turns
+        of one conversation never share its cache: the later waits for the earlier's commit),
+        and its working cache fits beside the running ones' (one always runs)."""
         assert self.loaded is not None
-        used = sum(working_bytes(s.job.request, self.loaded) for s in [*self._prefilling, *self._decoding.values()])
-        return used + working_bytes(job.request, self.loaded) <= self._memory_bytes
+        running = [*self._prefilling, *self._decoding.values()]
+        conversation = job.request.conversation_id
+        if conversation is not None and any(s.job.request.conversation_id == conversation for s in running):
+            return False
+        used = sum(working_bytes(s.job.request, self.loaded) for s in running)
+        return not running or used + working_bytes(job.request, self.loaded) <= self._memory_bytes
 
     def _start(self, job: Job) -> Sequence:
         """A lease on the conversation's cache and the prompt tokens still to compute.
