@@ -179,7 +179,7 @@ class CacheManager:
                 continue
             try:
                 yield other, CacheFiles.read_text(Path(path))
-            except blockfiles.DamagedFile:
+            except (blockfiles.DamagedFile, blockfiles.FileUnavailable):
                 continue
 
     @staticmethod
@@ -243,7 +243,7 @@ class CacheManager:
             return False
         try:
             data = self._files.read_block(block, Path(found[0]), found[1])
-        except UNUSABLE as exc:
+        except (*UNUSABLE, blockfiles.FileUnavailable) as exc:
             log.warning("shared block %s unusable: %s", block, exc)
             return False
         self._blocks[block] = data
@@ -398,7 +398,10 @@ class CacheManager:
             return None
         try:
             cache, loaded = self._files.read_conversation(entry, agent_id, conversation_id, self._blocks)
-        except UNUSABLE as exc:
+        except blockfiles.FileUnavailable as exc:  # nothing says it is damaged: a miss now, kept for later
+            log.warning("conversation %s: cache on disk unreadable just now (%s); a miss", conversation_id, exc)
+            return None
+        except Exception as exc:  # whatever else went wrong reading it, the cache is not used
             log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
             self._discard(conversation_id, entry)
             return None
@@ -416,6 +419,8 @@ class CacheManager:
                 blockfiles.read(path)
             except blockfiles.DamagedFile:
                 blockfiles.quarantine(path, self._files.root)
+            except blockfiles.FileUnavailable:
+                continue
         self._persister.submit(Forget(conversation_id))
 
 

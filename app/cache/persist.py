@@ -6,7 +6,8 @@ Under ``blocks/<fingerprint[:16]>/``: one safetensors file per full block
 layer, metadata fingerprint / hash / n_tokens) and one record file per
 conversation (``conversations/<sha256(id)[:32]>.safetensors``: token ids and
 char ends as arrays, the private tail block's arrays, metadata text / chain /
-tail_tokens). Every file carries a checksum (``app.store.blockfiles``).
+tail_tokens; a new file each time, the previous one deleted once the index points to the
+new). Every file carries a checksum (``app.store.blockfiles``).
 
 The engine thread hands over immutable snapshots after a response; the
 persister writes them in order, so persistence never adds to a response's
@@ -22,6 +23,7 @@ import json
 import logging
 import queue
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +87,10 @@ class CacheFiles:
         return self.base / block[:2] / f"{block}.safetensors"
 
     def record_path(self, conversation_id: str) -> Path:
-        return self.base / "conversations" / f"{hashlib.sha256(conversation_id.encode()).hexdigest()[:32]}.safetensors"
+        """A new file for the conversation's record: records are versioned (the old one is
+        deleted only after the row pointing to the new one is committed)."""
+        name = hashlib.sha256(conversation_id.encode()).hexdigest()[:32]
+        return self.base / "conversations" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"
 
     def write_block(self, block: str, data: KVBlock) -> tuple[Path, str]:
         """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""
@@ -209,9 +214,14 @@ class Persister(threading.Thread):
         record_path = self._files.write_record(cache)
         with self._sessions.begin() as session:
             now = utcnow()
+            previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
             ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
             cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
                                    cache.record.n_tokens, str(record_path), rows, now)
+        # Only now: a crash before the commit leaves the previous record in force (and the new
+        # file an orphan for the worker's compact), never a row without its file.
+        if previous is not None and previous.record_path != str(record_path):
+            Path(previous.record_path).unlink(missing_ok=True)
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:

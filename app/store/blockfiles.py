@@ -27,7 +27,12 @@ CHECKSUM_KEY = "sha256"
 
 
 class DamagedFile(Exception):
-    """A cache file is missing, truncated, unreadable or fails its checksum."""
+    """A cache file is missing, truncated, malformed or fails its checksum."""
+
+
+class FileUnavailable(Exception):
+    """A cache file could not be read just now (an I/O error, too many open files): a miss,
+    but nothing says the file is damaged."""
 
 
 def checksum(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
@@ -59,13 +64,27 @@ def write(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -
 
 
 def read_metadata(path: Path) -> dict[str, str]:
-    """A file's metadata only (its header), unverified. Raises DamagedFile."""
+    """A file's metadata only (its header), unverified.
+
+    Raises:
+        DamagedFile: missing, or its header is not a safetensors header.
+        FileUnavailable: an I/O error other than a missing file.
+    """
     try:
         with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
             header_size = int.from_bytes(handle.read(8), "little")
-            return dict(json.loads(handle.read(header_size)).get("__metadata__") or {})
-    except (OSError, ValueError) as exc:
-        raise DamagedFile(f"{path}: unreadable ({exc})") from exc
+            if not 2 <= header_size <= size - 8:
+                raise DamagedFile(f"{path}: header length {header_size} does not fit the file's {size} bytes")
+            header = json.loads(handle.read(header_size))
+            metadata = header.get("__metadata__") if isinstance(header, dict) else None
+            return {str(k): str(v) for k, v in (metadata or {}).items()}
+    except FileNotFoundError as exc:
+        raise DamagedFile(f"{path}: missing") from exc
+    except OSError as exc:
+        raise FileUnavailable(f"{path}: {exc}") from exc
+    except (ValueError, AttributeError, RecursionError) as exc:
+        raise DamagedFile(f"{path}: unreadable header ({exc})") from exc
 
 
 def read(path: Path, expected_checksum: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -77,7 +96,11 @@ def read(path: Path, expected_checksum: str | None = None) -> tuple[dict[str, np
     metadata = read_metadata(path)
     try:
         arrays = load_file(str(path))
-    except (OSError, ValueError, SafetensorError) as exc:
+    except FileNotFoundError as exc:
+        raise DamagedFile(f"{path}: missing") from exc
+    except OSError as exc:
+        raise FileUnavailable(f"{path}: {exc}") from exc
+    except (ValueError, SafetensorError, OverflowError, MemoryError, TypeError) as exc:
         raise DamagedFile(f"{path}: unreadable ({exc})") from exc
     stored = metadata.pop(CHECKSUM_KEY, None)
     actual = checksum(arrays, metadata)

@@ -144,6 +144,8 @@ def _verify_sample(session: Session, root: Path, sample: int) -> tuple[int, int,
         try:
             blockfiles.read(path, expected)
             continue
+        except blockfiles.FileUnavailable:  # not readable just now: checked again another time
+            continue
         except blockfiles.DamagedFile:
             blockfiles.quarantine(path, root)
         for cache in users:

@@ -1,0 +1,72 @@
+"""Cache files, damaged every way a disk or a crash can damage them: reading one either gives
+back exactly what was written or says it is damaged. Never another exception (a 5xx), never
+other data (a wrong answer)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.store import blockfiles
+
+ARRAYS = {"0.k_w": np.arange(64, dtype=np.uint32).reshape(1, 1, 4, 16),
+          "0.k_s": np.linspace(0, 1, 4, dtype=np.float16).reshape(1, 1, 4, 1)}
+META = {"fingerprint": "fp", "hash": "ab" * 32, "n_tokens": "4", "text": "héllo"}
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("fuzz") / "block.safetensors"
+    blockfiles.write(path, ARRAYS, META)
+    return path.read_bytes()
+
+
+def check(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(data)
+    try:
+        arrays, meta = blockfiles.read(path)
+    except blockfiles.DamagedFile:
+        return
+    assert meta == META and arrays.keys() == ARRAYS.keys()
+    assert all(np.array_equal(arrays[k], ARRAYS[k]) and arrays[k].dtype == ARRAYS[k].dtype for k in ARRAYS)
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(position=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7))
+def test_a_flipped_bit(tmp_path: Path, original: bytes, position: int, bit: int) -> None:
+    data = bytearray(original)
+    data[position % len(data)] ^= 1 << bit
+    check(tmp_path, bytes(data))
+
+
+@FUZZ
+@given(length=st.integers(min_value=0))
+def test_a_truncated_file(tmp_path: Path, original: bytes, length: int) -> None:
+    check(tmp_path, original[:length % len(original)])
+
+
+@FUZZ
+@given(header_length=st.integers(min_value=0, max_value=2**64 - 1))
+def test_a_garbage_header_length(tmp_path: Path, original: bytes, header_length: int) -> None:
+    check(tmp_path, struct.pack("<Q", header_length) + original[8:])
+
+
+@FUZZ
+@given(header=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_a_garbage_header(tmp_path: Path, original: bytes, header: bytes) -> None:
+    check(tmp_path, struct.pack("<Q", len(header)) + header + original[8 + struct.unpack("<Q", original[:8])[0]:])
+
+
+@pytest.mark.parametrize("header", [b'{"__metadata__": [1, 2]}', b'[1, 2, 3]', b'{"__metadata__": {"sha256": 5}}',
+                                    b'{"x": {"dtype": "F32", "shape": [99999999999], "data_offsets": [0, 4]}}'])
+def test_headers_of_the_wrong_shape(tmp_path: Path, original: bytes, header: bytes) -> None:
+    check(tmp_path, struct.pack("<Q", len(header)) + header + b"\0" * 16)
