@@ -237,10 +237,12 @@ class Runner(threading.Thread):
         finally:
             self.ready.set()
         assert self.caches is not None
-        while not (self._stopping and not self.n_active and not len(self._queue)):
+        while True:
             self._run_calls()
             self._admit()
             if not self.n_active:
+                if self._stopping and not len(self._queue):
+                    break
                 self._idle()
                 continue
             try:

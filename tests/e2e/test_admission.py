@@ -52,7 +52,8 @@ def test_a_burst_gets_answers_or_429s_and_health_answers_meanwhile(small_server:
         done.set()
         prober.join()
     statuses = [r.status_code for r in responses]
-    assert set(statuses) <= {200, 429} and 429 in statuses and statuses.count(200) >= 5  # batch 2 + queue 3
+    # At least the first one (taken by the idle engine) and a full queue of 3 are accepted.
+    assert set(statuses) <= {200, 429} and 429 in statuses and statuses.count(200) >= 4
     for i, response in enumerate(responses):
         if response.status_code == 429:
             assert int(response.headers["retry-after"]) >= 1

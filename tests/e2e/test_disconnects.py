@@ -19,7 +19,7 @@ import pytest
 from conftest import ServerProcess
 from support.dbcheck import query
 
-LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 230  # ~3,000 tokens
+LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 130  # ~1,700 tokens: a 10 s prefill
 
 
 def body(session: str, stream: bool, content: str = LONG, max_tokens: int = 8) -> dict:

@@ -59,8 +59,12 @@ def test_the_page_shows_the_agent_in_a_real_browser(server: ServerProcess, popul
 
 
 def test_the_page_escapes_what_clients_sent(server: ServerProcess, tmp_path: Path) -> None:
-    agent = "x<script>alert(1)</script>"
-    httpx.post(f"{server.url}/v1/messages", timeout=120, headers={"x-session-id": agent}, json={
-        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "<img src=x onerror=alert(1)>"}]})
+    """Two conversations whose system prompts part inside a script tag: the miss's excerpts,
+    shown on the page, are escaped."""
+    for n in (1, 2):
+        response = httpx.post(f"{server.url}/v1/messages", timeout=120, headers={"x-session-id": "escape-check"},
+                              json={"model": "m", "max_tokens": 2, "system": f"Be <script>alert({n})</script> brief.",
+                                    "messages": [{"role": "user", "content": "<img src=x onerror=alert(1)>"}]})
+        assert response.status_code == 200
     page = httpx.get(f"{server.url}/status").text
-    assert "<script>alert" not in page and "&lt;script&gt;" in page
+    assert "<script>" not in page and "&lt;script&gt;alert(" in page

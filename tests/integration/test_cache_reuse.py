@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sqlite3
 from pathlib import Path
 from typing import Iterator
 
@@ -155,12 +157,25 @@ def test_restart_resumes_from_disk_with_the_same_answer(tmp_path: Path, smollm2_
         restarted.stop()
 
 
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, engine: Engine) -> tuple[Path, list, str]:
+    """A home holding the "damaged" agent's two-turn conversation on disk, and what a cold
+    prefill of the same prompt answers (every damage below starts from a copy of it)."""
+    home = tmp_path_factory.mktemp("stored")
+    first = make_engine_at(home, smollm2_dir)
+    messages, _, _ = conversation(first, "damaged")
+    first.stop()
+    return home, messages, turn(engine, None, messages)[0]
+
+
 @pytest.mark.parametrize("damage", ["corrupt block", "truncate record", "delete block", "wrong fingerprint"])
 def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_dir: Path, damage: str,
-                                                       engine: Engine) -> None:
-    first = make_engine_at(tmp_path, smollm2_dir)
-    messages, _, f2 = conversation(first, "damaged")
-    first.stop()
+                                                       engine: Engine, stored: tuple[Path, list, str]) -> None:
+    shutil.copytree(stored[0], tmp_path, dirs_exist_ok=True)
+    with sqlite3.connect(tmp_path / "semantic.db") as db:  # the index names files by absolute path
+        db.execute("UPDATE blocks SET path = replace(path, ?, ?)", (str(stored[0]), str(tmp_path)))
+        db.execute("UPDATE caches SET record_path = replace(record_path, ?, ?)", (str(stored[0]), str(tmp_path)))
+    messages, cold_text = stored[1], stored[2]
     model_dir = smollm2_dir
     blocks = sorted(p for p in (tmp_path / "blocks").rglob("*.safetensors") if "conversations" not in p.parts)
     record = next((tmp_path / "blocks").rglob("conversations/*.safetensors"))
@@ -188,7 +203,7 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         # Never the agent's own (damaged) cache; at most undamaged shared blocks.
         assert finished.match_outcome in ("miss", "shared")
         if finished.match_outcome == "miss":
-            assert text == turn(engine, None, messages)[0]  # a cold prefill of the same prompt
+            assert text == cold_text  # a cold prefill of the same prompt
         else:
             record = second.caches.record(conv("damaged"))
             assert record is not None
