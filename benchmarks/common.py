@@ -97,3 +97,27 @@ def openai_stream(url: str, body: dict[str, Any]) -> tuple[float, str, dict]:
                     ttft = ttft or time.perf_counter() - start
                     text.append(choice["delta"]["content"])
     return ttft or time.perf_counter() - start, "".join(text), usage
+
+
+def generation_speed(loaded: Any, prompt_tokens: int, gen_tokens: int) -> dict[str, float]:
+    """Greedy prefill of ``prompt_tokens`` (256-token steps) then ``gen_tokens`` decode steps
+    of a loaded model, in process: prompt and generation tokens per second."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    text = " ".join(f"word{i}" for i in range(prompt_tokens))
+    prompt = loaded.tokenizer.encode(text)[:prompt_tokens]
+    mx.eval(loaded.model(mx.array([prompt[:8]]), cache=make_prompt_cache(loaded.model)))  # warm-up
+    start = time.perf_counter()
+    steps = generate_step(mx.array(prompt), loaded.model, max_tokens=gen_tokens,
+                          sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=256,
+                          prompt_cache=make_prompt_cache(loaded.model))
+    first = None
+    for n, _ in enumerate(steps):
+        if n == 0:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {"prompt_tokens": len(prompt), "prefill_s": first - start,
+            "prompt_tps": len(prompt) / (first - start), "gen_tps": (gen_tokens - 1) / (end - first)}

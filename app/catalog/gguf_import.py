@@ -1,7 +1,9 @@
 """Convert a GGUF file into a directory that ``mlx_lm.load`` accepts.
 
-Output: ``config.json``, ``model.safetensors`` (float32, dequantized),
-``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template).
+Output: ``config.json``, ``model*.safetensors`` (dequantized to float32,
+float16 or bfloat16, optionally re-quantized with MLX's affine 4/8-bit
+scheme; sharded, with an index when there are several), ``tokenizer.json``
+and ``tokenizer_config.json`` (with the chat template).
 Format facts handled here (see SPEC "Models"):
 
 * tensors are dequantized with the ``gguf`` package, whatever their GGML type;
@@ -13,27 +15,37 @@ Format facts handled here (see SPEC "Models"):
 * the tokenizer is rebuilt from metadata (``gguf_tokenizer``), and Gemma gets
   its BOS from the chat template / post-processor.
 
-No MLX: the worker and the CLI can import models without loading a backend.
+No MLX unless quantizing: the worker and the CLI can import models without
+loading a backend.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import platform
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from app.catalog.gguf_tokenizer import GgufVocab, build_tokenizer
+from app.catalog.shards import (
+    PlannedTensor,
+    iter_shard_files,
+    plan_shards,
+    shard_names,
+    write_index,
+    write_tensor,
+)
 from app.errors import InvalidModelFile
 
 log = logging.getLogger(__name__)
@@ -82,6 +94,12 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# The weights mlx-lm holds in Linear / Embedding layers, the ones `nn.quantize` converts.
+_QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors tag
+QUANTIZE_BITS = (4, 8)
+_CHUNK_VALUES = 1 << 22  # values converted at a time (16 MB of float32)
+DEFAULT_SHARD_BYTES = 2 << 30  # per shard file (mlx-lm's converter cuts at 5 GB)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
 
@@ -93,6 +111,9 @@ class ImportResult:
     architecture: str
     n_tensors: int
     n_params: int
+    n_shards: int
+    dtype: str
+    quantize_bits: int | None
 
 
 class GgufFile:
@@ -221,6 +242,57 @@ def _convert_tensor(gguf: GgufFile, name: str, data: np.ndarray, config: dict[st
     return np.ascontiguousarray(data, dtype=np.float32)
 
 
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor as float32, dequantized a chunk of rows at a time into one array.
+
+    ``gguf.quants.dequantize`` makes several whole-size temporaries; by rows,
+    the peak is the float32 tensor plus one chunk's.
+    """
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    out = np.empty(shape, dtype=np.float32)
+    rows = out.reshape(-1, shape[-1])
+    raw = tensor.data.reshape(rows.shape[0], -1)
+    step = max(1, _CHUNK_VALUES // rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        rows[start:start + step] = dequantize(raw[start:start + step], tensor.tensor_type)
+    return out
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even), as the uint16 that carries it."""
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    out = np.empty(flat.shape, dtype=np.uint16)
+    for start in range(0, flat.size, _CHUNK_VALUES):  # by chunks: temporaries stay small
+        bits = flat[start:start + _CHUNK_VALUES].view(np.uint32)
+        rounded = (bits >> 16) & np.uint32(1)
+        rounded += np.uint32(0x7FFF)
+        rounded += bits
+        rounded >>= 16
+        out[start:start + _CHUNK_VALUES] = rounded
+    return out.reshape(values.shape)
+
+
+def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return _bfloat16_bits(values)
+    return values.astype(np.float16 if dtype == "float16" else np.float32, copy=False)
+
+
+def _mlx_quantize(weight: np.ndarray, dtype: str, bits: int, group_size: int) -> list[np.ndarray]:
+    """MLX affine quantization (what ``mlx_lm.convert -q`` writes): packed uint32, scales, biases.
+
+    MLX is imported here only: an import that does not quantize stays MLX-free.
+    """
+    import mlx.core as mx
+
+    packed, scales, biases = mx.quantize(mx.array(weight).astype(getattr(mx, dtype)), group_size=group_size, bits=bits)
+
+    def to_numpy(array: mx.array) -> np.ndarray:
+        return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+
+    return [np.array(packed), to_numpy(scales), to_numpy(biases)]
+
+
 def _tokenizer_config(vocab: GgufVocab, architecture: str, context: int) -> dict[str, Any]:
     def name(token_id: int | None) -> str | None:
         return vocab.tokens[token_id] if token_id is not None else None
@@ -248,16 +320,76 @@ def _stop_ids(vocab: GgufVocab) -> list[int]:
     return ids
 
 
-def import_gguf(source: Path, destination: Path, *, progress: bool = True) -> ImportResult:
+def default_dtype() -> str:
+    """bfloat16 on Apple silicon (Metal computes in it; half the disk and memory of
+    float32); float32 elsewhere, where the CPU backend computes in float32 anyway."""
+    return "bfloat16" if platform.system() == "Darwin" and platform.machine() == "arm64" else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class ImportOptions:
+    """How the weights are written.
+
+    ``quantize_bits`` (4 or 8) quantizes the projection and embedding weights
+    with MLX's affine scheme, the layout of mlx-lm's own 4-bit conversions;
+    norms stay in ``dtype``. Shards hold at most ``max_shard_bytes`` each.
+    """
+
+    dtype: str = "auto"
+    quantize_bits: int | None = None
+    group_size: int = 64
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidModelFile(f"dtype {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.quantize_bits not in (None, *QUANTIZE_BITS):
+            raise InvalidModelFile(f"quantization to {self.quantize_bits} bits: only {QUANTIZE_BITS} are supported")
+        if self.group_size not in (32, 64, 128):
+            raise InvalidModelFile(f"group size {self.group_size}: only 32, 64 or 128")
+        if self.max_shard_bytes < 1:
+            raise InvalidModelFile("the shard size must be positive")
+
+    @property
+    def weights_dtype(self) -> str:
+        return default_dtype() if self.dtype == "auto" else self.dtype
+
+
+def _quantized(hf_name: str, shape: tuple[int, ...], options: ImportOptions) -> bool:
+    """Whether mlx-lm holds this weight in a quantizable layer (Linear, Embedding) that takes the group size."""
+    return (options.quantize_bits is not None and hf_name.endswith(_QUANTIZABLE) and len(shape) == 2
+            and shape[-1] % options.group_size == 0)
+
+
+def _plan_outputs(hf_name: str, shape: tuple[int, ...], options: ImportOptions) -> list[PlannedTensor]:
+    tag = DTYPES[options.weights_dtype]
+    if not _quantized(hf_name, shape, options):
+        return [PlannedTensor(hf_name, tag, shape)]
+    assert options.quantize_bits is not None
+    rows, columns = shape
+    stem = hf_name.removesuffix(".weight")
+    return [
+        PlannedTensor(hf_name, "U32", (rows, columns * options.quantize_bits // 32)),
+        PlannedTensor(f"{stem}.scales", tag, (rows, columns // options.group_size)),
+        PlannedTensor(f"{stem}.biases", tag, (rows, columns // options.group_size)),
+    ]
+
+
+def import_gguf(source: Path, destination: Path, options: ImportOptions | None = None, *,
+                progress: bool = True) -> ImportResult:
     """Convert ``source`` (a .gguf file) into the model directory ``destination``.
 
-    The directory is assembled next to its final place and renamed into it,
-    so an interrupted import never leaves a half-written model behind.
+    Tensors are dequantized, converted and written one at a time into shards
+    whose headers are planned from the GGUF metadata, so memory stays bounded
+    by the largest tensor whatever the model's size. The directory is
+    assembled next to its final place and renamed into it, so an interrupted
+    import never leaves a half-written model behind.
 
     Raises:
         InvalidModelFile: the file is not GGUF, or its architecture or
             tokenizer is one this importer does not support.
     """
+    options = options or ImportOptions()
     gguf = GgufFile(source)
     if gguf.architecture not in _ARCHITECTURES:
         raise InvalidModelFile(
@@ -271,22 +403,41 @@ def import_gguf(source: Path, destination: Path, *, progress: bool = True) -> Im
     config["eos_token_id"] = _stop_ids(vocab)
     if vocab.bos_id is not None:
         config["bos_token_id"] = vocab.bos_id
-    config["torch_dtype"] = "float32"
+    config["torch_dtype"] = options.weights_dtype
+    if options.quantize_bits is not None:
+        quantization = {"group_size": options.group_size, "bits": options.quantize_bits, "mode": "affine"}
+        config["quantization"] = config["quantization_config"] = quantization
 
-    weights: dict[str, np.ndarray] = {}
-    for tensor in tqdm(gguf.reader.tensors, desc=f"import {source.name}", unit="tensor",
-                       disable=not progress):
+    groups: list[tuple[int, list[PlannedTensor]]] = []
+    for index, tensor in enumerate(gguf.reader.tensors):
         hf_name = _hf_name(tensor.name, layer_names)
         if hf_name is None:
             log.warning("skipping unknown tensor %s", tensor.name)
             continue
-        data = dequantize(tensor.data, tensor.tensor_type)
-        weights[hf_name] = _convert_tensor(gguf, tensor.name, data, config)
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        groups.append((index, _plan_outputs(hf_name, shape, options)))
+    shards = plan_shards(groups, options.max_shard_bytes)
 
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    bar = tqdm(total=sum(s.nbytes for s in shards), desc=f"import {source.name}", unit="B", unit_scale=True,
+               disable=not progress)
     try:
-        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "mlx"})
+        for shard, handle in iter_shard_files(staging, shards):
+            for index, outputs in shard.groups:
+                tensor = gguf.reader.tensors[index]
+                weight = _convert_tensor(gguf, tensor.name, _dequantize(tensor), config)
+                if len(outputs) == 3:
+                    assert options.quantize_bits is not None
+                    arrays = _mlx_quantize(weight, options.weights_dtype, options.quantize_bits, options.group_size)
+                else:
+                    arrays = [_cast(weight, options.weights_dtype)]
+                for planned, array in zip(outputs, arrays, strict=True):
+                    write_tensor(handle, planned, array)
+                    bar.update(planned.nbytes)
+        if len(shards) > 1:
+            write_index(staging, shards, shard_names(len(shards)))
+        bar.set_postfix_str("tokenizer")
         build_tokenizer(vocab).save(str(staging / "tokenizer.json"))
         tokenizer_config = _tokenizer_config(vocab, gguf.architecture, config["max_position_embeddings"])
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
@@ -298,5 +449,8 @@ def import_gguf(source: Path, destination: Path, *, progress: bool = True) -> Im
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    n_params = sum(int(w.size) for w in weights.values())
-    return ImportResult(destination, gguf.architecture, len(weights), n_params)
+    finally:
+        bar.close()
+    n_params = sum(int(gguf.reader.tensors[i].n_elements) for i, _ in groups)
+    return ImportResult(destination, gguf.architecture, len(groups), n_params, len(shards),
+                        options.weights_dtype, options.quantize_bits)

@@ -47,6 +47,21 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     assert "my-smol\tllama" in listing and "gemma3-270m\tnot imported" in listing
 
 
+def test_models_import_with_dtype_quantization_and_shards(tmp_path: Path) -> None:
+    gguf = locate_gguf(SMOLLM2, tmp_path)
+    result = semantic(tmp_path, "models", "import", str(gguf), "--name", "smol-q8", "--dtype", "float16",
+                      "--quantize", "8", "--shard-gb", "0.05")
+    assert result.returncode == 0, result.stderr
+    assert "8-bit + float16, 3 shard(s)" in result.stdout, result.stdout
+    assert "import " in result.stderr and "B/s" in result.stderr  # the progress bar, in bytes written
+    model_dir = tmp_path / "models" / "smol-q8"
+    assert len(list(model_dir.glob("model-0000*-of-00003.safetensors"))) == 3
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8 and config["torch_dtype"] == "float16"
+    bad = semantic(tmp_path, "models", "import", str(gguf), "--dtype", "int8")
+    assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
+
+
 def test_models_import_refuses_a_non_gguf(tmp_path: Path) -> None:
     bogus = tmp_path / "x.gguf"
     bogus.write_text("nope")

@@ -242,3 +242,27 @@ def test_reuse_switch_off_prefills_everything(tmp_path: Path, smollm2_dir: Path)
         assert not (tmp_path / "blocks").exists() or not list((tmp_path / "blocks").rglob("*.safetensors"))
     finally:
         engine.stop()
+
+
+def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_dir: Path) -> None:
+    """The common community layout: mlx-lm's own converter, 4-bit affine weights, group 64."""
+    from mlx_lm.convert import convert
+
+    q4_dir = tmp_path / "smollm2-4bit"
+    convert(str(smollm2_dir), str(q4_dir), quantize=True, q_bits=4, q_group_size=64)
+    assert json.loads((q4_dir / "config.json").read_text())["quantization"]["bits"] == 4
+    engine = make_engine_at(tmp_path / "home", q4_dir)
+    try:
+        assert type(engine.loaded.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+        _, f1, f2 = conversation(engine, "wc")
+        assert f2.match_outcome == "extend"
+        assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
+        record = engine.caches.record(conv("wc"))
+        assert record is not None
+        splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})
+        _, cold_tokens = cold_same_split(engine, record.tokens[:f2.n_prompt_tokens], splits, f2.n_output_tokens)
+        assert tuple(cold_tokens) == f2.output_token_ids
+    finally:
+        engine.stop()
+    rows = query(tmp_path / "home" / "semantic.db", "SELECT n_tokens FROM caches WHERE agent_id = 'wc'")
+    assert rows and rows[0][0] >= f2.n_prompt_tokens

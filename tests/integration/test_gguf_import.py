@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from app.catalog.embedded import GEMMA3, SMOLLM2, locate_gguf
-from app.catalog.gguf_import import GgufFile, import_gguf
+from app.catalog.gguf_import import GgufFile, ImportOptions, import_gguf
 from app.engine.model import LoadedModel, load_model
 from app.errors import InvalidModelFile
 from support.reference_tokenizers import ReferenceBpe, ReferenceSpm
@@ -116,3 +118,54 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidModelFile, match="not a readable GGUF"):
         import_gguf(bogus, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_import_streams_tensors_into_shards_with_bounded_memory(tmp_path: Path) -> None:
+    source = locate_gguf(SMOLLM2, tmp_path)
+    tracemalloc.start()
+    reader = GgufFile(source)  # its metadata (the vocabulary's parts) is a fixed cost
+    baseline = tracemalloc.get_traced_memory()[0]
+    largest = max(int(t.n_elements) * 4 for t in reader.reader.tensors)  # one tensor in float32
+    del reader
+    tracemalloc.reset_peak()
+    options = ImportOptions(dtype="bfloat16", max_shard_bytes=100 << 20)
+    result = import_gguf(source, tmp_path / "bf16", options, progress=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    files = sorted((tmp_path / "bf16").glob("model*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    # One tensor at a time: the largest in float32 (113 MB), its bfloat16 copy and a chunk's
+    # temporaries (213 MB measured). Holding the output would add all of it (269 MB) on top.
+    assert peak - baseline < 2.5 * largest < total + largest
+    assert result.n_shards == len(files) == 3
+    assert all(f.stat().st_size <= options.max_shard_bytes + (1 << 16) for f in files)  # + the header
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    loaded = {name: path.name for path in files for name in mx.load(str(path))}
+    assert index["weight_map"] == loaded and len(loaded) == result.n_tensors
+    assert {str(v.dtype) for v in mx.load(str(files[0])).values()} == {"mlx.core.bfloat16"}
+    model = load_model("bf16", tmp_path / "bf16")  # cast to float32 on this backend
+    assert "Paris" in greedy(model, FEW_SHOT)
+
+
+def test_4bit_import_equals_mlx_lm_convert(tmp_path: Path, smollm2_dir: Path) -> None:
+    from mlx_lm.convert import convert
+
+    result = import_gguf(locate_gguf(SMOLLM2, tmp_path), tmp_path / "q4", ImportOptions(quantize_bits=4),
+                         progress=False)
+    assert (result.quantize_bits, result.dtype) == (4, "float32")
+    convert(str(smollm2_dir), str(tmp_path / "reference"), quantize=True, q_bits=4, q_group_size=64)
+    ours = mx.load(str(tmp_path / "q4" / "model.safetensors"))
+    reference = mx.load(str(tmp_path / "reference" / "model.safetensors"))
+    assert ours.keys() == reference.keys()
+    assert all(mx.array_equal(ours[k], reference[k]).item() for k in ours)
+    config = json.loads((tmp_path / "q4" / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    model = load_model("q4", tmp_path / "q4")
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
+
+
+def test_import_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(InvalidModelFile, match="dtype"):
+        ImportOptions(dtype="int8")
+    with pytest.raises(InvalidModelFile, match="bits"):
+        ImportOptions(quantize_bits=3)
