@@ -54,7 +54,11 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
     if job is None:
         print(f"semantic: unknown job {args.name!r} (jobs: {', '.join(JOBS)})", file=sys.stderr)
         return 2
-    print(json.dumps(job.call_local()))
+    try:
+        print(json.dumps(job.call_local()))
+    except Exception as exc:  # recorded in job_runs as an error by the job's wrapper
+        print(f"semantic: job {args.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -52,6 +52,12 @@ class MemoryExhausted(Overloaded):
     retry_after_s = 10
 
 
+class StoreBusy(Overloaded):
+    """The database stayed locked past the busy timeout (and the retries a write was allowed)."""
+
+    retry_after_s = 2
+
+
 class Unauthorized(SemanticError):
     """An API key is configured and the request did not carry it."""
 

@@ -65,7 +65,7 @@ def serve(settings: Settings) -> None:
     installed = (path / "config.json").exists()
     if not installed and settings.model not in EMBEDDED:
         raise NotFound(f"model {settings.model!r} is not installed in {settings.models_dir} and is not embedded")
-    sessions = make_session_factory(make_engine(settings.db_url))
+    sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations)
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,

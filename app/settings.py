@@ -83,6 +83,9 @@ class Settings:
     # Host names this server answers to besides loopback and its bind address
     # (comma-separated; "*" = any): the guard against DNS rebinding.
     allowed_hosts: str = ""
+    # Seconds a database write waits for another writer's lock (SQLite busy timeout)
+    # before it is retried (a turn's history: 4 attempts) or answered with 503.
+    db_busy_timeout_s: float = 10.0
     # Largest accepted request body.
     max_body_bytes: int = 32 * 1024 * 1024
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.

@@ -16,4 +16,4 @@ def run_worker(settings: Settings, workers: int = 1) -> None:
     from worker.tasks import JOBS
 
     log.info("worker starting: jobs %s", ", ".join(JOBS))
-    huey.create_consumer(workers=workers, periodic=True).run()
+    huey.create_consumer(workers=workers, periodic=True, flush_locks=True).run()

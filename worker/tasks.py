@@ -1,20 +1,32 @@
 """Periodic jobs. Each is a few lines around an ``app.store.jobs`` function.
 
+Every run leaves a ``job_runs`` row: ``ok`` (written by the job with its
+result), ``error`` (the exception, written here, then re-raised for Huey to
+log) or ``skipped`` (another worker holds the job's lock: two workers never run
+one job at once). Locks live in ``huey.db``; the consumer flushes them when it
+starts, so a worker killed mid-job does not wedge its job.
+
 The worker never imports ``app.engine`` or MLX.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from huey import crontab
+from huey.exceptions import TaskLockedException
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import jobs
 from app.store.db import make_engine, make_session_factory
+from app.store.history import utcnow
 from worker.huey_app import huey, settings
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -26,7 +38,37 @@ def _store() -> Iterator[tuple[Engine, sessionmaker[Session]]]:
         engine.dispose()
 
 
+def _recorded(job: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """Run ``job`` under its lock; record a failed or skipped run in ``job_runs``."""
+    lock = huey.lock_task(job.__name__)
+
+    def record(started: Any, result: dict[str, Any], status: str) -> None:
+        try:
+            with _store() as (_, sessions):
+                jobs.record_run(sessions, job.__name__, started, utcnow(), result, status)
+        except Exception:  # the store itself may be what fails; the job's own error is raised below
+            log.exception("job %s: could not record its %s run", job.__name__, status)
+
+    @functools.wraps(job)
+    def run() -> dict[str, Any]:
+        started = utcnow()
+        try:
+            with lock:
+                return job()
+        except TaskLockedException:
+            log.warning("job %s: another worker is running it; skipped", job.__name__)
+            result = {"skipped": "another worker holds this job's lock"}
+            record(started, result, "skipped")
+            return result
+        except Exception as exc:
+            record(started, {"error": f"{type(exc).__name__}: {exc}"[:1000]}, "error")
+            raise
+
+    return run
+
+
 @huey.periodic_task(crontab(minute="*/10"))
+@_recorded
 def expire() -> dict[str, Any]:
     """Every 10 minutes: caches unused for longer than their TTL go cold (files deleted, history kept)."""
     with _store() as (_, sessions):
@@ -34,6 +76,7 @@ def expire() -> dict[str, Any]:
 
 
 @huey.periodic_task(crontab(minute="5-59/10"))
+@_recorded
 def evict() -> dict[str, Any]:
     """Every 10 minutes: least recently used caches go cold until the files fit the disk budget."""
     with _store() as (_, sessions):
@@ -41,6 +84,7 @@ def evict() -> dict[str, Any]:
 
 
 @huey.periodic_task(crontab(minute="17"))
+@_recorded
 def compact() -> dict[str, Any]:
     """Hourly: delete unreferenced blocks, orphan and temporary files, verify a sample of checksums, VACUUM."""
     with _store() as (engine, sessions):

@@ -4,22 +4,32 @@ Resources call it at four moments: which conversation a request continues
 (read only), a generation is accepted, it finished, it failed. Each is one
 short transaction, so the worker and other requests are never blocked for
 long and history committed before a crash stays committed. Nothing about an
-agent is written before the engine accepted its request.
+agent is written before the engine accepted its request. A database locked
+past the busy timeout is a 503 (``StoreBusy``) before generation; a finished
+turn's history is retried first.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.identity import AgentKey, new_agent
-from app.errors import InvalidRequest, NotFound
+from app.errors import InvalidRequest, NotFound, StoreBusy
 from app.store import agents as agents_store
 from app.store import cache_index, history
+from app.store.db import with_retries
 from app.store.history import StoredMessage
 from app.types import Finished, ReuseReport
+
+log = logging.getLogger(__name__)
+
+# A finished turn's history write is tried this often (each waits out the busy
+# timeout, then backs off) before the request fails with 503.
+COMPLETE_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +113,23 @@ class AgentService:
 
     def reject(self, request_id: str, protocol: str, error_type: str, message: str) -> None:
         """Record a request refused before generation (bad input, overload)."""
-        with self._sessions.begin() as session:
-            history.fail_request(session, request_id, status="rejected", error_type=error_type,
-                                 message=message, now=history.utcnow(), protocol=protocol)
+        def write() -> None:
+            with self._sessions.begin() as session:
+                history.fail_request(session, request_id, status="rejected", error_type=error_type,
+                                     message=message, now=history.utcnow(), protocol=protocol)
+
+        self._best_effort(write, f"request {request_id}: its rejection")
 
     def begin(self, request_id: str, *, protocol: str, model: str, served_model: str, stream: bool,
               n_input_tokens: int) -> None:
         """The request's row, as it goes to the engine."""
-        with self._sessions.begin() as session:
-            history.start_request(session, request_id, protocol=protocol, model=model, served_model=served_model,
-                                  stream=stream, n_input_tokens=n_input_tokens, now=history.utcnow())
+        def write() -> None:
+            with self._sessions.begin() as session:
+                history.start_request(session, request_id, protocol=protocol, model=model,
+                                      served_model=served_model, stream=stream, n_input_tokens=n_input_tokens,
+                                      now=history.utcnow())
+
+        with_retries(write, attempts=1)
 
     def accept(self, target: ConversationTarget, snapshot: str, *, ttl_seconds: int | None = None,
                hot_ttl_seconds: int | None = None) -> None:
@@ -120,11 +137,15 @@ class AgentService:
         conversation exist from now on (before the engine can store a cache for them);
         a new conversation pins ``snapshot``."""
         now = history.utcnow()
-        with self._sessions.begin() as session:
-            history.touch_agent(session, target.agent.agent_id, target.agent.origin, now, ttl_seconds=ttl_seconds,
-                                hot_ttl_seconds=hot_ttl_seconds)
-            history.ensure_conversation(session, target.conversation_id, target.agent.agent_id, target.agent.origin,
-                                        now, target.system_digest, snapshot)
+
+        def write() -> None:
+            with self._sessions.begin() as session:
+                history.touch_agent(session, target.agent.agent_id, target.agent.origin, now,
+                                    ttl_seconds=ttl_seconds, hot_ttl_seconds=hot_ttl_seconds)
+                history.ensure_conversation(session, target.conversation_id, target.agent.agent_id,
+                                            target.agent.origin, now, target.system_digest, snapshot)
+
+        with_retries(write, attempts=1)
 
     def complete(self, request_id: str, target: ConversationTarget, messages: Sequence[StoredMessage],
                  finished: Finished, reuse: ReuseReport | None = None) -> None:
@@ -132,17 +153,32 @@ class AgentService:
         yet (``messages`` ends with the reply). A cancelled turn stores no history."""
         now = history.utcnow()
         agent_id, conversation_id = target.agent.agent_id, target.conversation_id
-        with self._sessions.begin() as session:
-            history.touch_agent(session, agent_id, target.agent.origin, now)
-            if finished.stop_reason != "cancelled":
-                history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
-            history.finish_request(session, request_id, finished, now, agent_id=agent_id,
-                                   conversation_id=conversation_id, reuse=reuse)
+
+        def write() -> None:
+            with self._sessions.begin() as session:
+                history.touch_agent(session, agent_id, target.agent.origin, now)
+                if finished.stop_reason != "cancelled":
+                    history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
+                history.finish_request(session, request_id, finished, now, agent_id=agent_id,
+                                       conversation_id=conversation_id, reuse=reuse)
+
+        with_retries(write, attempts=COMPLETE_ATTEMPTS)  # the reply exists: keep trying to store it
 
     def fail(self, request_id: str, target: ConversationTarget, error_type: str, message: str,
              status: str = "error") -> None:
         """Record a generation that ended without a result (``status``: error / cancelled)."""
-        with self._sessions.begin() as session:
-            history.fail_request(session, request_id, status=status, error_type=error_type, message=message,
-                                 now=history.utcnow(), agent_id=target.agent.agent_id,
-                                 conversation_id=target.conversation_id)
+        def write() -> None:
+            with self._sessions.begin() as session:
+                history.fail_request(session, request_id, status=status, error_type=error_type, message=message,
+                                     now=history.utcnow(), agent_id=target.agent.agent_id,
+                                     conversation_id=target.conversation_id)
+
+        self._best_effort(write, f"request {request_id}: its {status} outcome")
+
+    @staticmethod
+    def _best_effort(write: Callable[[], None], what: str) -> None:
+        """Record an outcome the client is already being told about; a busy store only costs the row."""
+        try:
+            with_retries(write, attempts=2)
+        except StoreBusy:
+            log.error("%s was not recorded: the database stayed locked", what)

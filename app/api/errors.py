@@ -8,8 +8,8 @@ from typing import Any, Callable
 import falcon
 
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
-                        MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, Unauthorized,
-                        UnsupportedMediaType)
+                        MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
+                        Unauthorized, UnsupportedMediaType)
 from app.protocol import anthropic, openai
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,7 @@ STATUS: dict[type[SemanticError], int] = {
     UnsupportedMediaType: 415,
     NotFound: 404,
     MemoryExhausted: 529,
+    StoreBusy: 503,
     Overloaded: 429,
     EngineUnavailable: 503,
     InvalidModelFile: 500,

@@ -101,6 +101,7 @@ class GenerationResource:
 
     def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
+        job: Job | None = None
         try:
             parsed, prompt, target = self._prepare(req, body(), agent)
             model = self._engine.model
@@ -113,6 +114,8 @@ class GenerationResource:
             self._agents.accept(target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
                                 hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
+            if job is not None:  # submitted, then the store refused to record it
+                job.cancel()
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
             self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
             self._metrics.rejected(self._dialect.name)

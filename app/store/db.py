@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -12,31 +13,33 @@ from alembic.util import CommandError
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.errors import ConfigError
+from app.errors import ConfigError, StoreBusy
 
 log = logging.getLogger(__name__)
 
-BUSY_TIMEOUT_MS = 10_000
+BUSY_TIMEOUT_S = 10.0
+T = TypeVar("T")
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any) -> Engine:
     """An engine whose every connection uses WAL, foreign keys and a busy timeout.
 
     ``kwargs`` go to ``sqlalchemy.create_engine`` (e.g. ``poolclass``).
     """
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000}, **kwargs)
+    engine = create_engine(url, connect_args={"timeout": busy_timeout_s}, **kwargs)
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
@@ -45,6 +48,31 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def is_locked(exc: OperationalError) -> bool:
+    """SQLite's "database is locked" / "database is busy": another connection held the
+    write lock past the busy timeout."""
+    return "locked" in str(exc.orig) or "busy" in str(exc.orig)
+
+
+def with_retries(write: Callable[[], T], attempts: int, backoff_s: float = 0.1) -> T:
+    """Run the transaction ``write``; when the database stays locked past the busy
+    timeout, run it again up to ``attempts`` times in all, waiting longer each time.
+
+    Raises:
+        StoreBusy: still locked after the last attempt.
+    """
+    for attempt in range(attempts):
+        try:
+            return write()
+        except OperationalError as exc:
+            if not is_locked(exc):
+                raise
+            log.warning("database locked (attempt %d of %d): %s", attempt + 1, attempts, exc.orig)
+            if attempt + 1 < attempts:
+                time.sleep(backoff_s * 2**attempt)
+    raise StoreBusy("the database is busy (locked by another writer); retry shortly")
 
 
 def alembic_config(url: str) -> Config:

@@ -25,6 +25,7 @@ from app.store.models import Agent, Block, Cache, CacheBlock, JobRun
 
 GRACE_S = 600  # a file or unreferenced block this old is no longer being written or reused
 VERIFY_SAMPLE = 32  # block and record files whose checksums compact verifies per run
+VACUUM_MIN_FREE_BYTES = 1 << 20
 
 
 def _delete_files(paths: Iterable[str | Path]) -> tuple[int, int]:
@@ -104,12 +105,22 @@ def remove_stale_temp_files(root: Path, now_s: float) -> list[str]:
     return removed
 
 
-def _drop_unreferenced_blocks(session: Session, before: datetime) -> list[str]:
-    """Rows of blocks no cache references (an agent's chain moved on) unused since ``before``."""
-    stale = list(session.scalars(select(Block).where(Block.ref_count == 0, Block.last_access_at < before)))
-    for block in stale:
-        session.delete(block)
-    return [b.path for b in stale if b.path]
+def _unreferenced_blocks(session: Session, before: datetime) -> list[str]:
+    """Hashes of blocks no cache references (an agent's chain moved on), unused since ``before``."""
+    return list(session.scalars(select(Block.hash).where(Block.ref_count == 0, Block.last_access_at < before)))
+
+
+def _drop_blocks(session: Session, hashes: list[str], before: datetime) -> list[str]:
+    """Delete those of ``hashes`` still unreferenced and unused (the server may have
+    taken one back since they were read); returns their files."""
+    paths = []
+    for start in range(0, len(hashes), 500):  # SQLite bounds the parameters of one statement
+        stale = list(session.scalars(select(Block).where(Block.hash.in_(hashes[start:start + 500]),
+                                                         Block.ref_count == 0, Block.last_access_at < before)))
+        for block in stale:
+            session.delete(block)
+        paths += [b.path for b in stale if b.path]
+    return paths
 
 
 def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
@@ -121,56 +132,78 @@ def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
             if str(path) not in known and quarantine not in path.parents and now_s - path.stat().st_mtime > GRACE_S]
 
 
-def _verify_sample(session: Session, root: Path, sample: int) -> tuple[int, int, list[str]]:
-    """Check the checksums of a random sample of block and record files.
+def _damaged_sample(session: Session, root: Path, sample: int) -> tuple[int, list[str], list[int]]:
+    """Check the checksums of a random sample of block and record files; quarantine the
+    damaged ones. Reads only: the caller retires what needs them in a short write.
 
-    A damaged file is quarantined and every cache that needs it made cold.
-    Returns (files checked, caches made cold, files to delete).
+    Returns (files checked, hashes of damaged blocks, ids of caches with a damaged record).
     """
-    blocks = list(session.scalars(select(Block).where(Block.path.is_not(None))))
-    caches = list(session.scalars(select(Cache).where(Cache.record_path.is_not(None))))
-    checked, files = 0, []
-    retired: set[int] = set()
-    for item in random.sample(blocks, min(sample, len(blocks))) + random.sample(caches, min(sample, len(caches))):
-        if isinstance(item, Cache):
-            if item.record_path is None:  # made cold by a damaged block earlier in this loop
-                continue
-            path, expected, users = Path(item.record_path), None, [item]
-        else:
-            path, expected = Path(item.path or ""), item.checksum or None
-            users = list(session.scalars(select(Cache).join(CacheBlock, CacheBlock.cache_id == Cache.id)
-                                         .where(CacheBlock.block_hash == item.hash)))
-        checked += 1
+    blocks = list(session.execute(select(Block.hash, Block.path, Block.checksum).where(Block.path.is_not(None))))
+    records = list(session.execute(select(Cache.id, Cache.record_path).where(Cache.record_path.is_not(None))))
+    picked_blocks = random.sample(blocks, min(sample, len(blocks)))
+    picked_records = random.sample(records, min(sample, len(records)))
+    damaged_blocks, damaged_records = [], []
+    for path, expected, damaged, key in ([(p, c or None, damaged_blocks, h) for h, p, c in picked_blocks]
+                                         + [(p, None, damaged_records, i) for i, p in picked_records]):
         try:
-            blockfiles.read(path, expected)
-            continue
+            blockfiles.read(Path(path), expected)
         except blockfiles.FileUnavailable:  # not readable just now: checked again another time
             continue
         except blockfiles.DamagedFile:
-            blockfiles.quarantine(path, root)
-        for cache in users:
-            retired.add(cache.id)
-            files += cache_index.retire_cache(session, cache)
-    return checked, len(retired), files
+            blockfiles.quarantine(Path(path), root)
+            damaged.append(key)
+    return len(picked_blocks) + len(picked_records), damaged_blocks, damaged_records
+
+
+def _retire_damaged(session: Session, block_hashes: list[str], cache_ids: list[int]) -> tuple[int, list[str]]:
+    """Make cold every cache that needs a damaged file. Returns (caches made cold, files to delete)."""
+    users = set(session.scalars(select(Cache).join(CacheBlock, CacheBlock.cache_id == Cache.id)
+                                .where(CacheBlock.block_hash.in_(block_hashes)))) if block_hashes else set()
+    users |= set(session.scalars(select(Cache).where(Cache.id.in_(cache_ids)))) if cache_ids else set()
+    files: list[str] = []
+    for cache in users:
+        files += cache_index.retire_cache(session, cache)
+    return len(users), files
+
+
+def _worth_vacuuming(engine: Engine) -> bool:
+    """VACUUM rewrites the whole file under an exclusive lock: only when a quarter of
+    the pages (and at least 1 MiB) are free."""
+    with engine.connect() as connection:
+        free = int(connection.exec_driver_sql("PRAGMA freelist_count").scalar() or 0)
+        pages = int(connection.exec_driver_sql("PRAGMA page_count").scalar() or 0)
+        page_size = int(connection.exec_driver_sql("PRAGMA page_size").scalar() or 4096)
+    return free * page_size >= VACUUM_MIN_FREE_BYTES and free * 4 >= pages
 
 
 def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Path,
                 sample: int = VERIFY_SAMPLE) -> dict[str, Any]:
     """Delete what nothing uses (unreferenced blocks, orphan files, crash leftovers),
-    verify a sample of checksums, and VACUUM the database."""
+    verify a sample of checksums, and VACUUM the database when much of it is free.
+
+    Scanning the directory and reading files happen outside any write transaction;
+    the write that follows is short, so the server's turns never wait on compact.
+    """
     started, now_s = utcnow(), time.time()
+    before = started - timedelta(seconds=GRACE_S)
     temp = remove_stale_temp_files(blocks_dir, now_s)
-    with sessions.begin() as session:
-        unreferenced = _drop_unreferenced_blocks(session, started - timedelta(seconds=GRACE_S))
+    with sessions() as session:  # reads only: no write lock is taken
+        unreferenced = _unreferenced_blocks(session, before)
         orphans = _orphan_files(session, blocks_dir, now_s)
-        checked, damaged, damaged_files = _verify_sample(session, blocks_dir, sample)
-    deleted, freed = _delete_files([*unreferenced, *orphans, *damaged_files])
+        checked, damaged_blocks, damaged_records = _damaged_sample(session, blocks_dir, sample)
+    with sessions.begin() as session:
+        dropped = _drop_blocks(session, unreferenced, before)
+        damaged, damaged_files = _retire_damaged(session, damaged_blocks, damaged_records)
+    deleted, freed = _delete_files([*dropped, *orphans, *damaged_files])
+    vacuumed = _worth_vacuuming(engine)
+    if vacuumed:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(text("VACUUM"))
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text("VACUUM"))
         connection.execute(text("PRAGMA optimize"))
-    result = {"removed_temp_files": len(temp), "unreferenced_blocks": len(unreferenced),
+    result = {"removed_temp_files": len(temp), "unreferenced_blocks": len(dropped),
               "orphan_files": len(orphans), "verified_files": checked, "damaged_caches": damaged,
-              "files_deleted": deleted, "bytes_freed": freed, "vacuumed": True}
+              "files_deleted": deleted, "bytes_freed": freed, "vacuumed": vacuumed}
     record_run(sessions, "compact", started, utcnow(), result)
     return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -77,9 +78,32 @@ def test_jobs_run_compact_records_the_run(tmp_path: Path) -> None:
     result = semantic(tmp_path, "jobs", "run", "compact")
     assert result.returncode == 0, result.stderr
     done = json.loads(result.stdout.strip().splitlines()[-1])
-    assert done["removed_temp_files"] == 1 and done["vacuumed"] and done["orphan_files"] == 0
+    assert done["removed_temp_files"] == 1 and done["orphan_files"] == 0
+    assert done["vacuumed"] is False  # a fresh database has nothing to reclaim
     assert not stale.exists()
     assert query(tmp_path / "semantic.db", "SELECT name, status FROM job_runs") == [("compact", "ok")]
+
+
+def test_a_failing_or_locked_job_leaves_a_job_runs_row(tmp_path: Path) -> None:
+    assert semantic(tmp_path, "jobs", "run", "evict").returncode == 0  # migrates; one ok run
+    db = sqlite3.connect(tmp_path / "semantic.db")
+    with db:  # an unreferenced old block whose deletion the database refuses: compact fails
+        db.execute("INSERT INTO blocks (hash, model_fingerprint, n_tokens, nbytes, ref_count, tier, created_at, "
+                   "last_access_at) VALUES ('h', 'f', 256, 1, 0, 'warm', '2020-01-01', '2020-01-01')")
+        db.execute("CREATE TRIGGER refuse BEFORE DELETE ON blocks BEGIN SELECT RAISE(ABORT, 'injected'); END")
+    db.close()
+    failed = semantic(tmp_path, "jobs", "run", "compact")
+    assert failed.returncode == 1 and "job compact failed: IntegrityError" in failed.stderr
+    locker = ("from worker.huey_app import huey\nfrom worker.tasks import JOBS\n"
+              "huey.lock_task('expire').acquire()")  # as a worker running expire holds it
+    subprocess.run([sys.executable, "-c", locker], cwd=ROOT, check=True,
+                   env={**os.environ, "SEMANTIC_HOME": str(tmp_path)})
+    skipped = semantic(tmp_path, "jobs", "run", "expire")
+    assert skipped.returncode == 0 and "skipped" in skipped.stdout
+    rows = query(tmp_path / "semantic.db", "SELECT name, status, result FROM job_runs ORDER BY id")
+    assert [(name, status) for name, status, _ in rows] == [("evict", "ok"), ("compact", "error"),
+                                                           ("expire", "skipped")]
+    assert "injected" in rows[1][2]
 
 
 def wait_for(check, timeout_s: float = 60) -> bool:  # type: ignore[no-untyped-def]

@@ -65,7 +65,7 @@ def test_expire_compact_evict_and_restart(tmp_path: Path, smollm2_dir: Path) -> 
         Path(record).write_bytes(bytes(data))
         compacted = run_job(home, "compact")
         assert (compacted["orphan_files"], compacted["removed_temp_files"], compacted["damaged_caches"]) == (1, 1, 1)
-        assert not orphan.exists() and not leftover.exists() and compacted["vacuumed"]
+        assert not orphan.exists() and not leftover.exists() and compacted["vacuumed"] is False
         assert (home / "blocks" / "quarantine" / Path(record).name).exists()
         assert query(db, "SELECT tier FROM caches WHERE agent_id = 'plain'") == [("cold",)]
 
