@@ -57,6 +57,7 @@ def serve(settings: Settings) -> None:
 
     from app.catalog.embedded import EMBEDDED
     from app.catalog.registry import ensure_embedded, model_path
+    from app.cache.blocks import KV_FORMATS
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import make_engine, make_session_factory, upgrade
 
@@ -67,7 +68,7 @@ def serve(settings: Settings) -> None:
         raise NotFound(f"model {settings.model!r} is not installed in {settings.models_dir} and is not embedded")
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
-                        settings.max_conversations)
+                        settings.max_conversations, KV_FORMATS[settings.kv_format])
     engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     repetition_penalty=settings.repetition_penalty,

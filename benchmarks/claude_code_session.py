@@ -42,7 +42,7 @@ from app.protocol import anthropic as protocol  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from app.types import RequestOptions  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
-from benchmarks.peer import MlxLmServer  # noqa: E402
+from benchmarks.peer import MLX_LM_MODEL, MlxLmServer  # noqa: E402
 from conftest import CLAUDE_CODE, ROOT, claude_env, start_server, stop_server  # noqa: E402
 from support.claude_recorder import is_subagent, record_headless_session  # noqa: E402
 
@@ -132,7 +132,7 @@ def mlx_run(url: str, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         chat, snapshots[request["kind"]] = rendered_messages({**request["body"], "messages": messages},
                                                              snapshots.get(request["kind"]))
         ttft, text, usage = openai_stream(f"{url}/v1/chat/completions", {
-            "model": "default", "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "model": MLX_LM_MODEL, "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream_options": {"include_usage": True}})
         rows.append({"kind": request["kind"], "prompt_tokens": usage.get("prompt_tokens"),
                      "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "ttft_s": ttft})

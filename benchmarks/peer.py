@@ -38,9 +38,14 @@ from conftest import free_port, start_server, stop_server  # noqa: E402
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer each message with one short sentence."}
 
 
+# mlx_lm.server's name for the model given by --model (any other name is loaded as a path
+# or a hub repository); Semantic serves any name with its model.
+MLX_LM_MODEL = "default_model"
+
+
 def stream_turn(url: str, messages: list[dict], extra: dict) -> tuple[float, str]:
     """(seconds to the first content delta, reply text) of one streamed chat completion."""
-    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 16, "temperature": 0, **extra}
+    body = {"model": MLX_LM_MODEL, "messages": messages, "max_tokens": 16, "temperature": 0, **extra}
     ttft, text, _ = openai_stream(f"{url}/v1/chat/completions", body)
     return ttft, text
 

@@ -25,14 +25,14 @@ from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.interleave import text_of  # noqa: E402
-from benchmarks.peer import MlxLmServer  # noqa: E402
+from benchmarks.peer import MLX_LM_MODEL, MlxLmServer  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 SHORT = "Which word came first? Answer in one word."  # ~20 tokens with the template's markers
 
 
 def turn(url: str, messages: list[dict], session: str | None) -> tuple[float, str]:
-    body = {"model": "m", "messages": messages, "max_tokens": 8, "temperature": 0,
+    body = {"model": MLX_LM_MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
             **({"session_id": session} if session else {})}
     ttft, text, _ = openai_stream(f"{url}/v1/chat/completions", body)
     return ttft, text

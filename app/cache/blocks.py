@@ -1,10 +1,13 @@
-"""KV data <-> 4-bit blocks (MLX).
+"""KV data <-> quantized blocks (MLX).
 
 A block holds every layer's keys and values for a span of at most
-``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization (4 bits,
-group size 64 along the head dimension; scales and biases kept in float16,
-which is what makes 4-bit 28.1% of FP16). Quantization groups never cross
-tokens, so a span quantizes the same alone or inside a longer cache.
+``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization (group size
+64 along the head dimension; scales and biases kept in float16, which is what
+makes 4-bit 28.1% of FP16). The ``KVFormat`` says the bits of keys and of
+values (4 by default; 8-bit keys keep the answers closer to float KV, see
+benchmarks/kv_fidelity.py). Quantization groups never cross tokens, so a span
+quantizes the same alone or inside a longer cache. Reading needs no format:
+the bits follow from the arrays' shapes.
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
@@ -18,12 +21,34 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from app.cache.hashing import BLOCK_TOKENS
+from app.types import KV_FORMAT_BITS
 
-BITS = 4
 GROUP_SIZE = 64
 SCALE_DTYPE = mx.float16
-# Part of every model fingerprint: caches of another format never match.
-KV_FORMAT = f"affine-q{BITS}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """Bits of the stored keys and values."""
+
+    name: str
+    key_bits: int
+    value_bits: int
+
+    @property
+    def fingerprint(self) -> str:
+        """Part of every model fingerprint: caches of another format never match."""
+        bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
+        return f"affine-{bits}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
+        return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
+
+
+KV_FORMATS = {name: KVFormat(name, k, v) for name, (k, v) in KV_FORMAT_BITS.items()}
+DEFAULT_KV_FORMAT = KV_FORMATS["q4"]
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
 assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
@@ -84,21 +109,22 @@ def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
     return sliced
 
 
-def _quantize(x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=BITS)
+def _quantize(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=bits)
     return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
 
 def _dequantize(w: mx.array, s: mx.array, b: mx.array, dtype: mx.Dtype) -> mx.array:
-    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=BITS).astype(dtype)
+    bits = w.shape[-1] * 32 // (s.shape[-1] * GROUP_SIZE)  # packed uint32 words per group of values
+    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits).astype(dtype)
 
 
-def quantize_span(cache: list[KVCache], start: int, end: int) -> KVBlock:
+def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVFormat = DEFAULT_KV_FORMAT) -> KVBlock:
     """Quantize tokens ``[start, end)`` of a float working cache into a block."""
     layers = []
     for layer in cache:
         keys, values = layer.keys[..., start:end, :], layer.values[..., start:end, :]
-        layers.append((*_quantize(keys), *_quantize(values)))
+        layers.append((*_quantize(keys, kv_format.key_bits), *_quantize(values, kv_format.value_bits)))
     block = KVBlock(end - start, tuple(layers))
     mx.eval([a for layer in block.layers for a in layer])
     return block

@@ -23,8 +23,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import (BLOCK_TOKENS, KVBlock, join_blocks, overwrite_with_stored, quantize_span,
-                              slice_block, to_working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
+                              quantize_span, slice_block, to_working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
@@ -80,9 +80,10 @@ class _Source:
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
-                 max_conversations: int = 8, working_copies: int = 1,
+                 max_conversations: int = 8, working_copies: int = 1, kv_format: KVFormat = DEFAULT_KV_FORMAT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
+        self.kv_format = kv_format
         self.enabled = enabled
         self._n_layers = n_layers
         self._dtype = dtype
@@ -271,7 +272,7 @@ class CacheManager:
         start = kept * BLOCK_TOKENS
         pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, lease.n_reused - start)] \
             if lease.n_reused > start else []
-        computed = quantize_span(cache, lease.n_reused, record.n_tokens)
+        computed = quantize_span(cache, lease.n_reused, record.n_tokens, self.kv_format)
         pending.append(computed)
         fresh = join_blocks(pending)
         for offset in range(0, fresh.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):

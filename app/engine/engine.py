@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.manager import CacheManager, CacheStats
 from app.engine.model import LoadedModel, backend_name, load_model
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
@@ -31,12 +32,13 @@ class CacheConfig:
     budget_bytes: int
     enabled: bool = True
     max_conversations: int = 8
+    kv_format: KVFormat = DEFAULT_KV_FORMAT
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
         return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
-                            max_conversations=self.max_conversations)
+                            max_conversations=self.max_conversations, kv_format=self.kv_format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ class Engine:
         def load() -> LoadedModel:
             if install is not None:
                 install()
-            return load_model(model_name, model_path, dtype)
+            return load_model(model_name, model_path, dtype, cache.kv_format)
 
         self._memory_bytes = cache.budget_bytes
         self._runner = Runner(load, cache.manager_for,

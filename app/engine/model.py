@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from app.cache.blocks import KV_FORMAT
+from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
 from app.engine.token_text import TokenBytes
 from app.errors import InvalidModelFile
 
@@ -110,7 +110,7 @@ def _compute_dtype(requested: str) -> Any:
         raise InvalidModelFile(f"unknown dtype {requested!r}") from None
 
 
-def load_model(name: str, path: Path, dtype: str = "auto") -> LoadedModel:
+def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
     On the CPU backend weights are cast to float32: bf16/fp16 matmuls do not go
@@ -131,7 +131,7 @@ def load_model(name: str, path: Path, dtype: str = "auto") -> LoadedModel:
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
     used = str(_param_dtype(model)).removeprefix("mlx.core.")
-    fingerprint = model_fingerprint(path, KV_FORMAT)
+    fingerprint = model_fingerprint(path, kv_format.fingerprint)
     token_bytes = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, context, used)
     return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes,

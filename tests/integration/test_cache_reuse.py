@@ -266,3 +266,19 @@ def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_d
         engine.stop()
     rows = query(tmp_path / "home" / "semantic.db", "SELECT n_tokens FROM caches WHERE agent_id = 'wc'")
     assert rows and rows[0][0] >= f2.n_prompt_tokens
+
+
+def test_warm_equals_cold_on_gemma3_beyond_its_sliding_window(tmp_path: Path, gemma3_dir: Path) -> None:
+    """Gemma 3's local layers attend to the last 512 tokens; the cache keeps every token
+    and the second turn (past 512) still gives what a cold prefill with the same split gives."""
+    engine = make_engine_at(tmp_path, gemma3_dir)
+    try:
+        _, f1, f2 = conversation(engine, "wc")
+        assert f1.n_prompt_tokens > 512 and f2.match_outcome == "extend"
+        record = engine.caches.record(conv("wc"))
+        assert record is not None
+        splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})
+        _, cold_tokens = cold_same_split(engine, record.tokens[:f2.n_prompt_tokens], splits, f2.n_output_tokens)
+        assert tuple(cold_tokens) == f2.output_token_ids
+    finally:
+        engine.stop()

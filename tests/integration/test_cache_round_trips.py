@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.cache.blocks import quantize_span, to_working_cache
+from app.cache.blocks import DEFAULT_KV_FORMAT, KV_FORMATS, KVFormat, quantize_span, to_working_cache
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -68,12 +68,13 @@ def forward(model, cache, tokens: list[int]) -> mx.array:  # type: ignore[no-unt
     return logits[0, -1]
 
 
-def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int]) -> mx.array:  # type: ignore[no-untyped-def]
-    """Prefill the prefix cold, pass it through the 4-bit format, then the suffix."""
+def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int],  # type: ignore[no-untyped-def]
+                    kv_format: KVFormat = DEFAULT_KV_FORMAT) -> mx.array:
+    """Prefill the prefix cold, pass it through the stored format, then the suffix."""
     cache = to_working_cache([], n_layers, 0, mx.float32)
     forward(model, cache, prefix)
-    return forward(model, to_working_cache([quantize_span(cache, 0, len(prefix))], n_layers, len(prefix), mx.float32),
-                   suffix)
+    stored = quantize_span(cache, 0, len(prefix), kv_format)
+    return forward(model, to_working_cache([stored], n_layers, len(prefix), mx.float32), suffix)
 
 
 def manager(home: Path, n_layers: int, fingerprint: str = "fp-test", agents: tuple[str, ...] = ("a", "b"),
@@ -121,6 +122,39 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
     lease = reloaded.lease("a", "a-c", as_prompt(first + more))
     assert lease.n_reused == 300
     assert mx.array_equal(forward(model, lease.cache, more), warm)
+    reloaded.close()
+    caches.close()
+
+
+def test_the_default_format_keeps_the_fingerprint_existing_caches_were_stored_under() -> None:
+    assert DEFAULT_KV_FORMAT.fingerprint == "affine-q4-g64-s16-b256"
+    assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-g64-s16-b256"
+    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure), 40.6%, 53.1%.
+    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.406, 0.531]
+
+
+@pytest.mark.parametrize("name", ["k8v4", "q8"])
+def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -> None:
+    kv_format = KV_FORMATS[name]
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(3)
+    first, more = rng.integers(0, VOCAB, 300).tolist(), rng.integers(0, VOCAB, 40).tolist()
+    caches = manager(tmp_path, n_layers, kv_format=kv_format)
+    lease = caches.lease("a", "a-c", as_prompt(first))
+    forward(model, lease.cache, first)
+    caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    stored = caches._blocks[caches._hot["a-c"].chain[0]]
+    head_dim = model.layers[0].self_attn.head_dim
+    assert stored.layers[0][0].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
+    assert stored.layers[0][3].shape[-1] * 32 // head_dim == kv_format.value_bits
+    caches.flush(30)
+    reloaded = manager(tmp_path, n_layers, kv_format=kv_format)
+    lease = reloaded.lease("a", "a-c", as_prompt(first + more))
+    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    warm = forward(model, lease.cache, more)
+    assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more, kv_format))
+    assert not mx.array_equal(warm, cold_same_split(model, n_layers, first, more))  # not what q4 gives
     reloaded.close()
     caches.close()
 
