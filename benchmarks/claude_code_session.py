@@ -45,6 +45,7 @@ from benchmarks.common import openai_stream, print_table, pyplot, save_plot, wri
 from benchmarks.peer import MLX_LM_MODEL, MlxLmServer  # noqa: E402
 from conftest import CLAUDE_CODE, ROOT, claude_env, start_server, stop_server  # noqa: E402
 from support.claude_recorder import is_subagent, record_headless_session  # noqa: E402
+from support.dbcheck import query  # noqa: E402
 
 MAX_TOKENS = 16
 TITLE_SYSTEM = ("Generate a concise, sentence-case title (3-7 words) that captures the main topic or goal of this "
@@ -156,6 +157,11 @@ def main() -> None:
             runs[name] = semantic_run(server.url, sequence)
         finally:
             stop_server(server)
+        # How reuse ended for each request, from the server's own diagnostics (issue 9).
+        reasons = query(server.db_path, "SELECT match_outcome, reuse_reason, diverge_part FROM requests "
+                                        "WHERE status = 'ok' ORDER BY created_at")
+        for row, (outcome, reason, part) in zip(runs[name], reasons, strict=True):
+            row.update(outcome=outcome, reason=reason, diverge_part=part)
     semantic, control = runs["semantic"], runs["control"]
     peer = MlxLmServer(model_dir, home / "mlx_lm.log")
     try:
@@ -169,11 +175,13 @@ def main() -> None:
         ctrl = next(controls) if ours["kind"] == "main" else None
         table.append({"step": i + 1, "kind": ours["kind"], "prompt_tokens": ours["prompt_tokens"],
                       "semantic_cached": ours["cached_tokens"], "semantic_ttft_s": ours["ttft_s"],
-                      "control_ttft_s": ctrl["ttft_s"] if ctrl else None,
+                      "control_ttft_s": ctrl["ttft_s"] if ctrl else None, "semantic_outcome": ours["outcome"],
+                      "semantic_reason": ours["reason"], "semantic_diverge_part": ours["diverge_part"],
                       "mlx_lm_cached": theirs["cached_tokens"], "mlx_lm_ttft_s": theirs["ttft_s"]})
-    print_table(["step", "request", "prompt", "Semantic cached", "Semantic TTFT", "control TTFT", "mlx_lm cached",
-                 "mlx_lm TTFT"],
-                [[r["step"], r["kind"], r["prompt_tokens"], r["semantic_cached"], r["semantic_ttft_s"],
+    print_table(["step", "request", "prompt", "Semantic cached", "reuse (reason)", "Semantic TTFT", "control TTFT",
+                 "mlx_lm cached", "mlx_lm TTFT"],
+                [[r["step"], r["kind"], r["prompt_tokens"], r["semantic_cached"],
+                  f"{r['semantic_outcome']} ({r['semantic_reason']})", r["semantic_ttft_s"],
                   "-" if r["control_ttft_s"] is None else r["control_ttft_s"],
                   "-" if r["mlx_lm_cached"] is None else r["mlx_lm_cached"], r["mlx_lm_ttft_s"]] for r in table])
     path = write_results("claude_code_session", {"requests": table, "max_tokens": MAX_TOKENS,

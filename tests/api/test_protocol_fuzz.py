@@ -1,0 +1,123 @@
+"""Protocol fuzzing of the three APIs (issue 12): valid requests with one part replaced by
+random JSON or removed, random JSON documents and random bytes. Every answer is a 2xx
+(the mutation happened to be valid) or a 4xx in the protocol's error shape, never a
+5xx, and a refused request leaves no agent, conversation or message behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import falcon.testing
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.agents.service import AgentService
+from app.api.routes import Deps
+from app.main import create_app
+from app.settings import Settings
+from app.store.db import make_engine, make_session_factory, upgrade
+from support.dbcheck import query
+
+from test_app_with_a_fake_engine import FakeEngine
+
+TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {
+    "city": {"type": "string"}}}}
+VALID = {
+    "/v1/messages": {"model": "claude-sonnet-5", "max_tokens": 8, "stream": False, "temperature": 0.5,
+                     "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                     "tools": [TOOL], "tool_choice": {"type": "auto"}, "metadata": {"user_id": "u"},
+                     "stop_sequences": ["\n\n"],
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                  {"role": "assistant", "content": "Hello."},
+                                  {"role": "user", "content": "Weather in Paris?"}]},
+    "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/chat/completions": {"model": "gpt-x", "max_tokens": 8, "temperature": 0, "top_p": 0.9, "stop": ["x"],
+                             "session_id": "fuzz-openai", "tools": [{"type": "function", "function": {
+                                 "name": "f", "parameters": {"type": "object"}}}],
+                             "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi"}]},
+    "/v1/agents": {"id": "fuzz-agent", "system_prompt": "Be brief.", "metadata": {"k": "v"}, "ttl_seconds": 60,
+                   "prefill": False},
+    "/v1/agents/fuzz-direct/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+}
+ROUTES = list(VALID)
+
+any_text = st.text(st.characters(blacklist_categories=()), max_size=12)  # lone surrogates included
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+           | any_text)
+json_values = st.recursive(scalars, lambda children: st.lists(children, max_size=3)
+                           | st.dictionaries(any_text, children, max_size=3), max_leaves=12)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, route: str) -> Any:
+    """The route's valid body with one node (chosen by walking down) replaced or removed."""
+    body = json.loads(json.dumps(VALID[route]))
+    parent: Any = None
+    key: Any = None
+    node: Any = body
+    while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        parent, key = node, draw(st.sampled_from(keys))
+        node = node[key]
+    if parent is None:
+        return draw(json_values)
+    if isinstance(parent, dict) and draw(st.booleans()):
+        del parent[key]
+    else:
+        parent[key] = draw(json_values)
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, Path]]:
+    home = tmp_path_factory.mktemp("fuzz")
+    db = home / "semantic.db"
+    upgrade(f"sqlite:///{db}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    app = create_app(Deps(Settings(home=home, allowed_hosts="falconframework.org"), FakeEngine(home),
+                          AgentService(sessions), sessions))
+    client = falcon.testing.TestClient(app)
+    assert client.simulate_post("/v1/agents", json={"id": "fuzz-direct", "prefill": False}).status_code == 201
+    yield client, db
+
+
+def stored(db: Path) -> tuple[int, ...]:
+    return tuple(query(db, f"SELECT count(*) FROM {t}")[0][0] for t in ("agents", "conversations", "messages"))
+
+
+def check(client: falcon.testing.TestClient, db: Path, route: str, **request: Any) -> None:
+    before = stored(db)
+    response = client.simulate_post(route, **request)
+    assert response.status_code < 500, (route, request, response.text)
+    if response.status_code >= 400:
+        error = response.json
+        if route == "/v1/chat/completions":  # OpenAI's shape
+            assert set(error["error"]) >= {"message", "type", "param", "code"}, response.text
+        else:  # Anthropic's, which the direct API shares
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, response.text
+        assert stored(db) == before, (route, request)
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@FUZZ
+@given(data=st.data())
+def test_mutated_requests_are_answered_or_refused_cleanly(fuzz_app, route: str, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+    client, db = fuzz_app
+    body = json.dumps(data.draw(mutated(route)))  # ASCII: a lone surrogate travels as its \u escape
+    check(client, db, route, body=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@FUZZ
+@given(body=st.binary(max_size=64) | st.text(max_size=64).map(str.encode)
+       | st.integers(500, 5000).map(lambda depth: ("[" * depth + "]" * depth).encode()))
+def test_random_bytes_are_a_400(fuzz_app, route: str, body: bytes) -> None:  # type: ignore[no-untyped-def]
+    client, db = fuzz_app
+    check(client, db, route, body=body, headers={"content-type": "application/json"})
