@@ -64,8 +64,8 @@ def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], samplin
     return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
 
 
-def conversation(engine: Engine, agent: str) -> tuple[list[ChatMessage], Finished, Finished]:
-    first = [SYSTEM, ChatMessage("user", "Name three primary colors.")]
+def conversation(engine: Engine, agent: str, system: ChatMessage = SYSTEM) -> tuple[list[ChatMessage], Finished, Finished]:
+    first = [system, ChatMessage("user", "Name three primary colors.")]
     reply, f1 = turn(engine, agent, first)
     second = [*first, ChatMessage("assistant", reply), ChatMessage("user", "Now name three animals.")]
     _, f2 = turn(engine, agent, second)
@@ -255,10 +255,7 @@ def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_d
     try:
         assert type(engine.loaded.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
         # Short turns: 4-bit matmuls skip BLAS on this CPU (13 prompt tokens/s, benchmarks/weights.py).
-        first = [ChatMessage("system", "Be brief."), ChatMessage("user", "Name three primary colors.")]
-        reply, f1 = turn(engine, "wc", first)
-        second = [*first, ChatMessage("assistant", reply), ChatMessage("user", "Now name three animals.")]
-        _, f2 = turn(engine, "wc", second)
+        _, f1, f2 = conversation(engine, "wc", ChatMessage("system", "Be brief."))
         assert f2.match_outcome == "extend"
         assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
         record = engine.caches.record(conv("wc"))
@@ -278,10 +275,7 @@ def test_warm_equals_cold_on_gemma3_beyond_its_sliding_window(tmp_path: Path, ge
     engine = make_engine_at(tmp_path, gemma3_dir)
     try:
         system = ChatMessage("system", SYSTEM.content + "Keep every answer short and plain. " * 25)
-        first = [system, ChatMessage("user", "Name three primary colors.")]
-        reply, f1 = turn(engine, "wc", first)
-        second = [*first, ChatMessage("assistant", reply), ChatMessage("user", "Now name three animals.")]
-        _, f2 = turn(engine, "wc", second)
+        _, f1, f2 = conversation(engine, "wc", system)
         assert f1.n_prompt_tokens > 512 and f2.match_outcome == "extend"
         record = engine.caches.record(conv("wc"))
         assert record is not None
