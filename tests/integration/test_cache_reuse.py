@@ -98,18 +98,24 @@ def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], 
     return logits, tokens_out
 
 
-def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> None:
-    _, f1, f2 = conversation(engine, "wc")
-    assert f1.n_cache_written == f1.n_prompt_tokens - f1.n_cached_tokens
+def assert_second_turn_equals_cold(engine: Engine, agent: str, f1: Finished, f2: Finished) -> None:
+    """Turn 2 extended turn 1's cache and generated what a cold prefill with the same
+    split (one segment per turn, each through the stored format) generates."""
     assert f2.match_outcome == "extend"
     # Turn 1's prompt and its whole reply were reused.
     assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
-    record = engine.caches.record(conv("wc"))
+    record = engine.caches.record(conv(agent))
     assert record is not None
     prompt = record.tokens[:f2.n_prompt_tokens]
     splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})  # one per turn
     _, cold_tokens = cold_same_split(engine, prompt, splits, f2.n_output_tokens)
     assert tuple(cold_tokens) == f2.output_token_ids
+
+
+def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> None:
+    _, f1, f2 = conversation(engine, "wc")
+    assert f1.n_cache_written == f1.n_prompt_tokens - f1.n_cached_tokens
+    assert_second_turn_equals_cold(engine, "wc", f1, f2)
 
 
 def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
@@ -256,13 +262,7 @@ def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_d
         assert type(engine.loaded.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
         # Short turns: 4-bit matmuls skip BLAS on this CPU (13 prompt tokens/s, benchmarks/weights.py).
         _, f1, f2 = conversation(engine, "wc", ChatMessage("system", "Be brief."))
-        assert f2.match_outcome == "extend"
-        assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
-        record = engine.caches.record(conv("wc"))
-        assert record is not None
-        splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})
-        _, cold_tokens = cold_same_split(engine, record.tokens[:f2.n_prompt_tokens], splits, f2.n_output_tokens)
-        assert tuple(cold_tokens) == f2.output_token_ids
+        assert_second_turn_equals_cold(engine, "wc", f1, f2)
     finally:
         engine.stop()
     rows = query(tmp_path / "home" / "semantic.db", "SELECT n_tokens FROM caches WHERE agent_id = 'wc'")
@@ -276,11 +276,7 @@ def test_warm_equals_cold_on_gemma3_beyond_its_sliding_window(tmp_path: Path, ge
     try:
         system = ChatMessage("system", SYSTEM.content + "Keep every answer short and plain. " * 25)
         _, f1, f2 = conversation(engine, "wc", system)
-        assert f1.n_prompt_tokens > 512 and f2.match_outcome == "extend"
-        record = engine.caches.record(conv("wc"))
-        assert record is not None
-        splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})
-        _, cold_tokens = cold_same_split(engine, record.tokens[:f2.n_prompt_tokens], splits, f2.n_output_tokens)
-        assert tuple(cold_tokens) == f2.output_token_ids
+        assert f1.n_prompt_tokens > 512
+        assert_second_turn_equals_cold(engine, "wc", f1, f2)
     finally:
         engine.stop()
