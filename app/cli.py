@@ -121,6 +121,8 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     for name, model in EMBEDDED.items():
         if name not in installed:
             print(f"{name}\tnot imported\t{model.description}")
+    for alias, target in settings.model_aliases.items():
+        print(f"{alias}\talias\t{target}")
     return 0
 
 

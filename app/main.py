@@ -16,7 +16,7 @@ from app.api.errors import add_error_handlers
 from app.api.local_only import LocalOnlyMiddleware
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
-from app.errors import ConfigError, EngineUnavailable, NotFound
+from app.errors import ConfigError, EngineUnavailable
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
@@ -46,7 +46,8 @@ def serve(settings: Settings) -> None:
     ``/health`` with "loading"; serve until SIGINT/SIGTERM.
 
     Raises:
-        ConfigError: the port cannot be bound (in use, not allowed).
+        ConfigError: the port cannot be bound (in use, not allowed), or a configured
+            model is neither installed nor embedded.
         EngineUnavailable: the model failed to load.
     """
     from app.engine.blas import load_fast_blas
@@ -55,24 +56,20 @@ def serve(settings: Settings) -> None:
     # Imported only now: MLX must see OpenBLAS first.
     import waitress
 
-    from app.catalog.embedded import EMBEDDED
-    from app.catalog.registry import ensure_embedded, model_path
+    from app.catalog.registry import Catalog
     from app.cache.blocks import KV_FORMATS
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import make_engine, make_session_factory, upgrade
 
+    catalog = Catalog.configure(settings.models_dir, settings.model, settings.model_aliases,
+                                settings.map_unknown_models)
     upgrade(settings.db_url)
-    path = model_path(settings.models_dir, settings.model)
-    installed = (path / "config.json").exists()
-    if not installed and settings.model not in EMBEDDED:
-        raise NotFound(f"model {settings.model!r} is not installed in {settings.models_dir} and is not embedded")
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations, KV_FORMATS[settings.kv_format])
-    engine = Engine(path.name, path, cache, dtype=settings.dtype, max_queue=settings.max_queue,
+    engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
-                    repetition_penalty=settings.repetition_penalty,
-                    install=None if installed else lambda: ensure_embedded(settings.models_dir, settings.model))
+                    repetition_penalty=settings.repetition_penalty)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
         # channel_request_lookahead keeps reading each socket during a request, so a

@@ -31,8 +31,13 @@ class Settings:
     port: int = 8000
     # The model served: a name under $SEMANTIC_HOME/models or a directory path.
     model: str = DEFAULT_MODEL
-    # Request model names (e.g. "claude-sonnet-5") that are not installed models
-    # are served by `model`; set false to answer them with 404 instead.
+    # Names a request's `model` may use for installed models: alias -> model name (or
+    # directory). In TOML a table (`[model_aliases]` then `fast = "smollm2-4bit"`); in the
+    # environment `SEMANTIC_MODEL_ALIASES="fast=smollm2-4bit,big=gemma3-270m"`. A request
+    # naming another model than the loaded one makes the engine swap models.
+    model_aliases: dict[str, str] = field(default_factory=dict)
+    # Request model names (e.g. "claude-sonnet-5") that are neither aliases nor installed
+    # models are served by `model`; set false to answer them with 404 instead.
     map_unknown_models: bool = True
     # Compute dtype: "auto" = float32 on CPU (fast BLAS path), model's own elsewhere.
     dtype: str = "auto"
@@ -128,7 +133,22 @@ class Settings:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _coerce(name: str, kind: type, value: Any) -> Any:
+def _aliases(name: str, value: Any) -> dict[str, str]:
+    """``{"alias": "model"}`` from a TOML table or from ``"alias=model,alias2=model2"``."""
+    if isinstance(value, str):
+        pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+        if any(not sep or not alias.strip() or not target.strip() for alias, sep, target in pairs):
+            raise ConfigError(f"{name}: expected alias=model pairs separated by commas, got {value!r}")
+        value = {alias.strip(): target.strip() for alias, _, target in pairs}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                              for k, v in value.items()):
+        raise ConfigError(f"{name}: expected a table of alias = \"model\" strings, got {value!r}")
+    return dict(value)
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    if kind == dict[str, str]:
+        return _aliases(name, value)
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
@@ -164,7 +184,7 @@ def _coerce(name: str, kind: type, value: Any) -> Any:
     return value
 
 
-_KINDS: dict[str, type] = get_type_hints(Settings)
+_KINDS: dict[str, Any] = get_type_hints(Settings)
 
 
 def config_file(env: Mapping[str, str]) -> Path | None:

@@ -72,6 +72,7 @@ class GenerationRequest:
     whole_blocks: bool = False  # reuse only whole shared blocks (OpenAI cache_mode "prefix")
     persist: bool = True  # write the agent's cache to disk (OpenAI ttl 0: memory only)
     hot_ttl_s: float | None = None  # keep it in memory only this long unused (Anthropic cache_control)
+    model: str | None = None  # the model to run it on (None: the default model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import SseStream
-from app.errors import ContextTooLong, NotFound, SemanticError
+from app.errors import ContextTooLong, SemanticError
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
@@ -103,14 +103,13 @@ class GenerationResource:
         request_id = req.context.request_id
         job: Job | None = None
         try:
-            parsed, prompt, target = self._prepare(req, body(), agent)
-            model = self._engine.model
-            self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model.name,
+            parsed, model, prompt, target = self._prepare(req, body(), agent)
+            self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model,
                                stream=parsed.stream, n_input_tokens=prompt.n_tokens)
             job = self._engine.submit(GenerationRequest(
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
-                hot_ttl_s=parsed.hot_ttl_seconds))
+                hot_ttl_s=parsed.hot_ttl_seconds, model=model))
             self._agents.accept(target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
                                 hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
@@ -123,38 +122,34 @@ class GenerationResource:
         return Turn(request_id, self._dialect.new_id(), target, parsed, prompt), job
 
     def _prepare(self, req: falcon.Request, body: Any,
-                 agent: AgentKey | None) -> tuple[ParsedTurn, Prompt, ConversationTarget]:
-        """Parse, find the conversation, render the prompt the model sees (with the
-        conversation's pinned snapshot); a prompt beyond the context is parsed again
-        without optional sections when ``fit_prompts`` allows.
+                 agent: AgentKey | None) -> tuple[ParsedTurn, str, Prompt, ConversationTarget]:
+        """Parse, choose the model, find the conversation, render the prompt the model
+        sees (with the conversation's pinned snapshot); a prompt beyond the context is
+        parsed again without optional sections when ``fit_prompts`` allows.
 
         Raises:
             InvalidRequest, ContextTooLong, NotFound.
         """
         options = self._settings.request_options
         parsed = self._dialect.parse(body, options)
-        self._check_model(parsed.model, self._engine.model.name)
+        model = self._engine.resolve(parsed.model).name
         target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
                                       parsed.system_digest, parsed.message_digests)
         parsed = parsed.with_snapshot(target.snapshot)
         try:
-            prompt = self._engine.render(parsed.messages, parsed.reply_start)
-            self._engine.check_fits(prompt)
+            prompt = self._engine.render(parsed.messages, parsed.reply_start, model)
+            self._engine.check_fits(prompt, model)
         except ContextTooLong as too_long:
             if not self._settings.fit_prompts:
                 raise
             fitted = self._dialect.parse(body, replace(options, fit=True)).with_snapshot(target.snapshot)
             if fitted.messages == parsed.messages:
                 raise
-            parsed, prompt = fitted, self._engine.render(fitted.messages, fitted.reply_start)
+            parsed, prompt = fitted, self._engine.render(fitted.messages, fitted.reply_start, model)
             log.info("request %s: prompt of %d tokens fitted to the context: optional sections dropped, %d left",
                      req.context.request_id, too_long.n_tokens, prompt.n_tokens)
-            self._engine.check_fits(prompt)
-        return parsed, prompt, target
-
-    def _check_model(self, requested: str, served: str) -> None:
-        if requested != served and not self._settings.map_unknown_models:
-            raise NotFound(f"model: {requested!r} is not served here (serving {served!r})")
+            self._engine.check_fits(prompt, model)
+        return parsed, model, prompt, target
 
     def _record(self, turn: Turn, text: str, finished: Finished) -> None:
         parsed = turn.parsed

@@ -39,6 +39,7 @@ class HealthResource:
         resp.media = {
             "status": "ok" if status.healthy else "loading" if status.loading else "unavailable",
             "model": status.model,
+            "model_swaps": status.swaps,
             "backend": status.backend,
             "blas": blas_in_use(),
             "dtype": status.dtype,
@@ -67,23 +68,29 @@ class HealthResource:
 
 
 class ModelsResource:
-    """Installed models, in a shape both the Anthropic and OpenAI SDKs read."""
+    """Installed models and the aliases of the configuration, in a shape both the
+    Anthropic and OpenAI SDKs read."""
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self._settings = settings
         self._engine = engine
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        served = self._engine.model
-        entries = {m.name: m.created_at for m in list_models(self._settings.models_dir)}
-        entries.setdefault(served.name, served.path.stat().st_mtime)
+        served, catalog = self._engine.model, self._engine.catalog
+        created = {m.name: m.created_at for m in list_models(self._settings.models_dir)}
+        for name, path in catalog.paths.items():
+            if path.exists():
+                created.setdefault(name, path.stat().st_mtime)
+        entries = {name: (when, None) for name, when in created.items()}
+        entries.update({alias: (created.get(target, 0.0), target) for alias, target in catalog.aliases.items()})
         data = [
             {
                 "id": name, "type": "model", "object": "model", "display_name": name,
                 "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z"),
-                "created": int(created), "owned_by": "semantic", "loaded": name == served.name,
+                "created": int(created), "owned_by": "semantic", "loaded": (alias_of or name) == served.name,
+                "default": (alias_of or name) == catalog.default, "alias_of": alias_of,
             }
-            for name, created in sorted(entries.items())
+            for name, (created, alias_of) in sorted(entries.items())
         ]
         resp.media = {"object": "list", "data": data, "has_more": False,
                       "first_id": data[0]["id"], "last_id": data[-1]["id"]}

@@ -53,4 +53,5 @@ class CountTokensResource:
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # not required here
         parsed = anthropic.parse_request(body, self._defaults)
-        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_start).n_tokens}
+        model = self._engine.resolve(parsed.model).name
+        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_start, model).n_tokens}

@@ -65,6 +65,8 @@ class Metrics:
                 lambda read=read: float(read(engine.status().cache)) if engine.status().cache else 0.0)
         Gauge("semantic_queue_depth", "Requests waiting for the engine", registry=r).set_function(
             lambda: float(engine.status().queue_depth))
+        Gauge("semantic_model_swaps", "Models swapped in for requests since start", registry=r).set_function(
+            lambda: float(engine.status().swaps))
 
     def observe(self, protocol: str, finished: Finished) -> None:
         self.requests.labels(protocol, "cancelled" if finished.stop_reason == "cancelled" else "ok").inc()

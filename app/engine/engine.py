@@ -7,6 +7,7 @@ so the API can be tested against a fake engine.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.manager import CacheManager, CacheStats
-from app.engine.model import LoadedModel, backend_name, load_model
+from app.catalog.registry import Catalog
+from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
 from app.engine.runner import EngineCounters, Job, Runner, working_bytes
 from app.errors import EngineUnavailable, MemoryExhausted
@@ -54,8 +56,8 @@ class ModelInfo:
 @dataclass(frozen=True, slots=True)
 class EngineStatus:
     healthy: bool
-    loading: bool  # the model is still being loaded
-    model: str | None
+    loading: bool  # a model is being loaded (at start, or swapped in for a request)
+    model: str | None  # the loaded model, or the one being loaded
     backend: str
     dtype: str | None
     context_length: int | None
@@ -63,24 +65,26 @@ class EngineStatus:
     n_active: int
     cache: CacheStats | None
     counters: EngineCounters
+    swaps: int  # models swapped in since start
 
 
 class Engine:
     """Owns the engine thread. Start it, then render prompts and submit them."""
 
-    def __init__(self, model_name: str, model_path: Path, cache: CacheConfig, *, dtype: str = "auto",
+    def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
-                 max_batch: int = 8, install: Callable[[], object] | None = None) -> None:
-        """``install``, if given, runs on the engine thread before loading (e.g. the first
-        import of an embedded model into ``model_path``), while the server already answers."""
-
-        def load() -> LoadedModel:
-            if install is not None:
-                install()
-            return load_model(model_name, model_path, dtype, cache.kv_format)
-
+                 max_batch: int = 8) -> None:
+        """The default model loads when the engine starts (an embedded model is imported
+        first, while the server already answers); a request for another model of the
+        ``catalog`` swaps it in."""
+        self._catalog = catalog
+        self._dtype = dtype
+        self._kv_format = cache.kv_format
+        self._specs: dict[str, ModelSpec] = {}
+        self._specs_lock = threading.Lock()
         self._memory_bytes = cache.budget_bytes
-        self._runner = Runner(load, cache.manager_for,
+        self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype, cache.kv_format),
+                              cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               repetition_penalty=repetition_penalty, max_batch=max_batch,
                               memory_bytes=cache.budget_bytes)
@@ -116,54 +120,83 @@ class Engine:
 
     @property
     def loaded(self) -> LoadedModel:
-        """The model object itself (for tests and benchmarks; the API uses ``model``)."""
+        """The loaded model itself (for tests and benchmarks; the API uses ``model``)."""
         if self._runner.loaded is None:
             raise EngineUnavailable("the model is still loading" if not self._runner.ready.is_set()
                                     else "the model is not loaded")
         return self._runner.loaded
 
     @property
+    def catalog(self) -> Catalog:
+        """The models a request may name."""
+        return self._catalog
+
+    @property
     def model(self) -> ModelInfo:
-        """Raises EngineUnavailable while the model loads."""
-        loaded = self.loaded
-        return ModelInfo(loaded.name, loaded.path, loaded.fingerprint, loaded.context_length)
+        """The loaded model, or the one being swapped in. Raises EngineUnavailable at start."""
+        loaded = self._runner.loaded
+        return _info(loaded if loaded is not None else self._spec(self._runner.loading or self._catalog.default))
 
-    def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "") -> Prompt:
-        """The prompt the model would see for ``messages`` (no generation)."""
-        loaded = self.loaded
-        return render_chat(loaded.tokenizer, messages, reply_prefix, max_tokens=loaded.context_length - 1,
-                           max_token_chars=loaded.token_bytes.longest)
+    def resolve(self, requested: str | None) -> ModelInfo:
+        """The model a request's ``model`` names (see ``Catalog.resolve``).
 
-    def render_start(self, system: str) -> Prompt | None:
+        Raises:
+            NotFound; EngineUnavailable: the default model is still loading.
+        """
+        return _info(self._spec(self._catalog.resolve(requested)))
+
+    def _spec(self, name: str | None) -> ModelSpec:
+        """Tokenizer side of model ``name`` (default: the default model), from any thread."""
+        name = name or self._catalog.default
+        loaded = self._runner.loaded
+        if loaded is not None and loaded.name == name:
+            return loaded
+        if name == self._catalog.default and not self._runner.ready.is_set():
+            raise EngineUnavailable("the model is still loading")  # its first import may be under way
+        with self._specs_lock:
+            if name not in self._specs:
+                self._specs[name] = load_spec(name, self._catalog.install(name), self._dtype, self._kv_format)
+            return self._specs[name]
+
+    def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None) -> Prompt:
+        """The prompt ``model`` (default: the default model) would see for ``messages``."""
+        spec = self._spec(model)
+        return render_chat(spec.tokenizer, messages, reply_prefix, max_tokens=spec.context_length - 1,
+                           max_token_chars=spec.token_bytes.longest)
+
+    def render_start(self, system: str, model: str | None = None) -> Prompt | None:
         """What every conversation under ``system`` starts with; None when the
         template allows no cut (see ``render_conversation_start``)."""
-        return render_conversation_start(self.loaded.tokenizer, system)
+        return render_conversation_start(self._spec(model).tokenizer, system)
 
     def submit(self, request: GenerationRequest) -> Job:
-        """Queue a generation; iterate ``job.events()`` for its output.
+        """Queue a generation on ``request.model`` (default: the default model); iterate
+        ``job.events()`` for its output.
 
         Raises:
             ContextTooLong, EngineUnavailable;
             MemoryExhausted: its working cache alone would exceed the memory budget;
             Overloaded: ``max_queue`` requests already wait for a place in the batch.
         """
-        self.check_fits(request.prompt)
-        need = working_bytes(request, self.loaded)
+        spec = self._spec(request.model)
+        request = replace(request, model=spec.name)
+        self.check_fits(request.prompt, spec.name)
+        need = working_bytes(request, spec)
         if need > self._memory_bytes:
             raise MemoryExhausted(f"this request needs {need / 2**20:.0f} MiB of working memory for its KV cache; "
                                   f"the memory budget (cache_memory_bytes) is {self._memory_bytes / 2**20:.0f} MiB")
         return self._runner.submit(request)
 
-    def check_fits(self, prompt: Prompt) -> None:
+    def check_fits(self, prompt: Prompt, model: str | None = None) -> None:
         """Raises ContextTooLong if ``prompt`` leaves no room for an output token."""
-        check_fits(prompt, self.loaded.context_length)
+        check_fits(prompt, self._spec(model).context_length)
 
     def status(self) -> EngineStatus:
         loaded = self._runner.loaded
         return EngineStatus(
-            healthy=self._runner.is_alive() and self._runner.ready.is_set() and self._runner.caches is not None,
-            loading=not self._runner.ready.is_set(),
-            model=loaded.name if loaded else None,
+            healthy=self._runner.is_alive() and self._runner.ready.is_set() and self._runner.load_error is None,
+            loading=not self._runner.ready.is_set() or self._runner.loading is not None,
+            model=loaded.name if loaded else self._runner.loading,
             backend=backend_name(),
             dtype=loaded.dtype if loaded else None,
             context_length=loaded.context_length if loaded else None,
@@ -171,6 +204,7 @@ class Engine:
             n_active=self._runner.n_active,
             cache=self._runner.caches.stats() if self._runner.caches else None,
             counters=replace(self._runner.counters),
+            swaps=self._runner.swaps,
         )
 
     @property
@@ -201,3 +235,7 @@ class Engine:
     def flush_caches(self, timeout_s: float = 60) -> bool:
         """Wait until the caches of finished turns are committed and on disk."""
         return self.wait_idle(timeout_s) and (self._runner.caches.flush(timeout_s) if self._runner.caches else True)
+
+
+def _info(spec: ModelSpec) -> ModelInfo:
+    return ModelInfo(spec.name, spec.path, spec.fingerprint, spec.context_length)

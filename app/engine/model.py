@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -12,8 +13,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm import load as mlx_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model as load_weights
+from mlx_lm.utils import load_tokenizer
 
 from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
 from app.engine.token_text import TokenBytes
@@ -23,20 +25,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    """A model and its tokenizer, ready for the engine thread."""
+class ModelSpec:
+    """A model without its weights: what rendering, admission and cache keys need.
+
+    Cheap to build (tokenizer and config), so API threads hold one per model a
+    request names while the engine thread has another model loaded.
+    """
 
     name: str
     path: Path
-    model: nn.Module
     tokenizer: TokenizerWrapper
     context_length: int
-    dtype: str
     stop_token_ids: frozenset[int]
     fingerprint: str
     token_bytes: TokenBytes
     kv_bytes_per_token: int  # a float working cache's bytes per token (keys and values, every layer)
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class LoadedModel(ModelSpec):
+    """A model and its tokenizer, ready for the engine thread."""
+
+    model: nn.Module
+    dtype: str
 
     @property
     def n_layers(self) -> int:
@@ -110,6 +122,28 @@ def _compute_dtype(requested: str) -> Any:
         raise InvalidModelFile(f"unknown dtype {requested!r}") from None
 
 
+def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT) -> ModelSpec:
+    """Tokenizer, context and fingerprint of the model directory ``path``, without its weights.
+
+    Raises:
+        InvalidModelFile: the directory is missing or not loadable.
+    """
+    if not (path / "config.json").exists():
+        raise InvalidModelFile(f"{path}: not a model directory (no config.json)")
+    config = json.loads((path / "config.json").read_text())
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError) as exc:
+        raise InvalidModelFile(f"{path}: cannot load its tokenizer: {exc}") from exc
+    context = int(config.get("max_position_embeddings") or tokenizer.model_max_length or 4096)
+    eos = config.get("eos_token_id", [])
+    stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
+    target = _compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
+    return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv_format.fingerprint),
+                     TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
+                     int(config.get("vocab_size") or len(tokenizer.vocab)))
+
+
 def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
@@ -119,21 +153,14 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat =
     Raises:
         InvalidModelFile: the directory is missing or not loadable.
     """
-    if not (path / "config.json").exists():
-        raise InvalidModelFile(f"{path}: not a model directory (no config.json)")
-    model, tokenizer = mlx_load(str(path))
+    spec = load_spec(name, path, dtype, kv_format)
+    model, config = load_weights(path)
     target = _compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)
     mx.eval(model.parameters())
-    config = json.loads((path / "config.json").read_text())
-    context = int(config.get("max_position_embeddings") or tokenizer.model_max_length or 4096)
-    eos = config.get("eos_token_id", [])
-    stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
-    used = str(_param_dtype(model)).removeprefix("mlx.core.")
-    fingerprint = model_fingerprint(path, kv_format.fingerprint)
-    token_bytes = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
-    log.info("loaded model %s from %s (context %d, dtype %s)", name, path, context, used)
-    return LoadedModel(name, path, model, tokenizer, context, used, frozenset(stop_ids), fingerprint, token_bytes,
-                       kv_bytes_per_token(config, _param_dtype(model).size),
-                       int(config.get("vocab_size") or len(tokenizer.vocab)))
+    used = _param_dtype(model)
+    log.info("loaded model %s from %s (context %d, dtype %s)", name, path, spec.context_length, used)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
+    return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."))

@@ -7,6 +7,8 @@ raises) instead of hanging. Each loop iteration of this thread:
 
 1. runs cache-manager calls (``Call``), drops queued jobs whose client left, and
    admits queued jobs up to ``max_batch`` (a lease on each one's conversation cache);
+   when the oldest waiting job wants another model, nothing behind it is admitted, and
+   once the batch has drained the model is swapped (``_swap``);
 2. gives every decoding sequence its next token in one batched forward pass;
 3. prefills one chunk of one sequence (``scheduler.PrefillPolicy``: the shortest
    prompt first, a time-bounded chunk while others decode).
@@ -17,6 +19,7 @@ A sequence that finishes hands its cache back to the cache manager (commit,
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -32,7 +35,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from app.cache.manager import CacheManager
 from app.engine.batch import DecodeBatch, prefill
-from app.engine.model import LoadedModel
+from app.engine.model import LoadedModel, ModelSpec
 from app.engine.prompting import tokenize_with_ends
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
@@ -133,14 +136,28 @@ class JobQueue:
                 raise Overloaded(f"{self.max_waiting} requests are already waiting")
             self._jobs.append(job)
 
-    def take(self, ready: Callable[[Job], bool]) -> Job | None:
-        """The first waiting job that is ``ready`` to start (others keep their places)."""
+    def take(self, ready: Callable[[Job], bool], barrier: Callable[[Job], bool] = lambda _: False) -> Job | None:
+        """The first waiting job that is ``ready`` to start (others keep their places),
+        looking no further than the first job that is a ``barrier``."""
         with self._lock:
             for job in self._jobs:
+                if barrier(job) and not job.cancelled:
+                    return None
                 if ready(job):
                     self._jobs.remove(job)
                     return job
             return None
+
+    def first(self) -> Job | None:
+        """The oldest waiting job whose client has not left."""
+        with self._lock:
+            return next((j for j in self._jobs if not j.cancelled), None)
+
+    def take_all(self, which: Callable[[Job], bool]) -> list[Job]:
+        with self._lock:
+            taken = [j for j in self._jobs if which(j)]
+            self._jobs = deque(j for j in self._jobs if not which(j))
+        return taken
 
     def drop_cancelled(self) -> list[Job]:
         with self._lock:
@@ -162,14 +179,16 @@ class EngineCounters:
 
 
 class Runner(threading.Thread):
-    """Loads the model, then runs admitted generations together."""
+    """Loads the default model, then runs admitted generations together; swaps models
+    when waiting requests name another one."""
 
-    def __init__(self, load: Callable[[], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
-                 max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0,
+    def __init__(self, load: Callable[[str], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
+                 default: str, max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0,
                  max_batch: int = 8, memory_bytes: int = 1 << 62) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._make_caches = make_caches
+        self._default = default
         self.caches: CacheManager | None = None
         self._queue = JobQueue(max_queue)
         self._calls: queue.Queue[Call | None] = queue.Queue()
@@ -187,7 +206,9 @@ class Runner(threading.Thread):
         self.counters = EngineCounters()
         self.ready = threading.Event()
         self.loaded: LoadedModel | None = None
-        self.load_error: BaseException | None = None
+        self.loading: str | None = None  # the model being loaded
+        self.load_error: BaseException | None = None  # the default model failed to load
+        self.swaps = 0
 
     @property
     def queue_depth(self) -> int:
@@ -204,7 +225,7 @@ class Runner(threading.Thread):
             Overloaded: ``max_queue`` requests already wait.
             EngineUnavailable: the engine thread is not running.
         """
-        if not self.is_alive() or self.loaded is None:
+        if not self.is_alive() or not self.ready.is_set():
             raise EngineUnavailable("the engine is not running")
         job = Job(request, self)
         self._queue.put(job)
@@ -227,10 +248,7 @@ class Runner(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.loaded = self._load()
-            self._warm_up(self.loaded)
-            self.caches = self._make_caches(self.loaded)
-            self._batch = DecodeBatch(self.loaded.model)
+            self._install(self._default)
         except BaseException as exc:  # reported to the starter through load_error
             self.load_error = exc
             return
@@ -241,6 +259,10 @@ class Runner(threading.Thread):
             self._run_calls()
             self._admit()
             if not self.n_active:
+                waiting = self._queue.first()
+                if waiting is not None and self._model_of(waiting) != self.loaded.name:
+                    self._swap(self._model_of(waiting))
+                    continue
                 if self._stopping and not len(self._queue):
                     break
                 self._idle()
@@ -251,6 +273,43 @@ class Runner(threading.Thread):
                 log.exception("engine step failed")
                 self._fail_all(f"generation failed: {exc}")
         self.caches.close()
+
+    def _install(self, name: str) -> None:
+        """Load model ``name`` with its own cache manager."""
+        self.loading = name
+        try:
+            loaded = self._load(name)
+            self._warm_up(loaded)
+            self.caches = self._make_caches(loaded)
+            self._batch = DecodeBatch(loaded.model)
+            self.loaded = loaded
+        finally:
+            self.loading = None
+
+    def _swap(self, name: str) -> None:
+        """Unload the model (its caches are flushed to disk and stay there) and load ``name``.
+
+        If ``name`` cannot load, the requests waiting for it fail and the previous model
+        is loaded again.
+        """
+        assert self.loaded is not None and self.caches is not None
+        previous = self.loaded.name
+        log.info("swapping model %s for %s (%d requests waiting)", previous, name, len(self._queue))
+        start = time.perf_counter()
+        self.caches.close()
+        self.loaded = self.caches = self._batch = None
+        gc.collect()
+        mx.clear_cache()
+        try:
+            self._install(name)
+        except Exception as exc:
+            log.exception("model %s failed to load; %s is loaded again", name, previous)
+            for job in self._queue.take_all(lambda j: self._model_of(j) == name):
+                job.put(Failed(f"model {name} failed to load: {exc}"))
+            self._install(previous)
+            return
+        self.swaps += 1
+        log.info("model %s loaded in %.1f s", name, time.perf_counter() - start)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -280,7 +339,10 @@ class Runner(threading.Thread):
         for job in self._queue.drop_cancelled():
             log.info("request %s: cancelled while queued", job.request.request_id)
             job.put(_cancelled_in_queue(job))
-        while self.n_active < self._max_batch and (job := self._queue.take(self._can_start)) is not None:
+        assert self.loaded is not None
+        name = self.loaded.name
+        while self.n_active < self._max_batch and \
+                (job := self._queue.take(self._can_start, lambda j: self._model_of(j) != name)) is not None:
             if job.cancelled:
                 job.put(_cancelled_in_queue(job))
                 continue
@@ -289,6 +351,9 @@ class Runner(threading.Thread):
             except Exception as exc:  # one bad request must not stop the others
                 log.exception("request %s could not start", job.request.request_id)
                 job.put(Failed(f"generation failed: {exc}"))
+
+    def _model_of(self, job: Job) -> str:
+        return job.request.model or self._default
 
     def _can_start(self, job: Job) -> bool:
         """Whether ``job`` may join the batch now: its conversation is not running (two turns
@@ -423,10 +488,10 @@ class Runner(threading.Thread):
         mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))
 
 
-def working_bytes(request: GenerationRequest, loaded: LoadedModel) -> int:
+def working_bytes(request: GenerationRequest, model: ModelSpec) -> int:
     """The float working cache a request fills at most: its prompt and its output."""
-    n_tokens = min(request.prompt.n_tokens + request.sampling.max_tokens, loaded.context_length)
-    return n_tokens * loaded.kv_bytes_per_token
+    n_tokens = min(request.prompt.n_tokens + request.sampling.max_tokens, model.context_length)
+    return n_tokens * model.kv_bytes_per_token
 
 
 def _cancelled_in_queue(job: Job) -> Finished:

@@ -14,6 +14,7 @@ import pytest
 
 from app.agents.service import AgentService
 from app.api.routes import Deps
+from app.catalog.registry import Catalog
 from app.errors import ContextTooLong, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
@@ -50,6 +51,7 @@ class FakeStatus:
     queue_depth: int = 0
     n_active: int = 0
     cache: None = None
+    swaps: int = 0
     counters: object = field(default_factory=lambda: type("C", (), {
         "decode_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0})())
 
@@ -61,20 +63,25 @@ class FakeEngine:
         from app.engine.engine import ModelInfo
 
         self.model = ModelInfo("fake", path, "fp-fake", CONTEXT)
+        self.catalog = Catalog.single("fake", path)
         self.started_at = time.time()
         self.refuse: Exception | None = None
         self.loading = False
         self.submitted: list[GenerationRequest] = []
 
-    def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "") -> Prompt:
+    def resolve(self, requested: str | None) -> ModelInfo:
+        assert self.catalog.resolve(requested) == "fake"
+        return self.model
+
+    def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "", model: str | None = None) -> Prompt:
         text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + reply_prefix
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
 
-    def render_start(self, system: str) -> None:
+    def render_start(self, system: str, model: str | None = None) -> None:
         return None
 
-    def check_fits(self, prompt: Prompt) -> None:
+    def check_fits(self, prompt: Prompt, model: str | None = None) -> None:
         if prompt.n_tokens > CONTEXT - 1:
             raise ContextTooLong(prompt.n_tokens, CONTEXT - 1)
 

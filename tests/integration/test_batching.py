@@ -9,6 +9,7 @@ from typing import Iterator
 
 import pytest
 
+from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
@@ -24,7 +25,7 @@ def start_engine(home: Path, model_dir: Path, reuse: bool) -> Engine:
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     cache = CacheConfig(home / "blocks", make_session_factory(make_engine(url)), 1 << 30, enabled=reuse)
-    running = Engine("smollm2", model_dir, cache, max_queue=8, max_batch=8)
+    running = Engine(Catalog.single("smollm2", model_dir), cache, max_queue=8, max_batch=8)
     running.start()
     return running
 

@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache
+from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.store.history import touch_agent, utcnow
@@ -25,15 +26,17 @@ SYSTEM = ChatMessage("system", "You are a helpful assistant. " + "Answer briefly
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-def make_engine_at(home: Path, model_dir: Path, enabled: bool = True, budget: int = 1 << 30) -> Engine:
+def make_engine_at(home: Path, model_dir: Path, enabled: bool = True, budget: int = 1 << 30,
+                   catalog: Catalog | None = None) -> Engine:
     home.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:
-        for agent in ("wc", "logits", "restart", "damaged", "share-a", "share-b", "off"):
+        for agent in ("wc", "logits", "restart", "damaged", "share-a", "share-b", "off", "swap"):
             touch_agent(session, agent, "direct", utcnow())
-    engine = Engine("smollm2", model_dir, CacheConfig(home / "blocks", sessions, budget, enabled))
+    engine = Engine(catalog or Catalog.single("smollm2", model_dir),
+                    CacheConfig(home / "blocks", sessions, budget, enabled))
     engine.start()
     return engine
 
@@ -55,8 +58,10 @@ def conv(agent: str | None) -> str | None:
     return f"{agent}-conversation" if agent else None
 
 
-def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams = GREEDY) -> tuple[str, Finished]:
-    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages), sampling, agent, conv(agent)))
+def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams = GREEDY,
+         model: str | None = None) -> tuple[str, Finished]:
+    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages, model=model), sampling, agent,
+                                          conv(agent), model=model))
     events = list(job.events())
     finished = events[-1]
     assert isinstance(finished, Finished)
@@ -280,3 +285,36 @@ def test_warm_equals_cold_on_gemma3_beyond_its_sliding_window(tmp_path: Path, ge
         assert_second_turn_equals_cold(engine, "wc", f1, f2)
     finally:
         engine.stop()
+
+
+def test_a_request_for_another_model_swaps_it_in_and_each_model_keeps_its_cache(
+        tmp_path: Path, smollm2_dir: Path, gemma3_dir: Path) -> None:
+    """Hot swap between two architectures with their own tokenizers: one conversation
+    served by SmolLM2, then Gemma 3, then SmolLM2 again, which reads its turn 1 back
+    from disk (the swap dropped it from memory) and answers as a cold prefill would."""
+    catalog = Catalog.configure(tmp_path / "models", str(smollm2_dir), {"gemma": str(gemma3_dir)},
+                                map_unknown=False)
+    engine = make_engine_at(tmp_path / "home", smollm2_dir, catalog=catalog)
+    first = [ChatMessage("system", "Be brief."), ChatMessage("user", "Name three primary colors.")]
+    try:
+        gemma = engine.resolve("gemma").name
+        assert gemma == gemma3_dir.name and engine.resolve(None).name == smollm2_dir.name
+        reply, f1 = turn(engine, "swap", first)
+        gemma_reply, f_gemma = turn(engine, "swap", first, model=gemma)
+        status = engine.status()
+        assert (status.model, status.swaps) == (gemma, 1)
+        assert f_gemma.n_cached_tokens == 0  # a model never reads another model's cache
+        second = [*first, ChatMessage("assistant", reply), ChatMessage("user", "Now name three animals.")]
+        _, f2 = turn(engine, "swap", second)
+        assert (engine.status().model, engine.status().swaps) == (smollm2_dir.name, 2)
+        assert_second_turn_equals_cold(engine, "swap", f1, f2)
+    finally:
+        engine.stop()
+    fingerprints = query(tmp_path / "home" / "semantic.db",
+                         "SELECT count(DISTINCT model_fingerprint) FROM caches WHERE agent_id = 'swap'")
+    assert fingerprints == [(2,)]
+    alone = make_engine_at(tmp_path / "gemma-alone", gemma3_dir)
+    try:
+        assert turn(alone, "swap", first)[0] == gemma_reply  # the swap loaded Gemma itself, cleanly
+    finally:
+        alone.stop()

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import pytest
 
+from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.errors import ContextTooLong
@@ -22,7 +23,7 @@ def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     cache = CacheConfig(home / "blocks", make_session_factory(make_engine(url)), 1 << 30, enabled=False)
-    running = Engine("smollm2", smollm2_dir, cache, max_queue=4)
+    running = Engine(Catalog.single("smollm2", smollm2_dir), cache, max_queue=4)
     running.start()
     yield running
     running.stop()

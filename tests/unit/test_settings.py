@@ -51,3 +51,41 @@ def test_float_settings(tmp_path: Path) -> None:
     assert load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_DEFAULT_TEMPERATURE": "0"}).default_temperature == 0.0
     with pytest.raises(ConfigError, match="default_temperature: expected a number"):
         load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_DEFAULT_TEMPERATURE": "warm"})
+
+
+def test_model_aliases_from_a_toml_table_or_the_environment(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text('[model_aliases]\nfast = "smollm2-4bit"\n')
+    assert load_settings({"SEMANTIC_HOME": str(tmp_path)}).model_aliases == {"fast": "smollm2-4bit"}
+    env = {"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_MODEL_ALIASES": "fast = a, big=/models/b"}
+    assert load_settings(env).model_aliases == {"fast": "a", "big": "/models/b"}
+    with pytest.raises(ConfigError, match="model_aliases: expected alias=model pairs"):
+        load_settings({**env, "SEMANTIC_MODEL_ALIASES": "fast"})
+
+
+def _installed(models: Path, name: str) -> Path:
+    (models / name).mkdir(parents=True)
+    (models / name / "config.json").write_text("{}")
+    return models / name
+
+
+def test_catalog_resolves_aliases_installed_names_and_unknown_names(tmp_path: Path) -> None:
+    from app.catalog.registry import Catalog
+    from app.errors import NotFound
+
+    models = tmp_path / "models"
+    _installed(models, "small")
+    _installed(models, "other")
+    elsewhere = _installed(tmp_path / "elsewhere", "big")
+    catalog = Catalog.configure(models, "small", {"fast": "other", "large": str(elsewhere)}, map_unknown=False)
+    assert [catalog.resolve(n) for n in (None, "", "default", "fast", "large", "big", "other", "small")] == \
+        ["small", "small", "small", "other", "big", "big", "other", "small"]
+    assert catalog.path("big") == elsewhere and catalog.path("other") == models / "other"
+    for unknown in ("claude-sonnet-5", "../elsewhere/big", str(elsewhere), "big/../small"):
+        with pytest.raises(NotFound, match="not an installed model"):
+            catalog.resolve(unknown)
+    mapping = Catalog.configure(models, "small", {}, map_unknown=True)
+    assert mapping.resolve("claude-sonnet-5") == "small" and mapping.resolve("/etc") == "small"
+    with pytest.raises(ConfigError, match="'missing' is not installed"):
+        Catalog.configure(models, "small", {"fast": "missing"})
+    with pytest.raises(ConfigError, match="'other' is already a model's name"):
+        Catalog.configure(models, "small", {"other": "small"})
