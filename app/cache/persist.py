@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
+from app.store.db import write_locked
 from app.store.history import ensure_conversation, utcnow
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 # What reading a cache file can raise besides DamagedFile: a file that verifies but
 # does not fit (another model's shapes, a record that disagrees with its index).
 UNUSABLE = (blockfiles.DamagedFile, KeyError, ValueError)
+WRITE_ATTEMPTS = 3  # a snapshot's block files are rewritten if the worker deleted them meanwhile
 
 
 @dataclass(frozen=True)
@@ -205,23 +207,32 @@ class Persister(threading.Thread):
 
     def _write(self, snapshot: Snapshot) -> None:
         cache = snapshot.cache
-        rows = []
-        parent = None
-        for block in cache.chain:
-            path, digest = self._files.write_block(block, snapshot.blocks[block])
-            rows.append(cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest))
-            parent = block
         record_path = self._files.write_record(cache)
-        with self._sessions.begin() as session:
-            now = utcnow()
-            previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
-            ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
-            cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
-                                   cache.record.n_tokens, str(record_path), rows, now)
-        # Only now: a crash before the commit leaves the previous record in force (and the new
-        # file an orphan for the worker's compact), never a row without its file.
-        if previous is not None and previous.record_path != str(record_path):
-            Path(previous.record_path).unlink(missing_ok=True)
+        for _ in range(WRITE_ATTEMPTS):
+            rows = []
+            parent = None
+            for block in cache.chain:
+                path, digest = self._files.write_block(block, snapshot.blocks[block])
+                size = path.stat().st_size if path.exists() else 0  # checked again under the lock
+                rows.append(cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), size, digest))
+                parent = block
+            with write_locked(self._sessions) as session:
+                # A block file that existed above may have been deleted since by the worker
+                # (its row was dropped); under the lock no deleter runs, and after this
+                # commit the rows protect the files.
+                if not all(Path(row.path).exists() for row in rows):
+                    continue
+                now = utcnow()
+                previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
+                ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
+                cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
+                                       cache.record.n_tokens, str(record_path), rows, now)
+            # Only now: a crash before the commit leaves the previous record in force (and the new
+            # file an orphan for the worker's compact), never a row without its file.
+            if previous is not None and previous.record_path != str(record_path):
+                Path(previous.record_path).unlink(missing_ok=True)
+            return
+        raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:

@@ -133,6 +133,16 @@ def retire_cache(session: Session, cache: Cache) -> list[str]:
     return files + _drop_unreferenced(session, hashes)
 
 
+def referenced_paths(session: Session, paths: Sequence[str]) -> set[str]:
+    """Those of ``paths`` a block or cache row points to."""
+    found: set[str] = set()
+    for start in range(0, len(paths), 500):  # SQLite bounds the parameters of one statement
+        chunk = paths[start:start + 500]
+        found.update(session.scalars(select(Block.path).where(Block.path.in_(chunk))))
+        found.update(session.scalars(select(Cache.record_path).where(Cache.record_path.in_(chunk))))
+    return found
+
+
 def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
     """Delete the rows of blocks among ``hashes`` no cache references; return their paths."""
     _refresh_ref_counts(session, hashes)

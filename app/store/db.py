@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -48,6 +49,17 @@ def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any)
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def write_locked(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    """A transaction that holds SQLite's write lock from its start (BEGIN IMMEDIATE), so
+    nothing it reads can change before it commits. Cache files are created and deleted
+    by different processes (server, worker); each checks the rows and the files under
+    this lock (``Persister``, ``jobs.delete_unreferenced``)."""
+    with sessions.begin() as session:
+        session.connection().exec_driver_sql("BEGIN IMMEDIATE")
+        yield session
 
 
 def is_locked(exc: OperationalError) -> bool:

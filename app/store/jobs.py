@@ -1,8 +1,9 @@
 """The worker's jobs: what each does to the store and the cache files, recorded in ``job_runs``.
 
 Rows change first, in one short transaction; files are deleted after it
-commits. A crash in between leaves files no row points to, which ``compact``
-removes later; a row never points to a file that was deleted on purpose.
+commits, if no row took them back meanwhile (``delete_unreferenced``). A crash in
+between leaves files no row points to, which ``compact`` removes later; a row never
+points to a file that was deleted on purpose.
 Files younger than ``GRACE_S`` are never taken as orphans: the server writes
 a cache's files before the rows that reference them.
 """
@@ -20,6 +21,7 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import blockfiles, cache_index
+from app.store.db import write_locked
 from app.store.history import utcnow
 from app.store.models import Agent, Block, Cache, CacheBlock, JobRun
 
@@ -28,16 +30,27 @@ VERIFY_SAMPLE = 32  # block and record files whose checksums compact verifies pe
 VACUUM_MIN_FREE_BYTES = 1 << 20
 
 
-def _delete_files(paths: Iterable[str | Path]) -> tuple[int, int]:
-    """Delete files; returns (files deleted, bytes freed)."""
+def delete_unreferenced(sessions: sessionmaker[Session], paths: Iterable[str | Path]) -> tuple[int, int]:
+    """Delete the files among ``paths`` no row points to; returns (files deleted, bytes freed).
+
+    Under the write lock: the server, before it commits rows pointing to a cache's
+    files, checks under that lock that they exist (rewriting any that went). So a
+    block file the server took back after a job dropped its row is never deleted, and
+    a row never points to a file this deleted.
+    """
+    paths = [str(p) for p in paths]
+    if not paths:
+        return 0, 0
     n, freed = 0, 0
-    for path in map(Path, paths):
-        try:
-            size = path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        n, freed = n + 1, freed + size
+    with write_locked(sessions) as session:
+        referenced = cache_index.referenced_paths(session, paths)
+        for path in map(Path, (p for p in paths if p not in referenced)):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            n, freed = n + 1, freed + size
     return n, freed
 
 
@@ -61,7 +74,7 @@ def run_expire(sessions: sessionmaker[Session], default_ttl_s: int, now: datetim
             if last + timedelta(seconds=default_ttl_s if ttl is None else ttl) <= started:
                 expired.append(cache.agent_id)
                 files += cache_index.retire_cache(session, cache)
-    deleted, freed = _delete_files(files)
+    deleted, freed = delete_unreferenced(sessions, files)
     result = {"expired": len(expired), "agents": expired[:100], "files_deleted": deleted, "bytes_freed": freed}
     record_run(sessions, "expire", started, utcnow(), result)
     return result
@@ -88,7 +101,7 @@ def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, A
             used -= sum(_file_size(path) for path in retired)
             evicted.append(cache.agent_id)
             files += retired
-    deleted, freed = _delete_files(files)
+    deleted, freed = delete_unreferenced(sessions, files)
     result = {"bytes_before": before, "budget_bytes": budget_bytes, "evicted": len(evicted),
               "agents": evicted[:100], "files_deleted": deleted, "bytes_freed": freed}
     record_run(sessions, "evict", started, utcnow(), result)
@@ -194,7 +207,7 @@ def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Pat
     with sessions.begin() as session:
         dropped = _drop_blocks(session, unreferenced, before)
         damaged, damaged_files = _retire_damaged(session, damaged_blocks, damaged_records)
-    deleted, freed = _delete_files([*dropped, *orphans, *damaged_files])
+    deleted, freed = delete_unreferenced(sessions, [*dropped, *orphans, *damaged_files])
     vacuumed = _worth_vacuuming(engine)
     if vacuumed:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:

@@ -1,0 +1,80 @@
+"""A process killed at each step of persisting a turn's cache (file writes, fsyncs,
+renames, the index commit, the old record's deletion): after a restart the store
+verifies, and the next turn gets exactly the answer of one of the two states the crash
+may leave (the newest turn's cache kept, or lost), never a third."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.crash_child import CRASH_EXIT
+from support.store_check import store_problems
+
+CHILD = Path(__file__).parents[1] / "support" / "crash_child.py"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. " + "Answer briefly and precisely. " * 60}
+TURN1 = [SYSTEM, {"role": "user", "content": "Name three primary colors."}]
+# (step, call) killed at; "last" is the turn's last call of that step (its last block file).
+POINTS = ["save_file:1", "fsync:1", "fsync:2", "replace:1", "replace:last", "save_cache:1", "unlink:1"]
+AFTER_COMMIT = {"unlink:1"}
+
+
+def run_turn(home: Path, model_dir: Path, messages: list[dict[str, str]], point: str | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    path = home.parent / f"{home.name}-messages.json"
+    path.write_text(json.dumps(messages))
+    command = [sys.executable, str(CHILD), str(home), str(model_dir), str(path), *([point] if point else [])]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+
+
+def result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[str, Any]:
+    """Turn 1 stored (``base``); the reference turn 2 stored on a copy; turn 3 on both."""
+    root = tmp_path_factory.mktemp("crash")
+    base = root / "base"
+    first = result(run_turn(base, smollm2_dir, TURN1))
+    turn2 = [*TURN1, {"role": "assistant", "content": first["text"]},
+             {"role": "user", "content": "Now name three animals, and say one thing about each of them."}]
+    shutil.copytree(base, root / "kept")
+    second = result(run_turn(root / "kept", smollm2_dir, turn2))
+    turn3 = [*turn2, {"role": "assistant", "content": second["text"]}, {"role": "user", "content": "Thanks!"}]
+    shutil.copytree(base, root / "lost")
+    return {"root": root, "base": base, "first": first, "second": second, "turn2": turn2, "turn3": turn3,
+            "kept": result(run_turn(root / "kept", smollm2_dir, turn3)),
+            "lost": result(run_turn(root / "lost", smollm2_dir, turn3))}
+
+
+def test_the_reference_turns_reuse_and_write_what_the_crash_points_need(states: dict[str, Any]) -> None:
+    first, second = states["first"], states["second"]
+    assert second["n_cached"] >= first["n_prompt"]  # turn 2 extended turn 1
+    assert second["calls"]["replace"] >= 2  # a new block and the record: "replace:1" is not the last
+    assert second["calls"]["unlink"] >= 1  # turn 1's record is replaced
+    assert states["kept"]["n_cached"] > states["lost"]["n_cached"] >= second["n_cached"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_crash_at_each_persistence_step_leaves_a_consistent_store(states: dict[str, Any], smollm2_dir: Path,
+                                                                      point: str) -> None:
+    home = states["root"] / f"crash-{point.replace(':', '-')}"
+    shutil.copytree(states["base"], home)
+    point = point.replace("last", str(states["second"]["calls"][point.split(":")[0]]))
+    crashed = run_turn(home, smollm2_dir, states["turn2"], point)
+    assert crashed.returncode == CRASH_EXIT, f"no crash at {point}: {crashed.stderr[-2000:]}"
+    assert store_problems(home) == []
+    after = result(run_turn(home, smollm2_dir, states["turn3"]))
+    expected = states["kept"] if point in AFTER_COMMIT else states["lost"]
+    assert (after["n_cached"], after["text"]) == (expected["n_cached"], expected["text"])
+    assert store_problems(home) == []

@@ -1,0 +1,93 @@
+"""One turn on a real engine in its own process, optionally killed at a persistence step.
+
+    python crash_child.py HOME MODEL_DIR MESSAGES_JSON [POINT:N]
+
+Runs the turn (agent "crash", one conversation) on the cache stored under HOME, waits
+until its cache is on disk and prints the result as JSON. With ``POINT:N`` the process
+dies (``os._exit(70)``, as a kill would: no cleanup, no flush) at the N-th call of a
+persistence step of that turn:
+
+- ``save_file``: after a cache file's temporary copy is written, before its fsync;
+- ``fsync``: after an fsync (odd calls: the temporary file; even: its directory);
+- ``replace``: after a file is renamed into place, before its directory's fsync;
+- ``save_cache``: before the index rows pointing to the new files are committed;
+- ``unlink``: after that commit, before the previous record file is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+CRASH_EXIT = 70
+
+
+def arm(point: str | None) -> Counter[str]:
+    """Count calls of each step; die at ``point`` ("name:n")."""
+    from app.cache import persist
+    from app.store import blockfiles
+
+    calls: Counter[str] = Counter()
+    target = (point.split(":")[0], int(point.split(":")[1])) if point else None
+
+    def wrap(owner: Any, attr: str, name: str, after: bool) -> None:
+        original: Callable[..., Any] = getattr(owner, attr)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            hit = target == (name, calls[name])
+            if hit and not after:
+                os._exit(CRASH_EXIT)
+            result = original(*args, **kwargs)
+            if hit:
+                os._exit(CRASH_EXIT)
+            return result
+
+        setattr(owner, attr, step)
+
+    wrap(blockfiles, "save_file", "save_file", after=True)
+    wrap(os, "fsync", "fsync", after=True)
+    wrap(os, "replace", "replace", after=True)
+    wrap(persist.cache_index, "save_cache", "save_cache", after=False)
+    wrap(persist.Path, "unlink", "unlink", after=False)
+    return calls
+
+
+def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) -> None:
+    from app.engine.blas import load_fast_blas
+
+    load_fast_blas("")
+    from app.catalog.registry import Catalog
+    from app.engine.engine import CacheConfig, Engine
+    from app.store.db import make_engine, make_session_factory, upgrade
+    from app.store.history import touch_agent, utcnow
+    from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        touch_agent(session, "crash", "direct", utcnow())
+    engine = Engine(Catalog.single("smollm2", model_dir), CacheConfig(home / "blocks", sessions, 1 << 30))
+    engine.start()
+    messages = [ChatMessage(m["role"], m["content"]) for m in json.loads(messages_path.read_text())]
+    calls = arm(point)
+    job = engine.submit(GenerationRequest("crash-turn", engine.render(messages),
+                                          SamplingParams(temperature=0.0, max_tokens=16), "crash", "crash-conv"))
+    events = list(job.events())
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    assert engine.flush_caches()
+    engine.stop()
+    print(json.dumps({"text": "".join(e.text for e in events if isinstance(e, TextDelta)),
+                      "n_prompt": finished.n_prompt_tokens, "n_cached": finished.n_cached_tokens,
+                      "n_output": finished.n_output_tokens, "calls": dict(calls)}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)

@@ -1,0 +1,80 @@
+"""The worker deletes cache files by path while the server may be taking the same
+content-addressed block back for another conversation. Both interleavings, forced
+deterministically on real files and a real SQLite store: no row ever points to a
+missing file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from sqlalchemy import select
+
+from app.cache.blocks import BLOCK_TOKENS, KVBlock
+from app.cache.persist import CacheFiles, ConversationCache, Persister, Snapshot
+from app.cache.records import CacheRecord
+from app.store import cache_index
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.jobs import delete_unreferenced
+from app.store.models import Cache
+from support.store_check import store_problems
+
+BLOCK = "b" * 64
+
+
+def block() -> KVBlock:
+    return KVBlock(BLOCK_TOKENS, (tuple(mx.random.normal((1, 1, BLOCK_TOKENS, 4)) for _ in range(6)),))
+
+
+def snapshot(conversation: str) -> Snapshot:
+    record = CacheRecord(tuple(range(BLOCK_TOKENS)), "x" * BLOCK_TOKENS, tuple(range(1, BLOCK_TOKENS + 1)))
+    return Snapshot(ConversationCache("agent", conversation, record, (BLOCK,), None), {BLOCK: block()})
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[Any, CacheFiles, Persister]:
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    files = CacheFiles(tmp_path / "blocks", "f" * 64, n_layers=1)
+    return sessions, files, Persister(files, sessions)
+
+
+def retire(sessions: Any, conversation: str) -> list[str]:
+    """The evict job's row change: the cache goes cold, its unreferenced blocks' rows go."""
+    with sessions.begin() as session:
+        cache = session.scalars(select(Cache).where(Cache.conversation_id == conversation)).one()
+        return cache_index.retire_cache(session, cache)
+
+
+def test_a_block_taken_back_before_the_worker_deletes_it_is_kept(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sessions, files, persister = store
+    persister._write(snapshot("c1"))
+    doomed = retire(sessions, "c1")  # the worker commits: block row gone, file still there
+    assert str(files.block_path(BLOCK)) in doomed
+    persister._write(snapshot("c2"))  # the server finds the file and takes the block back
+    delete_unreferenced(sessions, doomed)  # the worker's deletion comes after
+    assert files.block_path(BLOCK).exists()
+    assert store_problems(tmp_path) == []
+
+
+def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sessions, files, persister = store
+    persister._write(snapshot("c1"))
+    doomed = retire(sessions, "c1")
+    write_block = files.write_block
+    deletions = [doomed]
+
+    def then_the_worker_deletes(block_id: str, data: KVBlock) -> tuple[Path, str]:
+        found = write_block(block_id, data)  # first time: the file exists, it is not written again
+        if deletions:  # ... and the worker deletes it right after, once
+            delete_unreferenced(sessions, deletions.pop())
+            assert not files.block_path(BLOCK).exists()
+        return found
+
+    files.write_block = then_the_worker_deletes  # type: ignore[method-assign]
+    persister._write(snapshot("c2"))
+    assert files.block_path(BLOCK).exists()
+    assert store_problems(tmp_path) == []
