@@ -10,6 +10,7 @@ a cache's files before the rows that reference them.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -21,9 +22,12 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import blockfiles, cache_index
-from app.store.db import write_locked
+from app.errors import StoreBusy
+from app.store.db import with_retries, write_locked
 from app.store.history import utcnow
 from app.store.models import Agent, Block, Cache, CacheBlock, JobRun
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 600  # a file or unreferenced block this old is no longer being written or reused
 VERIFY_SAMPLE = 32  # block and record files whose checksums compact verifies per run
@@ -65,7 +69,7 @@ def run_expire(sessions: sessionmaker[Session], default_ttl_s: int, now: datetim
     """Make cold every cache whose agent was last used longer ago than its TTL
     (the agent's ``ttl_seconds``, else ``default_ttl_s``). History is kept."""
     started = now or utcnow()
-    with sessions.begin() as session:
+    with write_locked(sessions) as session:
         rows = session.execute(select(Cache, Agent.ttl_seconds, Agent.last_access_at)
                                .join(Agent, Agent.id == Cache.agent_id).where(Cache.tier != "cold")).all()
         expired, files = [], []
@@ -90,7 +94,7 @@ def disk_bytes(session: Session) -> int:
 def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, Any]:
     """Make the least recently used caches cold until the files fit ``budget_bytes``."""
     started = utcnow()
-    with sessions.begin() as session:
+    with write_locked(sessions) as session:
         used = before = disk_bytes(session)
         evicted, files = [], []
         caches = session.scalars(select(Cache).where(Cache.tier != "cold").order_by(Cache.last_access_at))
@@ -179,6 +183,22 @@ def _retire_damaged(session: Session, block_hashes: list[str], cache_ids: list[i
     return len(users), files
 
 
+def _maintain(engine: Engine, statement: str) -> bool:
+    """Run a maintenance statement; while the server writes it may find the database
+    busy (a write that began as a read fails at once in WAL mode): it is retried, then
+    left for the next run. Returns whether it ran."""
+    def run() -> None:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.execute(text(statement))
+
+    try:
+        with_retries(run, attempts=3, backoff_s=0.5)
+    except StoreBusy:
+        log.warning("compact: %s skipped, the database stayed busy", statement)
+        return False
+    return True
+
+
 def _worth_vacuuming(engine: Engine) -> bool:
     """VACUUM rewrites the whole file under an exclusive lock: only when a quarter of
     the pages (and at least 1 MiB) are free."""
@@ -204,16 +224,12 @@ def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Pat
         unreferenced = _unreferenced_blocks(session, before)
         orphans = _orphan_files(session, blocks_dir, now_s)
         checked, damaged_blocks, damaged_records = _damaged_sample(session, blocks_dir, sample)
-    with sessions.begin() as session:
+    with write_locked(sessions) as session:
         dropped = _drop_blocks(session, unreferenced, before)
         damaged, damaged_files = _retire_damaged(session, damaged_blocks, damaged_records)
     deleted, freed = delete_unreferenced(sessions, [*dropped, *orphans, *damaged_files])
-    vacuumed = _worth_vacuuming(engine)
-    if vacuumed:
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-            connection.execute(text("VACUUM"))
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text("PRAGMA optimize"))
+    vacuumed = _worth_vacuuming(engine) and _maintain(engine, "VACUUM")
+    _maintain(engine, "PRAGMA optimize")
     result = {"removed_temp_files": len(temp), "unreferenced_blocks": len(dropped),
               "orphan_files": len(orphans), "verified_files": checked, "damaged_caches": damaged,
               "files_deleted": deleted, "bytes_freed": freed, "vacuumed": vacuumed}
