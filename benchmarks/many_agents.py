@@ -30,6 +30,7 @@ from benchmarks.peer import SYSTEM, stream_turn  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 BYTES_PER_TOKEN = 6480  # SmolLM2's 4-bit KV bytes per token (benchmarks/memory.py)
+WORKING_BYTES_PER_TOKEN = 46080  # its float32 working copy (keys and values, 30 layers)
 
 
 def rounds(url: str, args: argparse.Namespace) -> list[list[float]]:
@@ -62,9 +63,12 @@ def main() -> None:
     model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")
     scratch = Path(tempfile.mkdtemp(prefix="semantic-many-"))
     agent_bytes = int(args.context_words * 1.3 * BYTES_PER_TOKEN)
+    # The budget also holds the float working copy a turn runs on (admission refuses a
+    # request whose working copy alone exceeds it): the longest turn's prompt and reply.
+    working = int((args.context_words * 1.3 + args.rounds * 60 + 64) * WORKING_BYTES_PER_TOKEN)
     configs = {
-        "all hot": {"SEMANTIC_CACHE_MEMORY_BYTES": str(agent_bytes * args.agents * 4)},
-        f"budget for {args.hot}": {"SEMANTIC_CACHE_MEMORY_BYTES": str(agent_bytes * args.hot)},
+        "all hot": {"SEMANTIC_CACHE_MEMORY_BYTES": str(agent_bytes * args.agents * 4 + working)},
+        f"budget for {args.hot}": {"SEMANTIC_CACHE_MEMORY_BYTES": str(agent_bytes * args.hot + working)},
         "reuse off": {"SEMANTIC_CACHE_REUSE": "0"},
     }
     results = {}
