@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 from app.errors import ConfigError
-from app.types import KV_FORMAT_BITS, RequestOptions
+from app.types import KV_FORMAT_NAMES, RequestOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -72,7 +72,8 @@ class Settings:
     # working copy of the most recently used agent; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
     # How stored KV caches are quantized: q4 (4-bit keys and values, 28% of FP16),
-    # k8v4 (8-bit keys: 41%, closer to float KV), q8 (53%, near lossless). Part of the
+    # q4r (q4 after a Hadamard rotation of each head: same size, closer to float KV),
+    # k8v4 (8-bit keys: 41%, closer still), q8 (53%, near lossless). Part of the
     # model fingerprint: changing it makes existing caches a clean miss.
     kv_format: str = "q4"
     # Conversation caches an agent keeps (memory and disk); beyond it the least recently
@@ -221,8 +222,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Set
     values.update({k: v for k, v in overrides.items() if v is not None})
     typed = {name: _coerce(name, _KINDS[name], value) for name, value in values.items()}
     settings = Settings(**typed)
-    if settings.kv_format not in KV_FORMAT_BITS:
-        raise ConfigError(f"kv_format: {settings.kv_format!r} is not one of {', '.join(KV_FORMAT_BITS)}")
+    if settings.kv_format not in KV_FORMAT_NAMES:
+        raise ConfigError(f"kv_format: {settings.kv_format!r} is not one of {', '.join(KV_FORMAT_NAMES)}")
     if not 0 < settings.port < 65536:
         raise ConfigError(f"port: {settings.port} is not a valid TCP port")
     return dataclasses.replace(settings, home=settings.home.expanduser())

@@ -207,7 +207,7 @@ class CacheManager:
             for layer in cache:
                 layer.trim(layer.offset - n_reused)
         else:
-            cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
+            cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), outcome, report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))])
 
@@ -231,7 +231,7 @@ class CacheManager:
     def _from_shared(self, agent_id: str, conversation_id: str, prompt: Prompt, usable: list[str], n_reused: int,
                      report: ReuseReport) -> Lease:
         blocks = [self._blocks[h] for h in usable]
-        cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype)
+        cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
         return Lease(agent_id, conversation_id, cache, record, "shared", report, tuple(blocks), tuple(usable))
@@ -359,7 +359,7 @@ class CacheManager:
     def _keep_working_copy(self, conversation_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
         if self._working_copies <= 0:
             return
-        overwrite_with_stored(cache, computed, start)
+        overwrite_with_stored(cache, computed, start, self.kv_format)
         self._working[conversation_id] = cache
         self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + _nbytes(cache))
         while len(self._working) > self._working_copies:

@@ -74,7 +74,7 @@ def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int], 
     cache = to_working_cache([], n_layers, 0, mx.float32)
     forward(model, cache, prefix)
     stored = quantize_span(cache, 0, len(prefix), kv_format)
-    return forward(model, to_working_cache([stored], n_layers, len(prefix), mx.float32), suffix)
+    return forward(model, to_working_cache([stored], n_layers, len(prefix), mx.float32, kv_format), suffix)
 
 
 def manager(home: Path, n_layers: int, fingerprint: str = "fp-test", agents: tuple[str, ...] = ("a", "b"),
@@ -129,11 +129,12 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
 def test_the_default_format_keeps_the_fingerprint_existing_caches_were_stored_under() -> None:
     assert DEFAULT_KV_FORMAT.fingerprint == "affine-q4-g64-s16-b256"
     assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-g64-s16-b256"
-    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure), 40.6%, 53.1%.
-    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.406, 0.531]
+    assert KV_FORMATS["q4r"].fingerprint == "affine-q4-hadamard-g64-s16-b256"
+    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, rotated or not), 40.6%, 53.1%.
+    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.406, 0.531]
 
 
-@pytest.mark.parametrize("name", ["k8v4", "q8"])
+@pytest.mark.parametrize("name", ["q4r", "k8v4", "q8"])
 def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -> None:
     kv_format = KV_FORMATS[name]
     model = build("llama")

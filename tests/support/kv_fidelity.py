@@ -28,7 +28,7 @@ Roundtrip = Callable[[list[KVCache], int], list[KVCache]]
 def _product_format(name: str) -> Roundtrip:
     def roundtrip(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
         block = quantize_span(cache, 0, n_tokens, KV_FORMATS[name])
-        return to_working_cache([block], len(cache), n_tokens, mx.float32)
+        return to_working_cache([block], len(cache), n_tokens, mx.float32, KV_FORMATS[name])
 
     return roundtrip
 
