@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import falcon.testing
 import pytest
@@ -21,6 +21,9 @@ from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, Prompt, Started, TextDelta
 from support.dbcheck import query
+
+if TYPE_CHECKING:
+    from app.engine.engine import ModelInfo
 
 CONTEXT = 64
 
