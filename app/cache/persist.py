@@ -209,19 +209,15 @@ class Persister(threading.Thread):
         cache = snapshot.cache
         record_path = self._files.write_record(cache)
         for _ in range(WRITE_ATTEMPTS):
-            rows = []
-            parent = None
-            for block in cache.chain:
-                path, digest = self._files.write_block(block, snapshot.blocks[block])
-                size = path.stat().st_size if path.exists() else 0  # checked again under the lock
-                rows.append(cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), size, digest))
-                parent = block
+            written = [self._files.write_block(block, snapshot.blocks[block]) for block in cache.chain]
             with write_locked(self._sessions) as session:
                 # A block file that existed above may have been deleted since by the worker
                 # (its row was dropped); under the lock no deleter runs, and after this
                 # commit the rows protect the files.
-                if not all(Path(row.path).exists() for row in rows):
+                if not all(path.exists() for path, _ in written):
                     continue
+                rows = [cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest)
+                        for block, parent, (path, digest) in zip(cache.chain, (None, *cache.chain), written)]
                 now = utcnow()
                 previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
                 ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
