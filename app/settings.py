@@ -75,7 +75,7 @@ class Settings:
     # q4r (q4 after a Hadamard rotation of each head: same size, closer to float KV),
     # k8v4 (8-bit keys: 41%, closer still), q8 (53%, near lossless). Part of the
     # model fingerprint: changing it makes existing caches a clean miss.
-    kv_format: str = "q4"
+    kv_format: str = "q4c"
     # Conversation caches an agent keeps (memory and disk); beyond it the least recently
     # used one's cache is deleted (its history stays).
     max_conversations: int = 8

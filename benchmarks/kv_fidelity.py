@@ -4,10 +4,9 @@
 
 For SmolLM2-135M and Gemma 3 270M, two texts (the GPL-3 prose and argparse.py), a
 prefix of each context length prefilled in float32 and passed through each format
-(tests/support/kv_fidelity.py: the shipped q4 / k8v4 / q8 through the product's own
-quantizer, and kivi, 4-bit keys per channel, as a candidate): 256 following tokens
-scored teacher-forced against float KV (top-1 agreement, mean and max KL, perplexity
-change); 64 greedy tokens after the 2K prefix compared with float's; and a needle (a
+(tests/support/kv_fidelity.py: every kv_format through the product's own quantizer):
+256 following tokens scored teacher-forced against float KV (top-1 agreement, mean and
+max KL, perplexity change); 64 greedy tokens after the 2K prefix compared with float's; and a needle (a
 passphrase at the start of ~2K tokens of prose, asked for at the end) per format.
 Prints a table, writes benchmarks/results/kv_fidelity.json and kv_fidelity.png.
 """

@@ -1,16 +1,23 @@
 """KV data <-> quantized blocks (MLX).
 
 A block holds every layer's keys and values for a span of at most
-``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization (group size
-64 along the head dimension; scales and biases kept in float16, which is what
-makes 4-bit 28.1% of FP16). The ``KVFormat`` says the bits of keys and of
-values (4 by default; 8-bit keys keep the answers closer to float KV, see
-benchmarks/kv_fidelity.py), and whether each head's vectors are rotated by a
-normalized Hadamard matrix before quantizing (``q4r``): the rotation spreads a few
-large channels over all of them, so a group's scale fits its values better; the
-matrix is its own inverse, applied again after dequantizing. Quantization groups
-never cross tokens, so a span quantizes the same alone or inside a longer cache.
-The bits follow from the arrays' shapes; the rotation from the format.
+``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization in groups of
+64 values with float16 scales and biases (which is what makes 4-bit 28.1% of
+FP16). The ``KVFormat`` says how:
+
+- per token (``q4``, ``k8v4``, ``q8``): each head vector of each token in groups
+  of 64 along the head dimension; optionally after rotating each head vector by
+  a normalized Hadamard matrix (``q4r``), which spreads a few large channels over
+  all of them so a group's scale fits its values better (the matrix is its own
+  inverse, applied again after dequantizing). A span quantizes the same alone or
+  inside a longer cache, so blocks can be cut and joined at any token.
+- keys per channel (``q4c``, after KIVI): each key channel quantized along time
+  in groups of 64 tokens (keys have a few channels far larger than the rest, the
+  same in every token), values per token after the rotation. The tokens of a
+  last, incomplete group stay float16 until the group completes; then the group
+  is quantized from them (float data, never quantized data: see
+  ``KVFormat.requantize_from`` and ``KVFormat.reusable``). Blocks are cut and
+  joined only at group boundaries.
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
@@ -32,42 +39,81 @@ SCALE_DTYPE = mx.float16
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """Bits of the stored keys and values, and whether heads are rotated first."""
+    """Bits of the stored keys and values, which are rotated first, and whether keys
+    are quantized per channel (over groups of 64 tokens) rather than per token."""
 
     name: str
     key_bits: int
     value_bits: int
-    rotated: bool = False
+    rotate_keys: bool = False
+    rotate_values: bool = False
+    channel_keys: bool = False
 
     @property
     def fingerprint(self) -> str:
         """Part of every model fingerprint: caches of another format never match."""
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
-        return f"affine-{bits}{'-hadamard' if self.rotated else ''}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
+        if self.channel_keys:
+            layout = "-kchannel" + ("-vhadamard" if self.rotate_values else "")
+        else:
+            layout = "-hadamard" if self.rotate_keys else ""
+        return f"affine-{bits}{layout}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
 
     @property
     def bytes_per_value(self) -> float:
         """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
         return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
 
+    def requantize_from(self, n_reused: int) -> int:
+        """Where a commit starts quantizing after ``n_reused`` reused tokens: tokens
+        before it keep their stored data. Per-channel keys restart at the group the
+        reused tokens end in (its first tokens are float16 data: see ``reusable``)."""
+        return n_reused - n_reused % GROUP_SIZE if self.channel_keys else n_reused
 
-KV_FORMATS = {f.name: f for f in (KVFormat("q4", 4, 4), KVFormat("q4r", 4, 4, rotated=True),
+    def reusable(self, n_reused: int, n_stored: int) -> int:
+        """How many of a stored cache's first ``n_reused`` tokens a lease may reuse.
+
+        Per-channel keys: a cut inside the stored complete groups goes back to the
+        group's start (its tokens hold dequantized 4-bit data, which the next commit
+        would quantize again); a cut inside the float16 tail is kept."""
+        if not self.channel_keys or n_reused >= n_stored - n_stored % GROUP_SIZE:
+            return n_reused
+        return n_reused - n_reused % GROUP_SIZE
+
+
+KV_FORMATS = {f.name: f for f in (KVFormat("q4", 4, 4), KVFormat("q4r", 4, 4, rotate_keys=True, rotate_values=True),
+                                   KVFormat("q4c", 4, 4, rotate_values=True, channel_keys=True),
                                    KVFormat("k8v4", 8, 4), KVFormat("q8", 8, 8))}
 assert tuple(KV_FORMATS) == KV_FORMAT_NAMES
-DEFAULT_KV_FORMAT = KV_FORMATS["q4"]
+DEFAULT_KV_FORMAT = KV_FORMATS["q4c"]
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
 assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
 
 ARRAY_NAMES = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
+# Per-channel keys: k_w / k_s / k_b are (batch, heads, head_dim, along time), k_t the float16 incomplete group.
+CHANNEL_ARRAY_NAMES = ("k_w", "k_s", "k_b", "k_t", "v_w", "v_s", "v_b")
+_ALONG_TIME = {"k_w", "k_s", "k_b"}
 
 
 @dataclass(frozen=True)
 class KVBlock:
-    """Quantized KV of one token span: ``layers[i]`` has the six arrays of ARRAY_NAMES."""
+    """Quantized KV of one token span: ``layers[i]`` has the arrays of ARRAY_NAMES, or
+    of CHANNEL_ARRAY_NAMES in a format with per-channel keys."""
 
     n_tokens: int
     layers: tuple[tuple[mx.array, ...], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return CHANNEL_ARRAY_NAMES if len(self.layers[0]) == len(CHANNEL_ARRAY_NAMES) else ARRAY_NAMES
+
+    @property
+    def n_grouped(self) -> int:
+        """Tokens whose keys are in complete per-channel groups (per-token keys: all)."""
+        if self.names is ARRAY_NAMES:
+            return self.n_tokens
+        return self.layers[0][CHANNEL_ARRAY_NAMES.index("k_s")].shape[-1] * GROUP_SIZE
 
     @property
     def nbytes(self) -> int:
@@ -76,40 +122,69 @@ class KVBlock:
     def to_arrays(self) -> dict[str, mx.array]:
         """Flat name -> array mapping, for safetensors."""
         return {f"{i}.{name}": array for i, layer in enumerate(self.layers)
-                for name, array in zip(ARRAY_NAMES, layer)}
+                for name, array in zip(self.names, layer)}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array], n_layers: int, n_tokens: int) -> KVBlock:
         """Inverse of ``to_arrays``. Raises KeyError if an array is missing."""
-        layers = tuple(tuple(arrays[f"{i}.{name}"] for name in ARRAY_NAMES) for i in range(n_layers))
+        names = CHANNEL_ARRAY_NAMES if "0.k_t" in arrays else ARRAY_NAMES
+        layers = tuple(tuple(arrays[f"{i}.{name}"] for name in names) for i in range(n_layers))
         block = cls(n_tokens, layers)
         block.check()
         return block
 
     def check(self) -> None:
         """Raise ValueError unless every array covers ``n_tokens`` tokens."""
+        names, n_grouped = self.names, self.n_grouped
         for layer in self.layers:
-            if any(array.ndim != 4 or array.shape[2] != self.n_tokens for array in layer):
-                raise ValueError("block arrays do not match its token count")
+            for name, array in zip(names, layer):
+                if name in _ALONG_TIME and names is CHANNEL_ARRAY_NAMES:
+                    ok = array.ndim == 4 and (name == "k_w" or array.shape[-1] * GROUP_SIZE == n_grouped)
+                else:
+                    ok = array.ndim == 4 and array.shape[2] == (self.n_tokens - n_grouped if name == "k_t"
+                                                                else self.n_tokens)
+                if not ok:
+                    raise ValueError("block arrays do not match its token count")
+
+    def _axis(self, name: str) -> int:
+        return -1 if name in _ALONG_TIME and self.names is CHANNEL_ARRAY_NAMES else 2
 
 
 def join_blocks(blocks: list[KVBlock]) -> KVBlock:
-    """One block spanning ``blocks`` in order (quantized data is per token, so
-    concatenating along the token axis is exact)."""
+    """One block spanning ``blocks`` in order. Quantization groups never cross a block
+    boundary (per-channel keys: only the last block may end in an incomplete group),
+    so concatenating along the token axis is exact."""
     if len(blocks) == 1:
         return blocks[0]
-    layers = tuple(tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=2) for a in range(len(ARRAY_NAMES)))
-                   for i in range(len(blocks[0].layers)))
+    if any(b.n_grouped != b.n_tokens for b in blocks[:-1]):
+        raise ValueError("only the last block may end in an incomplete key group")
+    first = blocks[0]
+    layers = tuple(tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=first._axis(name))
+                         for a, name in enumerate(first.names))
+                   for i in range(len(first.layers)))
     mx.eval([a for layer in layers for a in layer])  # evaluated here, on the engine thread
     return KVBlock(sum(b.n_tokens for b in blocks), layers)
 
 
 def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
     """Tokens ``[start, end)`` of a block, still quantized, in arrays of their own
-    (not views that would keep the whole source alive)."""
+    (not views that would keep the whole source alive). Per-channel keys: a cut
+    inside the complete groups must fall on a group boundary."""
     if (start, end) == (0, block.n_tokens):
         return block
-    sliced = KVBlock(end - start, tuple(tuple(mx.contiguous(a[:, :, start:end]) for a in layer)
+    n_grouped = block.n_grouped
+    grouped = (min(start, n_grouped), min(end, n_grouped))
+    if block.names is CHANNEL_ARRAY_NAMES and any(at % GROUP_SIZE and at != n_grouped for at in grouped):
+        raise ValueError(f"cannot cut per-channel key groups at tokens {start}-{end}")
+
+    def cut(name: str, array: mx.array) -> mx.array:
+        if block._axis(name) == 2:
+            lo, hi = (max(start - n_grouped, 0), max(end - n_grouped, 0)) if name == "k_t" else (start, end)
+            return mx.contiguous(array[:, :, lo:hi])
+        per_group = array.shape[-1] * GROUP_SIZE // n_grouped if n_grouped else 0  # words (k_w) or scales per group
+        return mx.contiguous(array[..., grouped[0] // GROUP_SIZE * per_group:grouped[1] // GROUP_SIZE * per_group])
+
+    sliced = KVBlock(end - start, tuple(tuple(cut(name, a) for name, a in zip(block.names, layer))
                                         for layer in block.layers))
     mx.eval([a for layer in sliced.layers for a in layer])
     return sliced
@@ -120,28 +195,48 @@ def _quantize(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
 
-def _dequantize(w: mx.array, s: mx.array, b: mx.array, dtype: mx.Dtype) -> mx.array:
-    bits = w.shape[-1] * 32 // (s.shape[-1] * GROUP_SIZE)  # packed uint32 words per group of values
+def _dequantize(w: mx.array, s: mx.array, b: mx.array, bits: int, dtype: mx.Dtype) -> mx.array:
+    if w.size == 0:
+        return mx.zeros((*s.shape[:-1], 0), dtype=dtype)
     return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits).astype(dtype)
 
 
-def _rotate(x: mx.array, kv_format: KVFormat) -> mx.array:
-    """Each head vector times the normalized Hadamard matrix (its own inverse), if the format rotates."""
-    if not kv_format.rotated:
+def _rotate(x: mx.array, rotate: bool) -> mx.array:
+    """Each head vector times the normalized Hadamard matrix (its own inverse), if asked."""
+    if not rotate:
         return x
     return mx.hadamard_transform(x.astype(mx.float32), scale=x.shape[-1] ** -0.5).astype(x.dtype)
 
 
 def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVFormat = DEFAULT_KV_FORMAT) -> KVBlock:
-    """Quantize tokens ``[start, end)`` of a float working cache into a block."""
+    """Quantize tokens ``[start, end)`` of a float working cache into a block
+    (per-channel keys: ``start`` on a group boundary)."""
+    if kv_format.channel_keys and start % GROUP_SIZE:
+        raise ValueError(f"per-channel key groups start at multiples of {GROUP_SIZE}, not {start}")
     layers = []
     for layer in cache:
-        keys = _rotate(layer.keys[..., start:end, :], kv_format)
-        values = _rotate(layer.values[..., start:end, :], kv_format)
-        layers.append((*_quantize(keys, kv_format.key_bits), *_quantize(values, kv_format.value_bits)))
+        keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
+        values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits)
+        if kv_format.channel_keys:
+            whole = (end - start) - (end - start) % GROUP_SIZE
+            grouped = _quantize(keys[..., :whole, :].swapaxes(-1, -2), kv_format.key_bits)
+            layers.append((*grouped, keys[..., whole:, :].astype(mx.float16), *values))
+        else:
+            layers.append((*_quantize(keys, kv_format.key_bits), *values))
     block = KVBlock(end - start, tuple(layers))
     mx.eval([a for layer in block.layers for a in layer])
     return block
+
+
+def _dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """One layer of a block back to float keys and values (batch, heads, tokens, head_dim)."""
+    if kv_format.channel_keys:
+        grouped = _dequantize(*data[:3], kv_format.key_bits, dtype).swapaxes(-1, -2)
+        keys = mx.concatenate([grouped, data[3].astype(dtype)], axis=2)
+    else:
+        keys = _dequantize(*data[:3], kv_format.key_bits, dtype)
+    values = _dequantize(*data[-3:], kv_format.value_bits, dtype)
+    return _rotate(keys, kv_format.rotate_keys), _rotate(values, kv_format.rotate_values)
 
 
 def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype: mx.Dtype,
@@ -155,10 +250,10 @@ def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype:
     if n_tokens == 0:
         return cache
     for i, layer in enumerate(cache):
-        keys = mx.concatenate([_dequantize(*b.layers[i][:3], dtype) for b in blocks], axis=2)
-        values = mx.concatenate([_dequantize(*b.layers[i][3:], dtype) for b in blocks], axis=2)
-        layer.state = (_rotate(keys[..., :n_tokens, :], kv_format), _rotate(values[..., :n_tokens, :], kv_format),
-                       n_tokens)
+        parts = [_dequantize_layer(b.layers[i], kv_format, dtype) for b in blocks]
+        keys = mx.concatenate([k for k, _ in parts], axis=2)
+        values = mx.concatenate([v for _, v in parts], axis=2)
+        layer.state = (keys[..., :n_tokens, :], values[..., :n_tokens, :], n_tokens)
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
     return cache
 
@@ -170,6 +265,7 @@ def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int,
     disk would give (the next turn must not depend on which of the two it got)."""
     end = start + block.n_tokens
     for layer, data in zip(cache, block.layers):
-        layer.keys[..., start:end, :] = _rotate(_dequantize(*data[:3], layer.keys.dtype), kv_format)
-        layer.values[..., start:end, :] = _rotate(_dequantize(*data[3:], layer.values.dtype), kv_format)
+        keys, values = _dequantize_layer(data, kv_format, layer.keys.dtype)
+        layer.keys[..., start:end, :] = keys
+        layer.values[..., start:end, :] = values
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])

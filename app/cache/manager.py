@@ -134,10 +134,11 @@ class CacheManager:
             return self.cold(None, None, ReuseReport("off"))
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
-        n_text = best.match.n_reused if best else 0
+        n_text = self.kv_format.reusable(best.match.n_reused, best.cache.record.n_tokens) if best else 0
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
         shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
-        n_shared = min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1)
+        n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
+                                           len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
         if best is not None and n_text >= n_shared and n_text > 0:
             reason = best.match.outcome if own else "sibling"
@@ -265,14 +266,15 @@ class CacheManager:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
                       conversation_id, cache[0].offset, record.n_tokens)
             return
-        kept = lease.n_reused // BLOCK_TOKENS
-        chain = list(lease.chain[:kept])
         # Reused tokens keep their 4-bit data as is (quantizing dequantized values
-        # again would add error every turn); only tokens computed now are quantized.
+        # again would add error every turn); only tokens computed now are quantized
+        # (per-channel keys: from the start of the group they complete).
+        begin = self.kv_format.requantize_from(lease.n_reused)
+        kept = begin // BLOCK_TOKENS
+        chain = list(lease.chain[:kept])
         start = kept * BLOCK_TOKENS
-        pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, lease.n_reused - start)] \
-            if lease.n_reused > start else []
-        computed = quantize_span(cache, lease.n_reused, record.n_tokens, self.kv_format)
+        pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, begin - start)] if begin > start else []
+        computed = quantize_span(cache, begin, record.n_tokens, self.kv_format)
         pending.append(computed)
         fresh = join_blocks(pending)
         for offset in range(0, fresh.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
@@ -287,7 +289,7 @@ class CacheManager:
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail)
         self._set_hot(stored)
-        self._keep_working_copy(conversation_id, cache, computed, lease.n_reused)
+        self._keep_working_copy(conversation_id, cache, computed, begin)
         if persist:
             self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain}))
         if hot_ttl_s is not None and persist:

@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.cache.blocks import DEFAULT_KV_FORMAT, KV_FORMATS, KVFormat, quantize_span, to_working_cache
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KV_FORMATS, KVFormat, join_blocks, quantize_span, slice_block,
+                              to_working_cache)
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -69,11 +70,13 @@ def forward(model, cache, tokens: list[int]) -> mx.array:  # type: ignore[no-unt
 
 
 def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int],  # type: ignore[no-untyped-def]
-                    kv_format: KVFormat = DEFAULT_KV_FORMAT) -> mx.array:
-    """Prefill the prefix cold, pass it through the stored format, then the suffix."""
+                    kv_format: KVFormat = DEFAULT_KV_FORMAT, prefilled: list[int] | None = None) -> mx.array:
+    """Prefill the prefix cold (as part of ``prefilled``, if the stored turn was longer:
+    the same split), pass it through the stored format, then the suffix."""
+    prefilled = prefilled or prefix
     cache = to_working_cache([], n_layers, 0, mx.float32)
-    forward(model, cache, prefix)
-    stored = quantize_span(cache, 0, len(prefix), kv_format)
+    forward(model, cache, prefilled)
+    stored = quantize_span(cache, 0, len(prefilled), kv_format)
     return forward(model, to_working_cache([stored], n_layers, len(prefix), mx.float32, kv_format), suffix)
 
 
@@ -114,7 +117,8 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
     edited = first[:280] + [(first[280] + 1) % VOCAB] + more
     lease = caches.lease("a", "a-c", as_prompt(edited))
     assert (lease.n_reused, lease.outcome) == (280, "diverge")
-    assert mx.array_equal(forward(model, lease.cache, edited[280:]), cold_same_split(model, n_layers, first[:280], edited[280:]))
+    assert mx.array_equal(forward(model, lease.cache, edited[280:]),
+                          cold_same_split(model, n_layers, first[:280], edited[280:], prefilled=first))
 
     # Persist and reload in a new manager (a restart): the same logits, bit for bit.
     caches.flush(30)
@@ -126,15 +130,18 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
     caches.close()
 
 
-def test_the_default_format_keeps_the_fingerprint_existing_caches_were_stored_under() -> None:
-    assert DEFAULT_KV_FORMAT.fingerprint == "affine-q4-g64-s16-b256"
+def test_every_format_has_its_own_fingerprint_and_the_documented_size() -> None:
+    assert DEFAULT_KV_FORMAT is KV_FORMATS["q4c"]
+    assert KV_FORMATS["q4"].fingerprint == "affine-q4-g64-s16-b256"  # caches stored before q4c still match q4
     assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-g64-s16-b256"
     assert KV_FORMATS["q4r"].fingerprint == "affine-q4-hadamard-g64-s16-b256"
-    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, rotated or not), 40.6%, 53.1%.
-    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.406, 0.531]
+    assert KV_FORMATS["q4c"].fingerprint == "affine-q4-kchannel-vhadamard-g64-s16-b256"
+    assert len({f.fingerprint for f in KV_FORMATS.values()}) == len(KV_FORMATS)
+    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, whatever the layout), 40.6%, 53.1%.
+    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.281, 0.406, 0.531]
 
 
-@pytest.mark.parametrize("name", ["q4r", "k8v4", "q8"])
+@pytest.mark.parametrize("name", ["q4", "q4r", "q4c", "k8v4", "q8"])
 def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -> None:
     kv_format = KV_FORMATS[name]
     model = build("llama")
@@ -147,15 +154,23 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
     stored = caches._blocks[caches._hot["a-c"].chain[0]]
     head_dim = model.layers[0].self_attn.head_dim
-    assert stored.layers[0][0].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
-    assert stored.layers[0][3].shape[-1] * 32 // head_dim == kv_format.value_bits
+    arrays = dict(zip(stored.names, stored.layers[0]))
+    if kv_format.channel_keys:  # each channel of 256 tokens: 4 groups of 64 along time, no float16 tail
+        assert arrays["k_w"].shape[-2:] == (head_dim, BLOCK_TOKENS * kv_format.key_bits // 32)
+        assert arrays["k_s"].shape[-2:] == (head_dim, BLOCK_TOKENS // 64) and arrays["k_t"].shape[2] == 0
+        tail = dict(zip(caches._hot["a-c"].tail.names, caches._hot["a-c"].tail.layers[0]))
+        assert tail["k_t"].shape[2] == 300 - BLOCK_TOKENS and tail["k_t"].dtype == mx.float16  # incomplete group
+    else:
+        assert arrays["k_w"].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
+    assert arrays["v_w"].shape[-1] * 32 // head_dim == kv_format.value_bits
     caches.flush(30)
     reloaded = manager(tmp_path, n_layers, kv_format=kv_format)
     lease = reloaded.lease("a", "a-c", as_prompt(first + more))
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more, kv_format))
-    assert not mx.array_equal(warm, cold_same_split(model, n_layers, first, more))  # not what q4 gives
+    other = KV_FORMATS["q4r" if name == "q4" else "q4"]
+    assert not mx.array_equal(warm, cold_same_split(model, n_layers, first, more, other))  # the format matters
     reloaded.close()
     caches.close()
 
@@ -257,9 +272,12 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
 
     side = shared + rng.integers(0, VOCAB, 30).tolist()  # the same start, then its own
     lease = caches.lease("a", "side", as_prompt(side))
-    assert (lease.n_reused, lease.outcome, lease.report.reason) == (300, "shared", "sibling")
+    # 300 tokens in common end inside main's complete key group [256, 320): its 4-bit data
+    # would be quantized again, so the reuse goes back to the group's start.
+    assert (lease.n_reused, lease.outcome, lease.report.reason) == (256, "shared", "sibling")
     assert lease.report.offset is not None and lease.report.offset > 0
-    assert mx.array_equal(forward(model, lease.cache, side[300:]), cold_same_split(model, n_layers, shared, side[300:]))
+    assert mx.array_equal(forward(model, lease.cache, side[256:]),
+                          cold_same_split(model, n_layers, shared[:256], side[256:], prefilled=shared))
     caches.commit(lease, CacheRecord(*_record_fields(side)), lease.cache)
     assert caches.record("main") is not None and caches.record("main").tokens == tuple(main)  # untouched
 
@@ -279,3 +297,64 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
     assert rows == [("main",), ("third",)]
     caches._pool.check()
     caches.close()
+
+
+def test_per_channel_key_groups_complete_from_float16_tokens_and_are_cut_only_at_their_start(tmp_path: Path) -> None:
+    """q4c: the tokens of an incomplete key group stay float16; the turn that completes
+    the group quantizes it from them (never from dequantized 4-bit data), and a reuse
+    that ends inside a complete group goes back to the group's start."""
+    q4c = KV_FORMATS["q4c"]
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(13)
+    first, more = rng.integers(0, VOCAB, 300).tolist(), rng.integers(0, VOCAB, 40).tolist()
+    caches = manager(tmp_path, n_layers, kv_format=q4c)
+    lease = caches.lease("a", "a-c", as_prompt(first))
+    forward(model, lease.cache, first)
+    caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    lease = caches.lease("a", "a-c", as_prompt(first + more))
+    assert lease.n_reused == 300
+    forward(model, lease.cache, more)
+    caches.commit(lease, CacheRecord(*_record_fields(first + more)), lease.cache)
+
+    # The expected tail: turn 1 stored (tokens 256-299 float16), turn 2 computed on top of
+    # exactly that, then tokens 256-339 quantized together: one complete group, 20 float16.
+    cache = to_working_cache([], n_layers, 0, mx.float32)
+    forward(model, cache, first)
+    stored = to_working_cache([quantize_span(cache, 0, 300, q4c)], n_layers, 300, mx.float32, q4c)
+    forward(model, stored, more)
+    expected = quantize_span(stored, BLOCK_TOKENS, 340, q4c)
+    tail = caches._hot["a-c"].tail
+    assert tail.n_tokens == 84 and tail.n_grouped == 64
+    assert all(mx.array_equal(a, b) for got, want in zip(tail.layers, expected.layers) for a, b in zip(got, want))
+
+    # Diverge at 290, inside the complete group [256, 320): reuse goes back to 256.
+    edited = first[:290] + [(first[290] + 1) % VOCAB]
+    lease = caches.lease("a", "a-c", as_prompt(edited))
+    assert (lease.n_reused, lease.outcome) == (256, "diverge")
+    # Diverge at 330, inside the float16 tail [320, 340): kept as is.
+    edited = (first + more)[:330] + [((first + more)[330] + 1) % VOCAB]
+    lease = caches.lease("a", "a-c", as_prompt(edited))
+    assert (lease.n_reused, lease.outcome) == (330, "diverge")
+    caches.close()
+
+
+def test_per_channel_blocks_cut_and_join_only_at_group_boundaries() -> None:
+    q4c = KV_FORMATS["q4c"]
+    model = build("llama")
+    cache = to_working_cache([], len(model.layers), 0, mx.float32)
+    forward(model, cache, np.random.default_rng(17).integers(0, VOCAB, 200).tolist())
+    block = quantize_span(cache, 0, 200, q4c)  # 3 complete groups, 8 float16 tokens
+    assert (block.n_grouped, block.n_tokens) == (192, 200)
+    whole = to_working_cache([block], len(model.layers), 200, mx.float32, q4c)
+    parts = [slice_block(block, 0, 128), slice_block(block, 128, 200)]
+    assert join_blocks(parts).n_tokens == 200
+    rejoined = to_working_cache(parts, len(model.layers), 200, mx.float32, q4c)
+    assert all(mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values) for a, b in zip(whole, rejoined))
+    assert slice_block(block, 64, 196).n_tokens == 132  # a cut inside the float16 tail is fine
+    with pytest.raises(ValueError):
+        slice_block(block, 0, 100)  # inside a complete group
+    with pytest.raises(ValueError):
+        quantize_span(cache, 10, 200, q4c)  # a group must start on a boundary
+    with pytest.raises(ValueError):
+        join_blocks([slice_block(block, 0, 196), slice_block(block, 192, 200)])  # an incomplete group in the middle

@@ -5,9 +5,8 @@ A prefix is prefilled once in float32, the way the engine does (one ``KVCache`` 
 layer, sliding-window layers included, the model masks by window). Each format then
 passes that float cache through its quantizer and back, and the continuation is scored
 teacher-forced against the float cache's own scores: top-1 agreement, KL divergence,
-perplexity of the real next tokens. The shipped formats go through the product's own
-code (``quantize_span`` / ``to_working_cache``); ``kivi`` (keys quantized per channel
-over groups of 64 tokens, values per token, both 4-bit) is a candidate measured here only.
+perplexity of the real next tokens. Every format goes through the product's own code
+(``quantize_span`` / ``to_working_cache``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from app.cache.blocks import GROUP_SIZE, KV_FORMATS, SCALE_DTYPE, quantize_span, to_working_cache
+from app.cache.blocks import KV_FORMATS, quantize_span, to_working_cache
 
 Roundtrip = Callable[[list[KVCache], int], list[KVCache]]
 
@@ -33,31 +32,9 @@ def _product_format(name: str) -> Roundtrip:
     return roundtrip
 
 
-def _affine(x: mx.array, bits: int) -> mx.array:
-    w, s, b = mx.quantize(x, group_size=GROUP_SIZE, bits=bits)
-    return mx.dequantize(w, s.astype(SCALE_DTYPE), b.astype(SCALE_DTYPE), group_size=GROUP_SIZE, bits=bits)
-
-
-def _kivi(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
-    """Keys per channel (groups of 64 tokens along time), values per token; a last
-    incomplete key group stays float16 (as a format would keep it until it completes)."""
-    whole = n_tokens - n_tokens % GROUP_SIZE
-    out = []
-    for layer in cache:
-        keys, values = layer.keys[..., :n_tokens, :], layer.values[..., :n_tokens, :]
-        grouped = _affine(keys[..., :whole, :].swapaxes(-1, -2), 4).swapaxes(-1, -2)
-        rest = keys[..., whole:, :].astype(mx.float16).astype(mx.float32)
-        fresh = KVCache()
-        fresh.state = (mx.concatenate([grouped.astype(mx.float32), rest], axis=2),
-                       _affine(values, 4).astype(mx.float32), n_tokens)
-        out.append(fresh)
-    mx.eval([x for layer in out for x in (layer.keys, layer.values)])
-    return out
-
-
-FORMATS: dict[str, Roundtrip] = {**{name: _product_format(name) for name in KV_FORMATS}, "kivi": _kivi}
+FORMATS: dict[str, Roundtrip] = {name: _product_format(name) for name in KV_FORMATS}
 # Stored bytes per token relative to FP16 keys and values (data plus float16 scale and bias per 64 values).
-BYTES_VS_FP16 = {**{name: f.bytes_per_value / 2 for name, f in KV_FORMATS.items()}, "kivi": KV_FORMATS["q4"].bytes_per_value / 2}
+BYTES_VS_FP16 = {name: f.bytes_per_value / 2 for name, f in KV_FORMATS.items()}
 
 
 def prefill(model, tokens: list[int], step: int = 256) -> list[KVCache]:  # type: ignore[no-untyped-def]
