@@ -13,11 +13,11 @@ FP16). The ``KVFormat`` says how:
   inside a longer cache, so blocks can be cut and joined at any token.
 - keys per channel (``q4c``, after KIVI): each key channel quantized along time
   in groups of 64 tokens (keys have a few channels far larger than the rest, the
-  same in every token), values per token after the rotation. The tokens of a
-  last, incomplete group stay float16 until the group completes; then the group
-  is quantized from them (float data, never quantized data: see
-  ``KVFormat.requantize_from`` and ``KVFormat.reusable``). Blocks are cut and
-  joined only at group boundaries.
+  same in every token), values per token after the rotation. The newest keys
+  (an incomplete group, and one more group) stay float16; a later turn quantizes
+  their groups from them (float data, never quantized data: see
+  ``KVFormat.grouped_tokens`` and ``KVFormat.reusable``). Blocks are cut and
+  joined only at group boundaries, and only the last one holds float16 keys.
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
@@ -35,6 +35,7 @@ from app.types import KV_FORMAT_NAMES
 
 GROUP_SIZE = 64
 SCALE_DTYPE = mx.float16
+RESIDUAL_TOKENS = 64  # per-channel keys: the newest keys kept float16 (see KVFormat.grouped_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +65,21 @@ class KVFormat:
         """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
         return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
 
-    def requantize_from(self, n_reused: int) -> int:
-        """Where a commit starts quantizing after ``n_reused`` reused tokens: tokens
-        before it keep their stored data. Per-channel keys restart at the group the
-        reused tokens end in (its first tokens are float16 data: see ``reusable``)."""
-        return n_reused - n_reused % GROUP_SIZE if self.channel_keys else n_reused
+    def grouped_tokens(self, n_tokens: int) -> int:
+        """How many of a stored conversation's ``n_tokens`` tokens have their keys in
+        quantized groups: per token, all; per channel, every complete group but the
+        newest keys (the last 64 to 127 tokens stay float16), so that the next turn,
+        which re-renders the end of the reply, does not diverge inside a quantized group."""
+        if not self.channel_keys:
+            return n_tokens
+        return max(0, n_tokens - RESIDUAL_TOKENS) // GROUP_SIZE * GROUP_SIZE
 
-    def reusable(self, n_reused: int, n_stored: int) -> int:
-        """How many of a stored cache's first ``n_reused`` tokens a lease may reuse.
-
-        Per-channel keys: a cut inside the stored complete groups goes back to the
-        group's start (its tokens hold dequantized 4-bit data, which the next commit
-        would quantize again); a cut inside the float16 tail is kept."""
-        if not self.channel_keys or n_reused >= n_stored - n_stored % GROUP_SIZE:
+    def reusable(self, n_reused: int, n_grouped: int) -> int:
+        """How many of a stored cache's first ``n_reused`` tokens a lease may reuse, when
+        its first ``n_grouped`` tokens have quantized keys. Per-channel keys: a cut inside
+        those groups goes back to the group's start (its tokens hold dequantized 4-bit
+        data, which the next commit would quantize again); a cut in the float16 keys is kept."""
+        if not self.channel_keys or n_reused >= n_grouped:
             return n_reused
         return n_reused - n_reused % GROUP_SIZE
 
@@ -210,7 +213,7 @@ def _rotate(x: mx.array, rotate: bool) -> mx.array:
 
 def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVFormat = DEFAULT_KV_FORMAT) -> KVBlock:
     """Quantize tokens ``[start, end)`` of a float working cache into a block
-    (per-channel keys: ``start`` on a group boundary)."""
+    (per-channel keys: ``start`` on a group boundary, the newest keys left float16)."""
     if kv_format.channel_keys and start % GROUP_SIZE:
         raise ValueError(f"per-channel key groups start at multiples of {GROUP_SIZE}, not {start}")
     layers = []
@@ -218,7 +221,7 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
         keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
         values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits)
         if kv_format.channel_keys:
-            whole = (end - start) - (end - start) % GROUP_SIZE
+            whole = kv_format.grouped_tokens(end - start)
             grouped = _quantize(keys[..., :whole, :].swapaxes(-1, -2), kv_format.key_bits)
             layers.append((*grouped, keys[..., whole:, :].astype(mx.float16), *values))
         else:

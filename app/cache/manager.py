@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, GROUP_SIZE, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
                               quantize_span, slice_block, to_working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
@@ -134,7 +134,7 @@ class CacheManager:
             return self.cold(None, None, ReuseReport("off"))
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
-        n_text = self.kv_format.reusable(best.match.n_reused, best.cache.record.n_tokens) if best else 0
+        n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
         shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
         n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
@@ -268,16 +268,17 @@ class CacheManager:
             return
         # Reused tokens keep their 4-bit data as is (quantizing dequantized values
         # again would add error every turn); only tokens computed now are quantized
-        # (per-channel keys: from the start of the group they complete).
-        begin = self.kv_format.requantize_from(lease.n_reused)
-        kept = begin // BLOCK_TOKENS
+        # (per-channel keys: from the group of the first float16 key, or of the cut).
+        begin = min(lease.n_reused, sum(b.n_grouped for b in lease.blocks))  # the first float16 key
+        begin -= begin % GROUP_SIZE if self.kv_format.channel_keys else 0
+        kept = min(begin // BLOCK_TOKENS, len(lease.chain))
         chain = list(lease.chain[:kept])
         start = kept * BLOCK_TOKENS
         pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, begin - start)] if begin > start else []
         computed = quantize_span(cache, begin, record.n_tokens, self.kv_format)
         pending.append(computed)
         fresh = join_blocks(pending)
-        for offset in range(0, fresh.n_tokens - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        for offset in range(0, fresh.n_grouped - BLOCK_TOKENS + 1, BLOCK_TOKENS):  # full blocks hold no float16 keys
             parent = chain[-1] if chain else None
             at = start + offset
             block = block_hash(self.fingerprint, parent, record.tokens[at:at + BLOCK_TOKENS])

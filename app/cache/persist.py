@@ -60,6 +60,11 @@ class ConversationCache:
     def private_bytes(self) -> int:
         return self.tail.nbytes if self.tail else 0
 
+    @property
+    def n_grouped(self) -> int:
+        """Tokens whose keys are quantized (per-channel keys: all but the newest, in the tail)."""
+        return len(self.chain) * BLOCK_TOKENS + (self.tail.n_grouped if self.tail else 0)
+
 
 @dataclass(frozen=True)
 class Snapshot:

@@ -112,18 +112,16 @@ def test_prefill_only_jobs_and_generations_share_the_engine(engine: Engine) -> N
 
 def test_two_turns_of_one_conversation_are_serialized(engine: Engine) -> None:
     """Submitted together, the second turn of a conversation waits for the first to commit,
-    then reads its cache (never the same cache at the same time)."""
+    then reads its cache (never the same cache at the same time): its whole prompt but the
+    last token comes from the first turn's stored cache, which exists only after that commit.
+    (The order in which two reader threads see their events says nothing: they race.)"""
     first, second = (GenerationRequest(f"req-same-{i}", engine.render(PROMPTS["agent-2"]), GREEDY, "agent-2",
                                        "same-conversation") for i in range(2))
-    order: list[tuple[str, str]] = []
-    lock = threading.Lock()
     jobs = {"first": engine.submit(first), "second": engine.submit(second)}
     finals: dict[str, Finished] = {}
 
     def read(name: str) -> None:
         for event in jobs[name].events():
-            with lock:
-                order.append((name, type(event).__name__))
             if isinstance(event, Finished):
                 finals[name] = event
 
@@ -132,6 +130,5 @@ def test_two_turns_of_one_conversation_are_serialized(engine: Engine) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert order.index(("first", "Finished")) < order.index(("second", "Started"))
     n_prompt = finals["second"].n_prompt_tokens
     assert finals["second"].n_cached_tokens == n_prompt - 1  # the whole prompt but its last token, from the first

@@ -147,7 +147,7 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     model = build("llama")
     n_layers = len(model.layers)
     rng = np.random.default_rng(3)
-    first, more = rng.integers(0, VOCAB, 300).tolist(), rng.integers(0, VOCAB, 40).tolist()
+    first, more = rng.integers(0, VOCAB, 400).tolist(), rng.integers(0, VOCAB, 40).tolist()
     caches = manager(tmp_path, n_layers, kv_format=kv_format)
     lease = caches.lease("a", "a-c", as_prompt(first))
     forward(model, lease.cache, first)
@@ -158,15 +158,16 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     if kv_format.channel_keys:  # each channel of 256 tokens: 4 groups of 64 along time, no float16 tail
         assert arrays["k_w"].shape[-2:] == (head_dim, BLOCK_TOKENS * kv_format.key_bits // 32)
         assert arrays["k_s"].shape[-2:] == (head_dim, BLOCK_TOKENS // 64) and arrays["k_t"].shape[2] == 0
-        tail = dict(zip(caches._hot["a-c"].tail.names, caches._hot["a-c"].tail.layers[0]))
-        assert tail["k_t"].shape[2] == 300 - BLOCK_TOKENS and tail["k_t"].dtype == mx.float16  # incomplete group
+        tail = caches._hot["a-c"].tail  # tokens 256-399: one more group, then the newest 80 keys in float16
+        assert (tail.n_tokens, tail.n_grouped) == (144, 64)
+        assert tail.layers[0][3].shape[2] == 80 and tail.layers[0][3].dtype == mx.float16
     else:
         assert arrays["k_w"].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
     assert arrays["v_w"].shape[-1] * 32 // head_dim == kv_format.value_bits
     caches.flush(30)
     reloaded = manager(tmp_path, n_layers, kv_format=kv_format)
     lease = reloaded.lease("a", "a-c", as_prompt(first + more))
-    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert (lease.n_reused, lease.outcome) == (400, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more, kv_format))
     other = KV_FORMATS["q4r" if name == "q4" else "q4"]
@@ -272,12 +273,10 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
 
     side = shared + rng.integers(0, VOCAB, 30).tolist()  # the same start, then its own
     lease = caches.lease("a", "side", as_prompt(side))
-    # 300 tokens in common end inside main's complete key group [256, 320): its 4-bit data
-    # would be quantized again, so the reuse goes back to the group's start.
-    assert (lease.n_reused, lease.outcome, lease.report.reason) == (256, "shared", "sibling")
+    assert (lease.n_reused, lease.outcome, lease.report.reason) == (300, "shared", "sibling")
     assert lease.report.offset is not None and lease.report.offset > 0
-    assert mx.array_equal(forward(model, lease.cache, side[256:]),
-                          cold_same_split(model, n_layers, shared[:256], side[256:], prefilled=shared))
+    assert mx.array_equal(forward(model, lease.cache, side[300:]),
+                          cold_same_split(model, n_layers, shared, side[300:], prefilled=main))
     caches.commit(lease, CacheRecord(*_record_fields(side)), lease.cache)
     assert caches.record("main") is not None and caches.record("main").tokens == tuple(main)  # untouched
 
@@ -299,10 +298,10 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
     caches.close()
 
 
-def test_per_channel_key_groups_complete_from_float16_tokens_and_are_cut_only_at_their_start(tmp_path: Path) -> None:
-    """q4c: the tokens of an incomplete key group stay float16; the turn that completes
-    the group quantizes it from them (never from dequantized 4-bit data), and a reuse
-    that ends inside a complete group goes back to the group's start."""
+def test_per_channel_key_groups_complete_from_float16_keys_and_are_cut_only_at_their_start(tmp_path: Path) -> None:
+    """q4c: the newest keys (64 to 127 tokens) stay float16; a later turn quantizes their
+    groups from them (never from dequantized 4-bit data), and a reuse that ends inside a
+    quantized group goes back to the group's start."""
     q4c = KV_FORMATS["q4c"]
     model = build("llama")
     n_layers = len(model.layers)
@@ -312,30 +311,34 @@ def test_per_channel_key_groups_complete_from_float16_tokens_and_are_cut_only_at
     lease = caches.lease("a", "a-c", as_prompt(first))
     forward(model, lease.cache, first)
     caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    stored = caches._hot["a-c"]
+    assert (stored.chain, stored.tail.n_tokens, stored.n_grouped) == ((), 300, 192)  # 108 keys float16: no full block
     lease = caches.lease("a", "a-c", as_prompt(first + more))
     assert lease.n_reused == 300
     forward(model, lease.cache, more)
     caches.commit(lease, CacheRecord(*_record_fields(first + more)), lease.cache)
 
-    # The expected tail: turn 1 stored (tokens 256-299 float16), turn 2 computed on top of
-    # exactly that, then tokens 256-339 quantized together: one complete group, 20 float16.
+    # Expected: turn 1 stored, turn 2 computed on top of exactly that, tokens 192-339
+    # quantized then (groups up to 256 from their float16 keys; 256-339 float16).
     cache = to_working_cache([], n_layers, 0, mx.float32)
     forward(model, cache, first)
-    stored = to_working_cache([quantize_span(cache, 0, 300, q4c)], n_layers, 300, mx.float32, q4c)
-    forward(model, stored, more)
-    expected = quantize_span(stored, BLOCK_TOKENS, 340, q4c)
-    tail = caches._hot["a-c"].tail
-    assert tail.n_tokens == 84 and tail.n_grouped == 64
-    assert all(mx.array_equal(a, b) for got, want in zip(tail.layers, expected.layers) for a, b in zip(got, want))
+    turn1 = quantize_span(cache, 0, 300, q4c)
+    cache = to_working_cache([turn1], n_layers, 300, mx.float32, q4c)
+    forward(model, cache, more)
+    expected = join_blocks([slice_block(turn1, 0, 192), quantize_span(cache, 192, 340, q4c)])
+    stored = caches._hot["a-c"]
+    assert (len(stored.chain), stored.tail.n_tokens, stored.n_grouped) == (1, 84, 256)
+    got = join_blocks([caches._blocks[stored.chain[0]], stored.tail])
+    assert all(mx.array_equal(a, b) for mine, theirs in zip(got.layers, expected.layers) for a, b in zip(mine, theirs))
 
-    # Diverge at 290, inside the complete group [256, 320): reuse goes back to 256.
+    # Diverge at 200, inside the quantized group [192, 256): reuse goes back to 192.
+    edited = first[:200] + [(first[200] + 1) % VOCAB]
+    lease = caches.lease("a", "a-c", as_prompt(edited))
+    assert (lease.n_reused, lease.outcome) == (192, "diverge")
+    # Diverge at 290, among the float16 keys: kept as is.
     edited = first[:290] + [(first[290] + 1) % VOCAB]
     lease = caches.lease("a", "a-c", as_prompt(edited))
-    assert (lease.n_reused, lease.outcome) == (256, "diverge")
-    # Diverge at 330, inside the float16 tail [320, 340): kept as is.
-    edited = (first + more)[:330] + [((first + more)[330] + 1) % VOCAB]
-    lease = caches.lease("a", "a-c", as_prompt(edited))
-    assert (lease.n_reused, lease.outcome) == (330, "diverge")
+    assert (lease.n_reused, lease.outcome) == (290, "diverge")
     caches.close()
 
 
@@ -344,8 +347,8 @@ def test_per_channel_blocks_cut_and_join_only_at_group_boundaries() -> None:
     model = build("llama")
     cache = to_working_cache([], len(model.layers), 0, mx.float32)
     forward(model, cache, np.random.default_rng(17).integers(0, VOCAB, 200).tolist())
-    block = quantize_span(cache, 0, 200, q4c)  # 3 complete groups, 8 float16 tokens
-    assert (block.n_grouped, block.n_tokens) == (192, 200)
+    block = quantize_span(cache, 0, 200, q4c)  # 2 quantized groups, the newest 72 keys float16
+    assert (block.n_grouped, block.n_tokens) == (128, 200)
     whole = to_working_cache([block], len(model.layers), 200, mx.float32, q4c)
     parts = [slice_block(block, 0, 128), slice_block(block, 128, 200)]
     assert join_blocks(parts).n_tokens == 200
