@@ -193,6 +193,15 @@ def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
     return sliced
 
 
+def requantize_start(reused: list[KVBlock], n_reused: int, kv_format: KVFormat) -> int:
+    """Where quantizing resumes after the first ``n_reused`` tokens of ``reused`` (the
+    stored blocks a turn started from): tokens before it keep their stored data, quantizing
+    dequantized values again would add error every turn. Per-channel keys resume at the
+    group of the first float16 key, or of the cut."""
+    begin = min(n_reused, sum(b.n_grouped for b in reused))
+    return begin - begin % GROUP_SIZE if kv_format.channel_keys else begin
+
+
 def _quantize(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=bits)
     return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)

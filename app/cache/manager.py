@@ -23,8 +23,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, GROUP_SIZE, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
-                              quantize_span, slice_block, to_working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
+                              quantize_span, requantize_start, slice_block, to_working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
@@ -266,11 +266,7 @@ class CacheManager:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
                       conversation_id, cache[0].offset, record.n_tokens)
             return
-        # Reused tokens keep their 4-bit data as is (quantizing dequantized values
-        # again would add error every turn); only tokens computed now are quantized
-        # (per-channel keys: from the group of the first float16 key, or of the cut).
-        begin = min(lease.n_reused, sum(b.n_grouped for b in lease.blocks))  # the first float16 key
-        begin -= begin % GROUP_SIZE if self.kv_format.channel_keys else 0
+        begin = requantize_start(list(lease.blocks), lease.n_reused, self.kv_format)
         kept = min(begin // BLOCK_TOKENS, len(lease.chain))
         chain = list(lease.chain[:kept])
         start = kept * BLOCK_TOKENS

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache
+from app.cache.blocks import BLOCK_TOKENS, join_blocks, quantize_span, requantize_start, slice_block, to_working_cache
 from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -77,25 +77,31 @@ def conversation(engine: Engine, agent: str, system: ChatMessage = SYSTEM) -> tu
     return second, f1, f2
 
 
-def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], n_tokens: int) -> tuple[mx.array, list[int]]:
+def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], n_tokens: int,
+                    cut: int | None = None) -> tuple[mx.array, list[int]]:
     """What a cold server computes for the same token split and cache format.
 
     ``tokens[:splits[-1]]`` is prefilled from scratch in the segments the warm
     path saw (one per turn, ``splits`` are the turn boundaries), passing the
-    cache through the 4-bit format at every boundary, as a stored cache is.
-    Then the rest of ``tokens`` is prefilled and ``n_tokens`` are generated
-    greedily. Returns the logits after ``tokens`` and the generated tokens.
+    cache through the 4-bit format at every boundary, as a stored cache is;
+    a reuse that stops short of the last boundary is ``cut``. Then the rest of
+    ``tokens`` is prefilled and ``n_tokens`` are generated greedily. Returns the
+    logits after ``tokens`` and the generated tokens.
     """
-    loaded = engine.loaded
+    loaded, kv_format = engine.loaded, engine.caches.kv_format
     cache = to_working_cache([], loaded.n_layers, 0, mx.float32)
-    stored: list = []  # 4-bit segments; earlier ones are never quantized again
+    stored: list = []  # 4-bit segments; quantized data is never quantized again
     done = 0
     for split in splits:
         for start in range(done, split, BLOCK_TOKENS):
             mx.eval(loaded.model(mx.array([tokens[start:min(start + BLOCK_TOKENS, split)]]), cache=cache))
-        stored.append(quantize_span(cache, done, split))
-        cache = to_working_cache(stored, loaded.n_layers, split, mx.float32)
+        begin = requantize_start(stored, done, kv_format)
+        stored = ([slice_block(join_blocks(stored), 0, begin)] if begin else []) + \
+            [quantize_span(cache, begin, split, kv_format)]
+        cache = to_working_cache(stored, loaded.n_layers, split, mx.float32, kv_format)
         done = split
+    if cut is not None:
+        cache, done = to_working_cache(stored, loaded.n_layers, cut, mx.float32, kv_format), cut
     logits = loaded.model(mx.array([tokens[done:]]), cache=cache)[0, -1]
     first = int(mx.argmax(logits))
     tokens_out = [first] + [int(t) for t, _ in generate_step(mx.array([first]), loaded.model, max_tokens=n_tokens - 1,
@@ -134,12 +140,17 @@ def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
     assert lease.n_reused == k
     suffix = record.tokens[k:]
     warm = engine.loaded.model(mx.array([suffix]), cache=lease.cache)[0, -1]
-    cold, _ = cold_same_split(engine, record.tokens, sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens, k) if n}), 1)
+    splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens, record.n_tokens) if n})
+    cold, _ = cold_same_split(engine, record.tokens, splits, 1, cut=k)
     assert int(mx.argmax(warm)) == int(mx.argmax(cold))
     warm_p, cold_p = mx.softmax(warm), mx.softmax(cold)
-    top = mx.argsort(cold)[-20:]
-    # Only float noise differs (chunking), which 4-bit rounding can amplify a little.
-    assert float(mx.max(mx.abs(mx.log(warm_p[top]) - mx.log(cold_p[top])))) < 0.05
+    # Only float noise differs (the engine's prefill chunks are sized by time, and replies
+    # are decoded a token at a time), which 4-bit rounding amplifies: with keys quantized
+    # per channel, a tiny change to one token can move its group's scale, and so the
+    # dequantized keys of all 64 tokens by up to a step. Bounded on every token the model
+    # gives at least 1%, and over the whole distribution.
+    likely = mx.array([i for i in mx.argsort(cold)[-50:].tolist() if float(cold_p[i]) >= 0.01])
+    assert float(mx.max(mx.abs(mx.log(warm_p[likely]) - mx.log(cold_p[likely])))) < 0.05
     assert float(mx.sum(mx.abs(warm_p - cold_p))) / 2 < 0.01
 
 
