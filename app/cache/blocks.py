@@ -51,8 +51,14 @@ class KVFormat:
     channel_keys: bool = False
 
     @property
+    def quantized(self) -> bool:
+        return self.key_bits < 16
+
+    @property
     def fingerprint(self) -> str:
         """Part of every model fingerprint: caches of another format never match."""
+        if not self.quantized:
+            return f"float16-b{BLOCK_TOKENS}"
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
         if self.channel_keys:
             layout = "-kchannel" + ("-vhadamard" if self.rotate_values else "")
@@ -63,6 +69,8 @@ class KVFormat:
     @property
     def bytes_per_value(self) -> float:
         """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
+        if not self.quantized:
+            return 2.0
         return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
 
     def grouped_tokens(self, n_tokens: int) -> int:
@@ -86,7 +94,7 @@ class KVFormat:
 
 KV_FORMATS = {f.name: f for f in (KVFormat("q4", 4, 4), KVFormat("q4r", 4, 4, rotate_keys=True, rotate_values=True),
                                    KVFormat("q4c", 4, 4, rotate_values=True, channel_keys=True),
-                                   KVFormat("k8v4", 8, 4), KVFormat("q8", 8, 8))}
+                                   KVFormat("k8v4", 8, 4), KVFormat("q8", 8, 8), KVFormat("f16", 16, 16))}
 assert tuple(KV_FORMATS) == KV_FORMAT_NAMES
 DEFAULT_KV_FORMAT = KV_FORMATS["q4c"]
 
@@ -96,6 +104,8 @@ assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
 ARRAY_NAMES = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
 # Per-channel keys: k_w / k_s / k_b are (batch, heads, head_dim, along time), k_t the float16 incomplete group.
 CHANNEL_ARRAY_NAMES = ("k_w", "k_s", "k_b", "k_t", "v_w", "v_s", "v_b")
+FLOAT_ARRAY_NAMES = ("k", "v")  # f16: keys and values as float16, not quantized
+_NAMES = {len(names): names for names in (ARRAY_NAMES, CHANNEL_ARRAY_NAMES, FLOAT_ARRAY_NAMES)}
 _ALONG_TIME = {"k_w", "k_s", "k_b"}
 
 
@@ -109,12 +119,12 @@ class KVBlock:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return CHANNEL_ARRAY_NAMES if len(self.layers[0]) == len(CHANNEL_ARRAY_NAMES) else ARRAY_NAMES
+        return _NAMES[len(self.layers[0])]
 
     @property
     def n_grouped(self) -> int:
         """Tokens whose keys are in complete per-channel groups (per-token keys: all)."""
-        if self.names is ARRAY_NAMES:
+        if self.names is not CHANNEL_ARRAY_NAMES:
             return self.n_tokens
         return self.layers[0][CHANNEL_ARRAY_NAMES.index("k_s")].shape[-1] * GROUP_SIZE
 
@@ -130,7 +140,7 @@ class KVBlock:
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array], n_layers: int, n_tokens: int) -> KVBlock:
         """Inverse of ``to_arrays``. Raises KeyError if an array is missing."""
-        names = CHANNEL_ARRAY_NAMES if "0.k_t" in arrays else ARRAY_NAMES
+        names = CHANNEL_ARRAY_NAMES if "0.k_t" in arrays else FLOAT_ARRAY_NAMES if "0.k" in arrays else ARRAY_NAMES
         layers = tuple(tuple(arrays[f"{i}.{name}"] for name in names) for i in range(n_layers))
         block = cls(n_tokens, layers)
         block.check()
@@ -228,6 +238,9 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
     layers = []
     for layer in cache:
         keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
+        if not kv_format.quantized:
+            layers.append((keys.astype(mx.float16), layer.values[..., start:end, :].astype(mx.float16)))
+            continue
         values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits)
         if kv_format.channel_keys:
             whole = kv_format.grouped_tokens(end - start)
@@ -242,6 +255,8 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
 
 def _dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """One layer of a block back to float keys and values (batch, heads, tokens, head_dim)."""
+    if not kv_format.quantized:
+        return data[0].astype(dtype), data[1].astype(dtype)
     if kv_format.channel_keys:
         grouped = _dequantize(*data[:3], kv_format.key_bits, dtype).swapaxes(-1, -2)
         keys = mx.concatenate([grouped, data[3].astype(dtype)], axis=2)

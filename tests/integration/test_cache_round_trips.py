@@ -136,12 +136,13 @@ def test_every_format_has_its_own_fingerprint_and_the_documented_size() -> None:
     assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-g64-s16-b256"
     assert KV_FORMATS["q4r"].fingerprint == "affine-q4-hadamard-g64-s16-b256"
     assert KV_FORMATS["q4c"].fingerprint == "affine-q4-kchannel-vhadamard-g64-s16-b256"
+    assert KV_FORMATS["f16"].fingerprint == "float16-b256"
     assert len({f.fingerprint for f in KV_FORMATS.values()}) == len(KV_FORMATS)
-    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, whatever the layout), 40.6%, 53.1%.
-    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.281, 0.406, 0.531]
+    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, whatever the layout), 40.6%, 53.1%, 100%.
+    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.281, 0.406, 0.531, 1.0]
 
 
-@pytest.mark.parametrize("name", ["q4", "q4r", "q4c", "k8v4", "q8"])
+@pytest.mark.parametrize("name", ["q4", "q4r", "q4c", "k8v4", "q8", "f16"])
 def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -> None:
     kv_format = KV_FORMATS[name]
     model = build("llama")
@@ -161,9 +162,11 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
         tail = caches._hot["a-c"].tail  # tokens 256-399: one more group, then the newest 80 keys in float16
         assert (tail.n_tokens, tail.n_grouped) == (144, 64)
         assert tail.layers[0][3].shape[2] == 80 and tail.layers[0][3].dtype == mx.float16
+    elif not kv_format.quantized:
+        assert arrays["k"].dtype == arrays["v"].dtype == mx.float16 and arrays["k"].shape[-1] == head_dim
     else:
         assert arrays["k_w"].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
-    assert arrays["v_w"].shape[-1] * 32 // head_dim == kv_format.value_bits
+        assert arrays["v_w"].shape[-1] * 32 // head_dim == kv_format.value_bits
     caches.flush(30)
     reloaded = manager(tmp_path, n_layers, kv_format=kv_format)
     lease = reloaded.lease("a", "a-c", as_prompt(first + more))

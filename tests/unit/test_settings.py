@@ -30,7 +30,7 @@ def test_explicit_config_file(tmp_path: Path) -> None:
     ({"SEMANTIC_PORT": "eighty"}, "port: expected an integer"),
     ({"SEMANTIC_PORT": "70000"}, "not a valid TCP port"),
     ({"SEMANTIC_CACHE_REUSE": "maybe"}, "cache_reuse: expected a boolean"),
-    ({"SEMANTIC_KV_FORMAT": "q2"}, "kv_format: 'q2' is not one of q4, q4r, q4c, k8v4, q8"),
+    ({"SEMANTIC_KV_FORMAT": "q2"}, "kv_format: 'q2' is not one of q4, q4r, q4c, k8v4, q8, f16"),
 ])
 def test_bad_values_are_named(tmp_path: Path, env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
