@@ -23,7 +23,7 @@ load_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from app.cache.blocks import BLOCK_TOKENS, quantize_span, to_working_cache  # noqa: E402
+from app.cache.blocks import BLOCK_TOKENS, quantize_span, slice_block, to_working_cache  # noqa: E402
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
@@ -48,7 +48,9 @@ def main() -> None:
     mx.clear_cache()
     float_measured = (mx.get_active_memory() - before_float) / len(tokens)
     before_blocks = mx.get_active_memory()
-    blocks = [quantize_span(cache, s, s + BLOCK_TOKENS) for s in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
+    stored = quantize_span(cache, 0, len(tokens))  # as a turn is stored; its full blocks hold no float16 keys
+    blocks = [slice_block(stored, s, s + BLOCK_TOKENS) for s in range(0, stored.n_grouped - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
+    del stored
     mx.clear_cache()
     n_cached = len(blocks) * BLOCK_TOKENS
     q4_active = (mx.get_active_memory() - before_blocks) / n_cached

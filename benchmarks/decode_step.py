@@ -1,0 +1,136 @@
+"""What one batched decode step costs on this machine: the ceiling under workload 4.
+
+    .venv/bin/python benchmarks/decode_step.py [--contexts 32 512 1024] [--batches 1 2 4 8] [--steps 15]
+
+For SmolLM2-135M, the median time of one decode step with B sequences at a
+context of L tokens, measured three ways:
+
+- ``model``: the bare mlx-lm forward pass over a ``(B, 1)`` batch with one
+  shared float ``KVCache`` (no engine at all), then an argmax;
+- ``engine``: the server's own ``DecodeBatch`` (mlx-lm's ``GenerationBatch``,
+  caches of different lengths left-padded, per-sequence samplers);
+- ``matmul``: the 60 projection matmuls of 30 layers' MLPs alone (576x1536 and
+  1536x576, float32 through BLAS), the part of a step that reads the weights.
+
+"x one" is the aggregate tokens per second against one sequence: what batching
+can give at best here, whatever the scheduler does. Prints a table, writes
+benchmarks/results/decode_step.json and decode_step.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.blas import blas_in_use, load_fast_blas  # noqa: E402
+
+load_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+from mlx_lm.sample_utils import greedy_sampler  # noqa: E402
+
+from app.catalog.registry import ensure_embedded  # noqa: E402
+from app.engine.batch import DecodeBatch, prefill  # noqa: E402
+from app.engine.model import load_model  # noqa: E402
+from app.settings import load_settings  # noqa: E402
+from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
+
+
+def median_s(step: Callable[[], None], n: int) -> float:
+    step()
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def model_step(model, batch: int, context: int, n: int) -> float:  # type: ignore[no-untyped-def]
+    cache = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([[1] * context] * batch), cache=cache))
+    token = mx.array([[1]] * batch)
+    return median_s(lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)), n)
+
+
+def engine_step(model, batch: int, context: int, n: int) -> float:  # type: ignore[no-untyped-def]
+    decoding = DecodeBatch(model)
+    for uid in range(batch):  # contexts differ by a token each, as real agents' do
+        cache = [KVCache() for _ in model.layers]
+        prefill(model, cache, [1] * (context - 1 + uid))
+        decoding.add(uid, cache, 1, [1] * (context - 1 + uid), greedy_sampler, [])
+    return median_s(decoding.step, n)
+
+
+def matmul_step(batch: int, n: int) -> float:
+    up = [mx.random.normal((1536, 576)) * 0.02 for _ in range(30)]
+    down = [mx.random.normal((576, 1536)) * 0.02 for _ in range(30)]
+    x = mx.random.normal((batch, 576))
+    mx.eval(up, down, x)
+
+    def step() -> None:
+        y = x
+        for a, b in zip(up, down):
+            y = (y @ a.T) @ b.T
+        mx.eval(y)
+
+    return median_s(step, n)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 512, 1024])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    model = load_model("smollm2", ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")).model
+    runs: list[dict] = []
+    for batch in args.batches:
+        runs.append({"kind": "matmul", "context": 0, "batch": batch, "step_s": matmul_step(batch, args.steps)})
+    for context in args.contexts:
+        for batch in args.batches:
+            for kind, measure in (("model", model_step), ("engine", engine_step)):
+                runs.append({"kind": kind, "context": context, "batch": batch,
+                             "step_s": measure(model, batch, context, args.steps)})
+                print(f"{kind} L={context} B={batch}: {runs[-1]['step_s'] * 1000:.1f} ms", file=sys.stderr)
+    one = {(r["kind"], r["context"]): r["step_s"] for r in runs if r["batch"] == 1}
+    for r in runs:
+        r["tokens_per_s"] = r["batch"] / r["step_s"]
+        r["x_one"] = r["tokens_per_s"] * one[(r["kind"], r["context"])]
+    print_table(["measured", "context", "batch", "step ms", "tok/s", "x one"],
+                [[r["kind"], r["context"] or "-", r["batch"], r["step_s"] * 1000, r["tokens_per_s"], r["x_one"]]
+                 for r in runs])
+    print(f"wrote {write_results('decode_step', {'blas': blas_in_use(), 'runs': runs})}")
+    plot(runs)
+
+
+def plot(runs: list[dict]) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    series = sorted({(r["kind"], r["context"]) for r in runs})
+    for kind, context in series:
+        points = [r for r in runs if (r["kind"], r["context"]) == (kind, context)]
+        label = "MLP matmuls only" if kind == "matmul" else f"{kind}, {context} tokens"
+        ax.plot([r["batch"] for r in points], [r["x_one"] for r in points], marker="o",
+                linestyle="--" if kind == "model" else "-", label=label)
+    batches = sorted({r["batch"] for r in runs})
+    ax.plot(batches, batches, color="grey", linewidth=0.8, label="free batching")
+    ax.axhline(3, color="red", linewidth=0.8, linestyle=":", label="goal at 4 (3x)")
+    ax.set_xlabel("sequences in the step")
+    ax.set_ylabel("aggregate tok/s, x one sequence")
+    ax.set_title("One decode step, SmolLM2-135M, 2-core CPU")
+    ax.legend(fontsize=7)
+    save_plot(fig, "decode_step")
+
+
+if __name__ == "__main__":
+    main()
