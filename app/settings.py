@@ -71,10 +71,11 @@ class Settings:
     # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float
     # working copy of the most recently used agent; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
-    # How stored KV caches are quantized: q4 (4-bit keys and values, 28% of FP16),
-    # q4r (q4 after a Hadamard rotation of each head: same size, closer to float KV),
-    # k8v4 (8-bit keys: 41%, closer still), q8 (53%, near lossless). Part of the
-    # model fingerprint: changing it makes existing caches a clean miss.
+    # How stored KV caches are quantized: q4c (4-bit, keys per channel over 64-token
+    # groups, 28% of FP16), q4 (4-bit per token: the format before q4c), q4r (q4 after
+    # a Hadamard rotation of each head), k8v4 (8-bit keys: 41%), q8 (53%), f16 (float16,
+    # not quantized: 100%). See the README's KV format table for what each keeps. Part
+    # of the model fingerprint: changing it makes existing caches a clean miss.
     kv_format: str = "q4c"
     # Conversation caches an agent keeps (memory and disk); beyond it the least recently
     # used one's cache is deleted (its history stays).

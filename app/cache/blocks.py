@@ -18,6 +18,7 @@ FP16). The ``KVFormat`` says how:
   their groups from them (float data, never quantized data: see
   ``KVFormat.grouped_tokens`` and ``KVFormat.reusable``). Blocks are cut and
   joined only at group boundaries, and only the last one holds float16 keys.
+- not quantized (``f16``): keys and values as float16, the near-lossless choice.
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.

@@ -150,9 +150,7 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     rng = np.random.default_rng(3)
     first, more = rng.integers(0, VOCAB, 400).tolist(), rng.integers(0, VOCAB, 40).tolist()
     caches = manager(tmp_path, n_layers, kv_format=kv_format)
-    lease = caches.lease("a", "a-c", as_prompt(first))
-    forward(model, lease.cache, first)
-    caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    store_turn(caches, model, "a-c", first)
     stored = caches._blocks[caches._hot["a-c"].chain[0]]
     head_dim = model.layers[0].self_attn.head_dim
     arrays = dict(zip(stored.names, stored.layers[0]))
@@ -177,6 +175,14 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     assert not mx.array_equal(warm, cold_same_split(model, n_layers, first, more, other))  # the format matters
     reloaded.close()
     caches.close()
+
+
+def store_turn(caches: CacheManager, model, conversation: str, tokens: list[int]) -> int:  # type: ignore[no-untyped-def]
+    """One turn of agent "a": lease, prefill what is not reused, commit. Returns the tokens reused."""
+    lease = caches.lease("a", conversation, as_prompt(tokens))
+    forward(model, lease.cache, tokens[lease.n_reused:])
+    caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    return lease.n_reused
 
 
 def _record_fields(tokens: list[int]) -> tuple[tuple[int, ...], str, tuple[int, ...]]:
@@ -311,15 +317,10 @@ def test_per_channel_key_groups_complete_from_float16_keys_and_are_cut_only_at_t
     rng = np.random.default_rng(13)
     first, more = rng.integers(0, VOCAB, 300).tolist(), rng.integers(0, VOCAB, 40).tolist()
     caches = manager(tmp_path, n_layers, kv_format=q4c)
-    lease = caches.lease("a", "a-c", as_prompt(first))
-    forward(model, lease.cache, first)
-    caches.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    store_turn(caches, model, "a-c", first)
     stored = caches._hot["a-c"]
     assert (stored.chain, stored.tail.n_tokens, stored.n_grouped) == ((), 300, 192)  # 108 keys float16: no full block
-    lease = caches.lease("a", "a-c", as_prompt(first + more))
-    assert lease.n_reused == 300
-    forward(model, lease.cache, more)
-    caches.commit(lease, CacheRecord(*_record_fields(first + more)), lease.cache)
+    assert store_turn(caches, model, "a-c", first + more) == 300
 
     # Expected: turn 1 stored, turn 2 computed on top of exactly that, tokens 192-339
     # quantized then (groups up to 256 from their float16 keys; 256-339 float16).
