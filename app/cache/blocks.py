@@ -148,16 +148,16 @@ class KVBlock:
         return block
 
     def check(self) -> None:
-        """Raise ValueError unless every array covers ``n_tokens`` tokens."""
-        names, n_grouped = self.names, self.n_grouped
+        """Raise ValueError unless every array covers ``n_tokens`` tokens (per-channel
+        keys: the scales cover the grouped tokens, ``k_t`` the rest)."""
+        n_grouped = self.n_grouped
         for layer in self.layers:
-            for name, array in zip(names, layer):
-                if name in _ALONG_TIME and names is CHANNEL_ARRAY_NAMES:
-                    ok = array.ndim == 4 and (name == "k_w" or array.shape[-1] * GROUP_SIZE == n_grouped)
+            for name, array in zip(self.names, layer):
+                if self._axis(name) == 2:
+                    ok = array.shape[2] == (self.n_tokens - n_grouped if name == "k_t" else self.n_tokens)
                 else:
-                    ok = array.ndim == 4 and array.shape[2] == (self.n_tokens - n_grouped if name == "k_t"
-                                                                else self.n_tokens)
-                if not ok:
+                    ok = name == "k_w" or array.shape[-1] * GROUP_SIZE == n_grouped
+                if array.ndim != 4 or not ok:
                     raise ValueError("block arrays do not match its token count")
 
     def _axis(self, name: str) -> int:
@@ -166,12 +166,12 @@ class KVBlock:
 
 def join_blocks(blocks: list[KVBlock]) -> KVBlock:
     """One block spanning ``blocks`` in order. Quantization groups never cross a block
-    boundary (per-channel keys: only the last block may end in an incomplete group),
-    so concatenating along the token axis is exact."""
+    boundary (per-channel keys: only the last block may hold float16 keys), so
+    concatenating along the token axis is exact."""
     if len(blocks) == 1:
         return blocks[0]
     if any(b.n_grouped != b.n_tokens for b in blocks[:-1]):
-        raise ValueError("only the last block may end in an incomplete key group")
+        raise ValueError("only the last block may hold float16 keys")
     first = blocks[0]
     layers = tuple(tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=first._axis(name))
                          for a, name in enumerate(first.names))

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KV_FORMATS, KVFormat, join_blocks, quantize_span, slice_block,
-                              to_working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KV_FORMATS, KVBlock, KVFormat, join_blocks, quantize_span,
+                              slice_block, to_working_cache)
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -364,4 +364,9 @@ def test_per_channel_blocks_cut_and_join_only_at_group_boundaries() -> None:
     with pytest.raises(ValueError):
         quantize_span(cache, 10, 200, q4c)  # a group must start on a boundary
     with pytest.raises(ValueError):
-        join_blocks([slice_block(block, 0, 196), slice_block(block, 192, 200)])  # an incomplete group in the middle
+        join_blocks([slice_block(block, 0, 196), slice_block(block, 192, 200)])  # float16 keys in the middle
+    block.check()
+    with pytest.raises(ValueError):
+        KVBlock(201, block.layers).check()  # arrays that do not cover the token count
+    with pytest.raises(ValueError):
+        KVBlock(200, tuple((*layer[:3], layer[3][:, :, :8], *layer[4:]) for layer in block.layers)).check()
