@@ -69,7 +69,7 @@ def serve(settings: Settings) -> None:
                         settings.max_conversations, KV_FORMATS[settings.kv_format])
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
-                    repetition_penalty=settings.repetition_penalty)
+                    repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
         # channel_request_lookahead keeps reading each socket during a request, so a

@@ -8,7 +8,10 @@ context of L tokens, measured three ways:
 - ``model``: the bare mlx-lm forward pass over a ``(B, 1)`` batch with one
   shared float ``KVCache`` (no engine at all), then an argmax;
 - ``engine``: the server's own ``DecodeBatch`` (mlx-lm's ``GenerationBatch``,
-  caches of different lengths left-padded, per-sequence samplers);
+  caches of different lengths left-padded, per-sequence samplers), on the plain
+  path (OpenBLAS's own threads);
+- ``split``: the same batch as the server runs it, split over both cores when
+  several sequences decode (``app/engine/cores.py``);
 - ``matmul``: the 60 projection matmuls of 30 layers' MLPs alone (576x1536 and
   1536x576, float32 through BLAS), the part of a step that reads the weights.
 
@@ -38,6 +41,7 @@ from mlx_lm.sample_utils import greedy_sampler  # noqa: E402
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.batch import DecodeBatch, prefill  # noqa: E402
+from app.engine.cores import CoreSplit  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
@@ -60,13 +64,19 @@ def model_step(model, batch: int, context: int, n: int) -> float:  # type: ignor
     return median_s(lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)), n)
 
 
-def engine_step(model, batch: int, context: int, n: int) -> float:  # type: ignore[no-untyped-def]
+def engine_step(model, batch: int, context: int, n: int, cores: CoreSplit | None = None) -> float:  # type: ignore[no-untyped-def]
     decoding = DecodeBatch(model)
     for uid in range(batch):  # contexts differ by a token each, as real agents' do
         cache = [KVCache() for _ in model.layers]
         prefill(model, cache, [1] * (context - 1 + uid))
         decoding.add(uid, cache, 1, [1] * (context - 1 + uid), greedy_sampler, [])
-    return median_s(decoding.step, n)
+    if cores is not None:
+        cores.use(batch > 1)
+    try:
+        return median_s(decoding.step, n)
+    finally:
+        if cores is not None:
+            cores.use(False)
 
 
 def matmul_step(batch: int, n: int) -> float:
@@ -90,13 +100,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args()
-    model = load_model("smollm2", ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")).model
+    loaded = load_model("smollm2", ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct"), split_cores=True)
+    model, cores = loaded.model, loaded.cores
     runs: list[dict] = []
     for batch in args.batches:
         runs.append({"kind": "matmul", "context": 0, "batch": batch, "step_s": matmul_step(batch, args.steps)})
     for context in args.contexts:
         for batch in args.batches:
-            for kind, measure in (("model", model_step), ("engine", engine_step)):
+            for kind, measure in (("model", model_step), ("engine", engine_step),
+                                  ("split", lambda *a: engine_step(*a, cores=cores))):
                 runs.append({"kind": kind, "context": context, "batch": batch,
                              "step_s": measure(model, batch, context, args.steps)})
                 print(f"{kind} L={context} B={batch}: {runs[-1]['step_s'] * 1000:.1f} ms", file=sys.stderr)

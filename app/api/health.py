@@ -47,8 +47,10 @@ class HealthResource:
             "uptime_s": round(time.time() - self._engine.started_at, 1),
             "queue_depth": status.queue_depth,
             "active_requests": status.n_active,
+            "split_cores": status.split_cores,
             "engine": {  # totals since start: batched decode steps and prefill chunks
-                "decode_steps": status.counters.decode_steps, "decode_tokens": status.counters.decode_tokens,
+                "decode_steps": status.counters.decode_steps, "split_steps": status.counters.split_steps,
+                "decode_tokens": status.counters.decode_tokens,
                 "decode_s": round(status.counters.decode_s, 3), "prefill_tokens": status.counters.prefill_tokens,
                 "prefill_s": round(status.counters.prefill_s, 3)},
         }

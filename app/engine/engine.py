@@ -66,6 +66,7 @@ class EngineStatus:
     cache: CacheStats | None
     counters: EngineCounters
     swaps: int  # models swapped in since start
+    split_cores: bool  # batched decode steps are split over both CPU cores (cores.py)
 
 
 class Engine:
@@ -73,17 +74,18 @@ class Engine:
 
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, split_cores: bool = True) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
-        ``catalog`` swaps it in."""
+        ``catalog`` swaps it in. ``split_cores``: see ``cores.py``."""
         self._catalog = catalog
         self._dtype = dtype
         self._kv_format = cache.kv_format
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
         self._memory_bytes = cache.budget_bytes
-        self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype, cache.kv_format),
+        self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype, cache.kv_format,
+                                                         split_cores),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               repetition_penalty=repetition_penalty, max_batch=max_batch,
@@ -205,6 +207,7 @@ class Engine:
             cache=self._runner.caches.stats() if self._runner.caches else None,
             counters=replace(self._runner.counters),
             swaps=self._runner.swaps,
+            split_cores=loaded is not None and loaded.cores is not None,
         )
 
     @property

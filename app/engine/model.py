@@ -18,6 +18,8 @@ from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
+from app.engine import cores
+from app.engine.cores import CoreSplit
 from app.engine.token_text import TokenBytes
 from app.errors import InvalidModelFile
 
@@ -49,6 +51,7 @@ class LoadedModel(ModelSpec):
 
     model: nn.Module
     dtype: str
+    cores: CoreSplit | None = None  # batched decode steps split over both CPU cores
 
     @property
     def n_layers(self) -> int:
@@ -144,11 +147,13 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = 
                      int(config.get("vocab_size") or len(tokenizer.vocab)))
 
 
-def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT) -> LoadedModel:
+def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT,
+               split_cores: bool = False) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
     On the CPU backend weights are cast to float32: bf16/fp16 matmuls do not go
-    through BLAS there and are an order of magnitude slower.
+    through BLAS there and are an order of magnitude slower. With ``split_cores``,
+    batched decode steps split their work over both CPU cores (``cores``).
 
     Raises:
         InvalidModelFile: the directory is missing or not loadable.
@@ -163,4 +168,5 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat =
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, spec.context_length, used)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
-    return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."))
+    split = cores.install(model) if split_cores and used == mx.float32 else None
+    return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split)
