@@ -1,6 +1,6 @@
 """Workload 4: 1, 2, 4, 8 agents talking at once: aggregate decode speed and TTFT percentiles.
 
-    .venv/bin/python benchmarks/concurrency.py [--levels 1 2 4 8] [--turns 3]
+    .venv/bin/python benchmarks/concurrency.py [--levels 1 2 4 8] [--turns 3] [--repeats 2]
 
 Each of N client threads drives its own agent (OpenAI API, streamed, greedy,
 64-token replies) for a few turns, all at once against one real server, which
@@ -9,7 +9,10 @@ rates: engine decode (tokens from batched decode steps over the time those
 steps took, read from the server's /health counters), client decode (tokens
 after each reply's first, over the time during which at least one reply was
 streaming, prefill chunks interleaved) and overall (all output tokens over the
-wall time). TTFT includes any wait for a place in the batch.
+wall time). TTFT includes any wait for a place in the batch. Two servers run
+side by side: ``split`` (the default: batched steps split over both cores,
+``app/engine/cores.py``) and ``plain`` (``split_cores = false``); every level
+of both is run ``--repeats`` times, interleaved, and medians are reported.
 Prints a table, writes benchmarks/results/concurrency.json and concurrency.png.
 """
 
@@ -39,6 +42,7 @@ from benchmarks.peer import SYSTEM  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 REPLY_TOKENS = 64
+SERVERS = {"split": "1", "plain": "0"}  # split_cores: batched steps over both cores, or OpenBLAS's threads
 
 
 @dataclass(frozen=True)
@@ -78,60 +82,80 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
+def measure(url: str, level: int, turns: int, prefix: str) -> dict:
+    """``level`` agents at once against the server at ``url``: rates and TTFT percentiles."""
+    before = httpx.get(f"{url}/health").json()["engine"]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(level) as pool:
+        runs = list(pool.map(lambda i: agent(url, f"{prefix}-c{level}-{i}", turns), range(level)))
+    wall = time.perf_counter() - start
+    turns_ = [t for run in runs for t in run]
+    ttfts = [t.ttft_s for t in turns_]
+    tokens = sum(t.n_tokens for t in turns_)
+    decoding = covered([(t.decode_from, t.decode_to) for t in turns_])
+    after = httpx.get(f"{url}/health").json()["engine"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    return {"agents": level, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "engine_decode_tokens_per_s": (after["decode_tokens"] - before["decode_tokens"])
+            / (after["decode_s"] - before["decode_s"]),
+            "mean_batch": (after["decode_tokens"] - before["decode_tokens"]) / steps,
+            "split_share": (after["split_steps"] - before["split_steps"]) / steps,
+            "decode_tokens_per_s": sum(t.n_tokens - 1 for t in turns_) / decoding,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over every server and level; medians reported")
     args = parser.parse_args()
 
     model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")
-    server = start_server(Path(tempfile.mkdtemp(prefix="semantic-concurrency-")), model_dir)
-    results = []
+    servers = {name: start_server(Path(tempfile.mkdtemp(prefix=f"semantic-concurrency-{name}-")), model_dir,
+                                  {"SEMANTIC_SPLIT_CORES": flag})
+               for name, flag in SERVERS.items()}
+    measured: dict[tuple[str, int], list[dict]] = {}
     try:
-        for level in args.levels:
-            before = httpx.get(f"{server.url}/health").json()["engine"]
-            start = time.perf_counter()
-            with ThreadPoolExecutor(level) as pool:
-                runs = list(pool.map(lambda i: agent(server.url, f"c{level}-{i}", args.turns), range(level)))
-            wall = time.perf_counter() - start
-            turns = [t for run in runs for t in run]
-            ttfts = [t.ttft_s for t in turns]
-            tokens = sum(t.n_tokens for t in turns)
-            decoding = covered([(t.decode_from, t.decode_to) for t in turns])
-            after = httpx.get(f"{server.url}/health").json()["engine"]
-            steps = after["decode_steps"] - before["decode_steps"]
-            results.append({"agents": level, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-                            "engine_decode_tokens_per_s": (after["decode_tokens"] - before["decode_tokens"])
-                            / (after["decode_s"] - before["decode_s"]),
-                            "mean_batch": (after["decode_tokens"] - before["decode_tokens"]) / steps,
-                            "decode_tokens_per_s": sum(t.n_tokens - 1 for t in turns) / decoding,
-                            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95)})
+        for repeat in range(args.repeats):  # interleaved, so the VM's drift hits every case alike
+            for name, server in servers.items():
+                for level in args.levels:
+                    run = measure(server.url, level, args.turns, f"{name}{repeat}")
+                    measured.setdefault((name, level), []).append(run)
+                    print(f"{name} {level} agents: {run['engine_decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     finally:
-        stop_server(server)
+        for server in servers.values():
+            stop_server(server)
 
-    base = results[0]["engine_decode_tokens_per_s"]
-    print_table(["agents", "output tokens", "wall s", "engine decode tok/s", "x one agent", "mean batch",
-                 "client decode tok/s", "overall tok/s", "TTFT p50 s", "TTFT p95 s"],
-                [[r["agents"], r["output_tokens"], r["wall_s"], r["engine_decode_tokens_per_s"],
-                  r["engine_decode_tokens_per_s"] / base, r["mean_batch"], r["decode_tokens_per_s"], r["tokens_per_s"],
+    results = [{"server": name, **{key: statistics.median(r[key] for r in runs) for key in runs[0]}}
+               for (name, _), runs in measured.items()]
+    for r in results:
+        one = next(o for o in results if o["server"] == r["server"] and o["agents"] == 1)
+        r["x_one_agent"] = r["engine_decode_tokens_per_s"] / one["engine_decode_tokens_per_s"]
+    print_table(["server", "agents", "output tokens", "wall s", "engine decode tok/s", "x one agent", "mean batch",
+                 "split steps", "client decode tok/s", "overall tok/s", "TTFT p50 s", "TTFT p95 s"],
+                [[r["server"], r["agents"], r["output_tokens"], r["wall_s"], r["engine_decode_tokens_per_s"],
+                  r["x_one_agent"], r["mean_batch"], r["split_share"], r["decode_tokens_per_s"], r["tokens_per_s"],
                   r["ttft_p50_s"], r["ttft_p95_s"]] for r in results])
     print(f"wrote {write_results('concurrency', {'args': vars(args), 'levels': results})}")
     plt = pyplot()
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    levels = [r["agents"] for r in results]
-    left.plot(levels, [r["engine_decode_tokens_per_s"] for r in results], "o-", label="engine decode")
-    left.plot(levels, [r["decode_tokens_per_s"] for r in results], "o-", label="client decode")
-    left.plot(levels, [r["tokens_per_s"] for r in results], "o-", label="overall (prefills included)")
+    for name in SERVERS:
+        rows = [r for r in results if r["server"] == name]
+        levels = [r["agents"] for r in rows]
+        style = "o-" if name == "split" else "o:"
+        left.plot(levels, [r["engine_decode_tokens_per_s"] for r in rows], style, label=f"engine decode, {name}")
+        left.plot(levels, [r["tokens_per_s"] for r in rows], style, label=f"overall (prefills included), {name}")
+        right.plot(levels, [r["ttft_p50_s"] for r in rows], style, label=f"p50, {name}")
+        right.plot(levels, [r["ttft_p95_s"] for r in rows], style, label=f"p95, {name}")
     left.set_xlabel("concurrent agents")
     left.set_ylabel("aggregate tokens/s")
-    left.legend()
-    right.plot(levels, [r["ttft_p50_s"] for r in results], "o-", label="p50")
-    right.plot(levels, [r["ttft_p95_s"] for r in results], "o-", label="p95")
+    left.legend(fontsize=7)
     right.set_xlabel("concurrent agents")
     right.set_ylabel("TTFT (s)")
-    right.legend()
+    right.legend(fontsize=7)
     fig.suptitle("Concurrent agents, continuous batching, SmolLM2-135M, 2-core CPU")
     save_plot(fig, "concurrency")
 

@@ -1,17 +1,19 @@
 """What one batched decode step costs on this machine: the ceiling under workload 4.
 
-    .venv/bin/python benchmarks/decode_step.py [--contexts 32 512 1024] [--batches 1 2 4 8] [--steps 15]
+    .venv/bin/python benchmarks/decode_step.py [--contexts 32 512 1024] [--batches 1 2 4 8] [--rounds 6]
 
 For SmolLM2-135M, the median time of one decode step with B sequences at a
-context of L tokens, measured three ways:
+context of L tokens (every case measured in every round, so the VM's drift
+hits all alike), measured these ways:
 
 - ``model``: the bare mlx-lm forward pass over a ``(B, 1)`` batch with one
   shared float ``KVCache`` (no engine at all), then an argmax;
 - ``engine``: the server's own ``DecodeBatch`` (mlx-lm's ``GenerationBatch``,
   caches of different lengths left-padded, per-sequence samplers), on the plain
   path (OpenBLAS's own threads);
-- ``split``: the same batch as the server runs it, split over both cores when
-  several sequences decode (``app/engine/cores.py``);
+- ``split``: the same batches as the server runs them: split over both cores
+  when several sequences decode (``app/engine/cores.py``); "x one" against the
+  engine's one sequence, which is never split;
 - ``matmul``: the 60 projection matmuls of 30 layers' MLPs alone (576x1536 and
   1536x576, float32 through BLAS), the part of a step that reads the weights.
 
@@ -41,45 +43,31 @@ from mlx_lm.sample_utils import greedy_sampler  # noqa: E402
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.batch import DecodeBatch, prefill  # noqa: E402
-from app.engine.cores import CoreSplit  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
 
 
-def median_s(step: Callable[[], None], n: int) -> float:
-    step()
-    times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+Step = Callable[[], None]
 
 
-def model_step(model, batch: int, context: int, n: int) -> float:  # type: ignore[no-untyped-def]
+def model_step(model, batch: int, context: int) -> Step:  # type: ignore[no-untyped-def]
     cache = [KVCache() for _ in model.layers]
     mx.eval(model(mx.array([[1] * context] * batch), cache=cache))
     token = mx.array([[1]] * batch)
-    return median_s(lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)), n)
+    return lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1))
 
 
-def engine_step(model, batch: int, context: int, n: int, cores: CoreSplit | None = None) -> float:  # type: ignore[no-untyped-def]
+def engine_step(model, batch: int, context: int) -> Step:  # type: ignore[no-untyped-def]
     decoding = DecodeBatch(model)
     for uid in range(batch):  # contexts differ by a token each, as real agents' do
         cache = [KVCache() for _ in model.layers]
         prefill(model, cache, [1] * (context - 1 + uid))
         decoding.add(uid, cache, 1, [1] * (context - 1 + uid), greedy_sampler, [])
-    if cores is not None:
-        cores.use(batch > 1)
-    try:
-        return median_s(decoding.step, n)
-    finally:
-        if cores is not None:
-            cores.use(False)
+    return lambda: decoding.step() and None
 
 
-def matmul_step(batch: int, n: int) -> float:
+def matmul_step(batch: int) -> Step:
     up = [mx.random.normal((1536, 576)) * 0.02 for _ in range(30)]
     down = [mx.random.normal((576, 1536)) * 0.02 for _ in range(30)]
     x = mx.random.normal((batch, 576))
@@ -91,35 +79,50 @@ def matmul_step(batch: int, n: int) -> float:
             y = (y @ a.T) @ b.T
         mx.eval(y)
 
-    return median_s(step, n)
+    return step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[32, 512, 1024])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each case per round")
     args = parser.parse_args()
     loaded = load_model("smollm2", ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct"), split_cores=True)
     model, cores = loaded.model, loaded.cores
-    runs: list[dict] = []
+    cases: list[tuple[dict, Step, bool]] = []  # (run, step, split)
     for batch in args.batches:
-        runs.append({"kind": "matmul", "context": 0, "batch": batch, "step_s": matmul_step(batch, args.steps)})
+        cases.append(({"kind": "matmul", "context": 0, "batch": batch}, matmul_step(batch), False))
     for context in args.contexts:
         for batch in args.batches:
-            for kind, measure in (("model", model_step), ("engine", engine_step),
-                                  ("split", lambda *a: engine_step(*a, cores=cores))):
-                runs.append({"kind": kind, "context": context, "batch": batch,
-                             "step_s": measure(model, batch, context, args.steps)})
-                print(f"{kind} L={context} B={batch}: {runs[-1]['step_s'] * 1000:.1f} ms", file=sys.stderr)
+            cases.append(({"kind": "model", "context": context, "batch": batch}, model_step(model, batch, context), False))
+            step = engine_step(model, batch, context)
+            cases.append(({"kind": "engine", "context": context, "batch": batch}, step, False))
+            if cores is not None and batch > 1:  # one sequence is never split: its row is the engine's
+                cases.append(({"kind": "split", "context": context, "batch": batch}, step, True))
+    times: list[list[float]] = [[] for _ in cases]
+    for round_ in range(args.rounds):  # every case in every round: the VM's drift hits all alike
+        for (run, step, split), measured in zip(cases, times):
+            if cores is not None:
+                cores.use(split)
+            step()
+            for _ in range(args.steps):
+                started = time.perf_counter()
+                step()
+                measured.append(time.perf_counter() - started)
+        print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
+    if cores is not None:
+        cores.use(False)
+    runs = [{**run, "step_s": statistics.median(measured)} for (run, _, _), measured in zip(cases, times)]
     one = {(r["kind"], r["context"]): r["step_s"] for r in runs if r["batch"] == 1}
     for r in runs:
         r["tokens_per_s"] = r["batch"] / r["step_s"]
-        r["x_one"] = r["tokens_per_s"] * one[(r["kind"], r["context"])]
+        r["x_one"] = r["tokens_per_s"] * one[("engine" if r["kind"] == "split" else r["kind"], r["context"])]
     print_table(["measured", "context", "batch", "step ms", "tok/s", "x one"],
                 [[r["kind"], r["context"] or "-", r["batch"], r["step_s"] * 1000, r["tokens_per_s"], r["x_one"]]
                  for r in runs])
-    print(f"wrote {write_results('decode_step', {'blas': blas_in_use(), 'runs': runs})}")
+    print(f"wrote {write_results('decode_step', {'blas': blas_in_use(), 'args': vars(args), 'runs': runs})}")
     plot(runs)
 
 
@@ -133,7 +136,7 @@ def plot(runs: list[dict]) -> None:
         points = [r for r in runs if (r["kind"], r["context"]) == (kind, context)]
         label = "MLP matmuls only" if kind == "matmul" else f"{kind}, {context} tokens"
         ax.plot([r["batch"] for r in points], [r["x_one"] for r in points], marker="o",
-                linestyle="--" if kind == "model" else "-", label=label)
+                linestyle={"model": "--", "engine": ":"}.get(kind, "-"), label=label)
     batches = sorted({r["batch"] for r in runs})
     ax.plot(batches, batches, color="grey", linewidth=0.8, label="free batching")
     ax.axhline(3, color="red", linewidth=0.8, linestyle=":", label="goal at 4 (3x)")
