@@ -9,7 +9,10 @@ rates: engine decode (tokens from batched decode steps over the time those
 steps took, read from the server's /health counters), client decode (tokens
 after each reply's first, over the time during which at least one reply was
 streaming, prefill chunks interleaved) and overall (all output tokens over the
-wall time). TTFT includes any wait for a place in the batch. Two servers run
+wall time). Because agents prefill their next turn while others decode, not
+every step holds all N agents: "all N decoding" is the engine's rate over the
+steps that did (from /health's ``by_batch``). TTFT includes any wait for a
+place in the batch. Two servers run
 side by side: ``split`` (the default: batched steps split over both cores,
 ``app/engine/cores.py``) and ``plain`` (``split_cores = false``); every level
 of both is run ``--repeats`` times, interleaved, and medians are reported.
@@ -95,11 +98,16 @@ def measure(url: str, level: int, turns: int, prefix: str) -> dict:
     decoding = covered([(t.decode_from, t.decode_to) for t in turns_])
     after = httpx.get(f"{url}/health").json()["engine"]
     steps = after["decode_steps"] - before["decode_steps"]
+    full = [(e["by_batch"].get(str(level), {"steps": 0, "s": 0.0})) for e in (before, after)]
+    full_s = full[1]["s"] - full[0]["s"]
     return {"agents": level, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "engine_decode_tokens_per_s": (after["decode_tokens"] - before["decode_tokens"])
             / (after["decode_s"] - before["decode_s"]),
             "mean_batch": (after["decode_tokens"] - before["decode_tokens"]) / steps,
             "split_share": (after["split_steps"] - before["split_steps"]) / steps,
+            # the steps in which all ``level`` agents decoded together
+            "full_batch_share": (full[1]["steps"] - full[0]["steps"]) / steps,
+            "full_batch_tokens_per_s": level * (full[1]["steps"] - full[0]["steps"]) / full_s if full_s else 0.0,
             "decode_tokens_per_s": sum(t.n_tokens - 1 for t in turns_) / decoding,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95)}
 
@@ -132,11 +140,14 @@ def main() -> None:
     for r in results:
         one = next(o for o in results if o["server"] == r["server"] and o["agents"] == 1)
         r["x_one_agent"] = r["engine_decode_tokens_per_s"] / one["engine_decode_tokens_per_s"]
-    print_table(["server", "agents", "output tokens", "wall s", "engine decode tok/s", "x one agent", "mean batch",
-                 "split steps", "client decode tok/s", "overall tok/s", "TTFT p50 s", "TTFT p95 s"],
-                [[r["server"], r["agents"], r["output_tokens"], r["wall_s"], r["engine_decode_tokens_per_s"],
-                  r["x_one_agent"], r["mean_batch"], r["split_share"], r["decode_tokens_per_s"], r["tokens_per_s"],
-                  r["ttft_p50_s"], r["ttft_p95_s"]] for r in results])
+        r["full_batch_x_one_agent"] = r["full_batch_tokens_per_s"] / one["engine_decode_tokens_per_s"]
+    print_table(["server", "agents", "wall s", "engine decode tok/s", "x one agent", "mean batch",
+                 "all N decoding: share of steps", "tok/s", "x one agent", "split steps", "client decode tok/s",
+                 "overall tok/s", "TTFT p50 s", "TTFT p95 s"],
+                [[r["server"], r["agents"], r["wall_s"], r["engine_decode_tokens_per_s"], r["x_one_agent"],
+                  r["mean_batch"], r["full_batch_share"], r["full_batch_tokens_per_s"], r["full_batch_x_one_agent"],
+                  r["split_share"], r["decode_tokens_per_s"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"]]
+                 for r in results])
     print(f"wrote {write_results('concurrency', {'args': vars(args), 'levels': results})}")
     plt = pyplot()
     if plt is None:
@@ -147,6 +158,7 @@ def main() -> None:
         levels = [r["agents"] for r in rows]
         style = "o-" if name == "split" else "o:"
         left.plot(levels, [r["engine_decode_tokens_per_s"] for r in rows], style, label=f"engine decode, {name}")
+        left.plot(levels, [r["full_batch_tokens_per_s"] for r in rows], style, label=f"all N decoding, {name}")
         left.plot(levels, [r["tokens_per_s"] for r in rows], style, label=f"overall (prefills included), {name}")
         right.plot(levels, [r["ttft_p50_s"] for r in rows], style, label=f"p50, {name}")
         right.plot(levels, [r["ttft_p95_s"] for r in rows], style, label=f"p95, {name}")

@@ -52,7 +52,9 @@ class HealthResource:
                 "decode_steps": status.counters.decode_steps, "split_steps": status.counters.split_steps,
                 "decode_tokens": status.counters.decode_tokens,
                 "decode_s": round(status.counters.decode_s, 3), "prefill_tokens": status.counters.prefill_tokens,
-                "prefill_s": round(status.counters.prefill_s, 3)},
+                "prefill_s": round(status.counters.prefill_s, 3),
+                "by_batch": {str(rows): {"steps": steps, "s": round(status.counters.seconds_by_batch[rows], 3)}
+                             for rows, steps in sorted(status.counters.steps_by_batch.items())}},
         }
         if status.cache is not None:
             stored = self._agents.n_stored_caches(self._engine.model.fingerprint)

@@ -205,7 +205,7 @@ class Engine:
             queue_depth=self._runner.queue_depth,
             n_active=self._runner.n_active,
             cache=self._runner.caches.stats() if self._runner.caches else None,
-            counters=replace(self._runner.counters),
+            counters=self._runner.counters.snapshot(),
             swaps=self._runner.swaps,
             split_cores=loaded is not None and loaded.cores is not None,
         )

@@ -177,6 +177,13 @@ class EngineCounters:
     decode_s: float = 0.0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    # decode steps and their seconds by the number of sequences in the step
+    steps_by_batch: dict[int, int] = field(default_factory=dict)
+    seconds_by_batch: dict[int, float] = field(default_factory=dict)
+
+    def snapshot(self) -> "EngineCounters":
+        """A copy another thread can read while this one counts on."""
+        return replace(self, steps_by_batch=dict(self.steps_by_batch), seconds_by_batch=dict(self.seconds_by_batch))
 
 
 class Runner(threading.Thread):
@@ -399,9 +406,12 @@ class Runner(threading.Thread):
 
     def _step(self) -> None:
         assert self.loaded is not None and self._batch is not None
-        if self.loaded.cores is not None:
-            self.loaded.cores.use(len(self._batch) > 1)
+        cores = self.loaded.cores
+        if cores is not None:
+            cores.use(len(self._batch) > 1)
         self._decode_step()
+        if cores is not None and self._prefilling:
+            cores.use(False)  # a prefill chunk's large matmuls and attention use OpenBLAS's threads
         self._prefill_step()
 
     def _decode_step(self) -> None:
@@ -414,8 +424,12 @@ class Runner(threading.Thread):
         self.counters.decode_steps += 1
         if self.loaded is not None and self.loaded.cores is not None and self.loaded.cores.active:
             self.counters.split_steps += 1
+        elapsed = time.perf_counter() - start
         self.counters.decode_tokens += len(tokens)
-        self.counters.decode_s += time.perf_counter() - start
+        self.counters.decode_s += elapsed
+        rows = len(tokens)
+        self.counters.steps_by_batch[rows] = self.counters.steps_by_batch.get(rows, 0) + 1
+        self.counters.seconds_by_batch[rows] = self.counters.seconds_by_batch.get(rows, 0.0) + elapsed
         for uid, token in tokens:
             if self._decoding[uid].accept(token):
                 done.append(uid)

@@ -57,7 +57,8 @@ class FakeStatus:
     swaps: int = 0
     split_cores: bool = False
     counters: object = field(default_factory=lambda: type("C", (), {
-        "decode_steps": 0, "split_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0})())
+        "decode_steps": 0, "split_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0,
+        "steps_by_batch": {}, "seconds_by_batch": {}})())
 
 
 class FakeEngine:
