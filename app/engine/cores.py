@@ -9,8 +9,8 @@ whose cost grows with every row's context, on one thread.
 
 So while several sequences decode, ``CoreSplit`` runs OpenBLAS on one thread and
 splits the work itself over two MLX streams (each has its own thread): half of
-every projection's output features (``SplitLinear``, ``SplitEmbedding`` for a
-tied output head), and half of the rows' attention. One sequence alone, or a
+the output features of every large projection (``SplitLinear``,
+``SplitEmbedding`` for a tied output head), and half of the rows' attention. One sequence alone, or a
 prefill without decoding rows, takes the plain path with OpenBLAS's own
 threads, where one row's GEMV already uses both cores.
 
