@@ -149,6 +149,10 @@ def main() -> None:
                   r["split_share"], r["decode_tokens_per_s"], r["tokens_per_s"], r["ttft_p50_s"], r["ttft_p95_s"]]
                  for r in results])
     print(f"wrote {write_results('concurrency', {'args': vars(args), 'levels': results})}")
+    plot(results)
+
+
+def plot(results: list[dict]) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -156,19 +160,20 @@ def main() -> None:
     for name in SERVERS:
         rows = [r for r in results if r["server"] == name]
         levels = [r["agents"] for r in rows]
-        style = "o-" if name == "split" else "o:"
-        left.plot(levels, [r["engine_decode_tokens_per_s"] for r in rows], style, label=f"engine decode, {name}")
-        left.plot(levels, [r["full_batch_tokens_per_s"] for r in rows], style, label=f"all N decoding, {name}")
-        left.plot(levels, [r["tokens_per_s"] for r in rows], style, label=f"overall (prefills included), {name}")
-        right.plot(levels, [r["ttft_p50_s"] for r in rows], style, label=f"p50, {name}")
-        right.plot(levels, [r["ttft_p95_s"] for r in rows], style, label=f"p95, {name}")
+        style = {"linestyle": "-" if name == "split" else ":", "marker": "o"}
+        for key, label, color in (("full_batch_tokens_per_s", "all N decoding", "C1"),
+                                  ("engine_decode_tokens_per_s", "engine decode", "C0"),
+                                  ("tokens_per_s", "overall (prefills included)", "C2")):
+            left.plot(levels, [r[key] for r in rows], color=color, label=f"{label}, {name}", **style)
+        for key, label, color in (("ttft_p50_s", "p50", "C0"), ("ttft_p95_s", "p95", "C3")):
+            right.plot(levels, [r[key] for r in rows], color=color, label=f"{label}, {name}", **style)
     left.set_xlabel("concurrent agents")
     left.set_ylabel("aggregate tokens/s")
     left.legend(fontsize=7)
     right.set_xlabel("concurrent agents")
     right.set_ylabel("TTFT (s)")
     right.legend(fontsize=7)
-    fig.suptitle("Concurrent agents, continuous batching, SmolLM2-135M, 2-core CPU")
+    fig.suptitle("Concurrent agents, continuous batching, SmolLM2-135M, 2-core CPU (split solid, plain dotted)")
     save_plot(fig, "concurrency")
 
 
