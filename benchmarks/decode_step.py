@@ -132,17 +132,21 @@ def plot(runs: list[dict]) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     series = sorted({(r["kind"], r["context"]) for r in runs})
+    contexts = sorted({r["context"] for r in runs if r["context"]})
     for kind, context in series:
         points = [r for r in runs if (r["kind"], r["context"]) == (kind, context)]
+        if kind == "split":  # its one sequence is the engine's
+            points = [r for r in runs if (r["kind"], r["context"], r["batch"]) == ("engine", context, 1)] + points
         label = "MLP matmuls only" if kind == "matmul" else f"{kind}, {context} tokens"
         ax.plot([r["batch"] for r in points], [r["x_one"] for r in points], marker="o",
+                color="black" if kind == "matmul" else f"C{contexts.index(context)}",
                 linestyle={"model": "--", "engine": ":"}.get(kind, "-"), label=label)
     batches = sorted({r["batch"] for r in runs})
     ax.plot(batches, batches, color="grey", linewidth=0.8, label="free batching")
     ax.axhline(3, color="red", linewidth=0.8, linestyle=":", label="goal at 4 (3x)")
     ax.set_xlabel("sequences in the step")
     ax.set_ylabel("aggregate tok/s, x one sequence")
-    ax.set_title("One decode step, SmolLM2-135M, 2-core CPU")
+    ax.set_title("One decode step, SmolLM2-135M, 2-core CPU (split solid)")
     ax.legend(fontsize=7)
     save_plot(fig, "decode_step")
 
