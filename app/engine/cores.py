@@ -32,6 +32,8 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.generate import generation_stream
 
+from app.engine.attention import wraps
+
 log = logging.getLogger(__name__)
 
 Attention = Callable[..., mx.array]
@@ -193,7 +195,7 @@ def install(model: nn.Module, min_split: int = MIN_SPLIT_ELEMENTS) -> CoreSplit 
         attention = getattr(layer, "self_attn", None)
         family = sys.modules[type(attention).__module__] if attention is not None else None
         plain = getattr(family, "scaled_dot_product_attention", None)
-        if plain is not None and not hasattr(plain, "plain"):
+        if plain is not None and not wraps(plain, "split_attention"):
             setattr(family, "scaled_dot_product_attention", cores.attention(plain))
     log.info("batched decode steps split over 2 streams (OpenBLAS: %d threads alone, 1 when split)", threads)
     return cores

@@ -18,7 +18,7 @@ from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
-from app.engine import cores
+from app.engine import attention, cores
 from app.engine.cores import CoreSplit
 from app.engine.token_text import TokenBytes
 from app.errors import InvalidModelFile
@@ -168,5 +168,7 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat =
     log.info("loaded model %s from %s (context %d, dtype %s)", name, path, spec.context_length, used)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
+    if used == mx.float32:
+        attention.install(model)
     split = cores.install(model) if split_cores and used == mx.float32 else None
     return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split)
