@@ -57,7 +57,9 @@ class Settings:
     # A prompt beyond the context drops optional sections (Claude Code's auto memory
     # instructions) before it is refused as too long.
     fit_prompts: bool = True
-    # Tokens per prefill step (bounds peak memory on long prompts).
+    # The largest prefill chunk in tokens (bounds peak memory on long prompts): a prompt
+    # prefilling alone takes chunks of this size; while other requests run, chunks are
+    # sized to take about 0.25 s so that none waits long.
     prefill_step_size: int = 256
     # Generations the engine runs at once (prefilling or decoding, in one batch).
     max_batch: int = 8

@@ -3,13 +3,15 @@
 The engine thread alternates one batched decode step (every decoding sequence
 gets a token) with one prefill chunk of one sequence. The chunk is the
 shortest remaining prompt's (a hot agent's 20 new tokens go before another
-agent's cold 6K-token prompt), and it is sized to take about ``budget_s`` at
-the speed the sequence's last chunk ran: a request that arrives during a long
-cold prefill waits at most about that long for its own turn, and decoding
-sequences get a token at least that often. Small chunks cost little: on the
-2-core CPU a prefill's time per token is set by the context it attends to, not
-by the chunk (512 tokens at 2K context took 6.0 s in 256-token chunks and 6.15 s
-in 32-token chunks).
+agent's cold 6K-token prompt).
+
+A sequence prefilling alone (nothing decodes, nothing else waits) takes chunks
+of ``step_tokens``, the size that is fastest on the machine: small chunks pay a
+fixed cost per forward pass (a chunk of 8 tokens runs at half the speed of one
+of 256). While others wait, the chunk is sized to take about ``budget_s`` at the
+speed the sequence's last chunk ran: a request that arrives during a long cold
+prefill waits at most about that long for its own turn, and decoding sequences
+get a token at least that often.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Prefilling(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefillPolicy:
-    step_tokens: int = 256  # the largest chunk (bounds peak memory)
+    step_tokens: int = 256  # the largest chunk, taken when alone (bounds peak memory)
     budget_s: float = 0.25  # about how long one chunk may take
     min_tokens: int = 8  # the smallest chunk
     first_tokens: int = 32  # a sequence's first chunk, its speed not known yet
@@ -37,8 +39,12 @@ class PrefillPolicy:
         """Index of the sequence to prefill next: the least left to do."""
         return min(range(len(prefilling)), key=lambda i: prefilling[i].n_pending)
 
-    def chunk(self, sequence: Prefilling) -> int:
-        """Tokens to prefill now for ``sequence`` (at least one, at most what it has pending)."""
+    def chunk(self, sequence: Prefilling, alone: bool = False) -> int:
+        """Tokens to prefill now for ``sequence`` (at least one, at most what it has pending);
+        ``alone``: no other sequence is running or waiting."""
         rate = sequence.seconds_per_token
-        fit = self.first_tokens if rate is None or rate <= 0 else int(self.budget_s / rate)
+        if alone:
+            fit = self.step_tokens
+        else:
+            fit = self.first_tokens if rate is None or rate <= 0 else int(self.budget_s / rate)
         return max(1, min(sequence.n_pending, self.step_tokens, max(self.min_tokens, fit)))
