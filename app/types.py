@@ -99,7 +99,7 @@ class ReuseReport:
     (the conversation's stored text parted from the prompt: an edit), ``sibling``
     (started from another conversation of the agent), ``shared`` (from blocks another
     agent stored for the same prefix), ``miss`` (nothing reusable), ``off`` (reuse
-    disabled), ``respell`` (the kept tokens plus the new ones did not spell the prompt).
+    disabled).
     """
 
     reason: str

@@ -50,7 +50,7 @@ class Metrics:
         self.output_tokens = Counter("semantic_output_tokens", "Generated tokens", registry=r)
         self.outcomes = Counter("semantic_cache_match_outcomes", "Cache match outcomes", ["outcome"], registry=r)
         self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason (extend, exact, "
-                                     "diverge, sibling, shared, miss, off, respell)", ["reason"], registry=r)
+                                     "diverge, sibling, shared, miss, off)", ["reason"], registry=r)
         self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)

@@ -13,6 +13,7 @@ to the background persister. Other conversations are never touched.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class _Source:
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
-                 max_conversations: int = 8, working_copies: int = 1, kv_format: KVFormat = DEFAULT_KV_FORMAT,
+                 max_conversations: int = 8, working_copies: int = 4, kv_format: KVFormat = DEFAULT_KV_FORMAT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.fingerprint = fingerprint
         self.kv_format = kv_format
@@ -97,8 +98,10 @@ class CacheManager:
         self._conversations: dict[str, OrderedDict[str, None]] = {}
         self._max_conversations = max_conversations
         # Float copies of the most recent conversations' caches, equal to their dequantized
-        # blocks: their next turn skips dequantization (about 0.2 s per 1K tokens on CPU).
-        # Their bytes count against the pool's budget as the conversation's private bytes.
+        # blocks: their next turn, and a side request of the same agent starting from them,
+        # skip dequantization (about 0.2 s per 1K tokens on CPU). Their bytes count against
+        # the pool's budget as the conversation's private bytes; over budget, the oldest
+        # copies go before any conversation's 4-bit cache is spilled.
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
         self._working_copies = working_copies
         self._n_spilled = 0
@@ -164,7 +167,7 @@ class CacheManager:
         cache = self._hot.get(best[1]) or self._load(agent_id, best[1])
         if cache is None:
             return None
-        return _Source(cache, match_prompt(cache.record, prompt.text), best[0])
+        return _Source(cache, match_prompt(cache.record, prompt), best[0])
 
     def _candidates(self, agent_id: str, conversation_id: str) -> Iterator[tuple[str, str]]:
         """(conversation id, stored text) of the request's conversation first, then of the
@@ -201,12 +204,18 @@ class CacheManager:
         if len(blocks) < n_blocks:
             assert source.tail is not None
             blocks.append(source.tail)
-        cache = self._working.pop(source.conversation_id, None) if use_working_copy else None
-        if cache is not None:  # the lease owns it until commit
+        working = self._working.get(source.conversation_id)
+        if working is not None and working[0].offset != source.record.n_tokens:
+            working = None
+        if working is not None and use_working_copy:  # the lease owns it until commit
+            del self._working[source.conversation_id]
             self._pool.set_private(source.conversation_id, source.private_bytes)
-        if cache is not None and cache[0].offset == source.record.n_tokens:
+            cache = working
             for layer in cache:
                 layer.trim(layer.offset - n_reused)
+        elif working is not None:  # another conversation's copy: its first tokens, the copy stays
+            self._working.move_to_end(source.conversation_id)
+            cache = copy_prefix(working, n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), outcome, report,
@@ -255,17 +264,22 @@ class CacheManager:
     # -- commit ----------------------------------------------------------------------------
 
     def commit(self, lease: Lease, record: CacheRecord, cache: list[KVCache], persist: bool = True,
-               hot_ttl_s: float | None = None) -> None:
+               hot_ttl_s: float | None = None) -> threading.Event | None:
         """Store the cache after a turn as the lease's conversation's: ``record`` describes
         exactly what ``cache`` holds. Without ``persist`` it stays in memory only (gone on
-        restart or eviction); with ``hot_ttl_s`` it goes warm once unused that long."""
+        restart or eviction); with ``hot_ttl_s`` it goes warm once unused that long.
+
+        Returns:
+            With ``persist``, an event set once the cache is on disk (written in the
+            background); else None.
+        """
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
-            return
+            return None
         conversation_id = lease.conversation_id
         if cache[0].offset != record.n_tokens:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
                       conversation_id, cache[0].offset, record.n_tokens)
-            return
+            return None
         begin = requantize_start(list(lease.blocks), lease.n_reused, self.kv_format)
         kept = min(begin // BLOCK_TOKENS, len(lease.chain))
         chain = list(lease.chain[:kept])
@@ -287,14 +301,15 @@ class CacheManager:
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail)
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
-        if persist:
-            self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain}))
+        written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain})) \
+            if persist else None
         if hot_ttl_s is not None and persist:
             self._hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:
             self._hot_until.pop(conversation_id, None)
         self._remember(lease.agent_id, conversation_id)
         self._enforce_budget(keep=conversation_id)
+        return written
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least
@@ -360,14 +375,22 @@ class CacheManager:
             return
         overwrite_with_stored(cache, computed, start, self.kv_format)
         self._working[conversation_id] = cache
+        self._working.move_to_end(conversation_id)
         self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + _nbytes(cache))
         while len(self._working) > self._working_copies:
-            dropped, _ = self._working.popitem(last=False)
-            if dropped in self._hot:
-                self._pool.set_private(dropped, self._hot[dropped].private_bytes)
+            self._drop_working_copy(next(iter(self._working)))
+
+    def _drop_working_copy(self, conversation_id: str) -> None:
+        del self._working[conversation_id]
+        if conversation_id in self._hot:
+            self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes)
 
     def _enforce_budget(self, keep: str) -> None:
         self._free_arrays(self._pool.evict_free())
+        for copy in [c for c in self._working if c != keep]:  # float copies go before 4-bit caches
+            if not self._pool.over_budget():
+                return
+            self._drop_working_copy(copy)
         for victim in self._pool.lru_owners(keep=keep):
             if not self._pool.over_budget():
                 return
@@ -422,6 +445,17 @@ class CacheManager:
             except blockfiles.FileUnavailable:
                 continue
         self._persister.submit(Forget(conversation_id))
+
+
+def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
+    """A working cache of its own holding the first ``n_tokens`` of ``cache`` (which is
+    left as it was: writes to either never reach the other)."""
+    copy = [KVCache() for _ in cache]
+    for layer, source in zip(copy, cache):
+        if n_tokens:
+            layer.state = (source.keys[..., :n_tokens, :], source.values[..., :n_tokens, :], n_tokens)
+    mx.eval([x for layer in copy if n_tokens for x in (layer.keys, layer.values)])
+    return copy
 
 
 def _nbytes(cache: list[KVCache]) -> int:

@@ -178,14 +178,17 @@ class Persister(threading.Thread):
         super().__init__(name="semantic-persist", daemon=True)
         self._files = files
         self._sessions = sessions
-        self._queue: queue.Queue[Snapshot | Forget | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Snapshot | Forget, threading.Event] | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Condition()
 
-    def submit(self, item: Snapshot | Forget) -> None:
+    def submit(self, item: Snapshot | Forget) -> threading.Event:
+        """Queue ``item``; the returned event is set once it is done (written, or failed)."""
+        done = threading.Event()
         with self._lock:
             self._pending += 1
-        self._queue.put(item)
+        self._queue.put((item, done))
+        return done
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything submitted so far is done (written or deleted)."""
@@ -197,7 +200,8 @@ class Persister(threading.Thread):
         self.join(timeout_s)
 
     def run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (queued := self._queue.get()) is not None:
+            item, done = queued
             try:
                 if isinstance(item, Snapshot):
                     self._write(item)
@@ -206,6 +210,7 @@ class Persister(threading.Thread):
             except Exception:  # a failed write is a future cache miss, never a crash
                 log.exception("persisting a cache failed (%s)", item)
             finally:
+                done.set()
                 with self._lock:
                     self._pending -= 1
                     self._lock.notify_all()

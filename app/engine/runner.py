@@ -36,7 +36,6 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from app.cache.manager import CacheManager
 from app.engine.batch import DecodeBatch, prefill
 from app.engine.model import LoadedModel, ModelSpec
-from app.engine.prompting import tokenize_with_ends
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
 from app.engine.token_text import spells
@@ -46,6 +45,9 @@ from app.types import Finished, GenerationEvent, GenerationRequest, Heartbeat, S
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+# A turn's end is reported once its cache is on disk (a kill right after the reply loses
+# nothing), unless writing it takes longer than this.
+DURABLE_WAIT_S = 5.0
 IDLE_CHECK_S = 10.0  # how often an idle engine looks for caches past their hot TTL
 
 
@@ -64,6 +66,7 @@ class Job:
     runner: "Runner"
     _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    stored: threading.Event | None = None  # set once the turn's cache is on disk (None: not persisted)
 
     def cancel(self) -> None:
         """Stop as soon as possible (the client went away): dropped if still queued, stopped
@@ -104,6 +107,9 @@ class Job:
             last = time.monotonic()
             if isinstance(event, Failed):
                 raise EngineUnavailable(event.message)
+            if isinstance(event, Finished) and self.stored is not None and not self.stored.wait(DURABLE_WAIT_S):
+                log.warning("request %s: its cache is not on disk after %.0f s; answering anyway",
+                            self.request.request_id, DURABLE_WAIT_S)
             yield event
             if isinstance(event, Finished):
                 return
@@ -378,23 +384,19 @@ class Runner(threading.Thread):
     def _start(self, job: Job) -> Sequence:
         """A lease on the conversation's cache and the prompt tokens still to compute.
 
-        Reuse is taken only if the reused tokens plus the new ones spell the prompt
-        exactly (Invariant 2); else the prompt is prefilled cold.
+        The lease holds the prompt's first tokens exactly as the prompt's own tokenization
+        has them (``cache.matcher``), so the rest are the prompt's own tokens too: warm
+        computes the token sequence a cold prefill computes (Invariants 2 and 3).
         """
         loaded, caches, request = self.loaded, self.caches, job.request
         assert loaded is not None and caches is not None
         prompt = request.prompt
         lease = caches.lease(request.agent_id, request.conversation_id, prompt, whole_blocks=request.whole_blocks)
-        ids, ends, storable = prompt.token_ids, prompt.ends, bool(prompt.ends) and spells(
-            loaded.token_bytes, prompt.token_ids, prompt.text)
-        if lease.n_reused:
-            suffix_ids, suffix_ends = tokenize_with_ends(loaded.tokenizer, prompt.text[lease.record.ends[-1]:])
-            if spells(loaded.token_bytes, lease.record.tokens + suffix_ids, prompt.text):
-                ids, ends, storable = suffix_ids, suffix_ends, True
-            else:
-                log.warning("request %s: suffix tokens do not spell the prompt; prefilling cold", request.request_id)
-                lease = caches.cold(lease.agent_id, lease.conversation_id,
-                                    replace(lease.report, reason="respell", n_chars=0))
+        n = lease.n_reused
+        assert lease.record.tokens == prompt.token_ids[:n], "a lease reuses the prompt's own tokens"
+        start = prompt.ends[n - 1] if n else 0
+        ids, ends = prompt.token_ids[n:], tuple(end - start for end in prompt.ends[n:])
+        storable = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
         sampling = request.sampling
         sequence = Sequence(job, lease, tuple(ids), tuple(ends), storable,
                             max_new=min(sampling.max_tokens, loaded.context_length - lease.n_reused - len(ids)),
@@ -447,7 +449,8 @@ class Runner(threading.Thread):
             return
         sequence = self._prefilling[self._policy.pick(self._prefilling)]
         if sequence.n_pending > 0:
-            n = self._policy.chunk(sequence)
+            alone = len(self._prefilling) == 1 and not self._decoding and not len(self._queue)
+            n = self._policy.chunk(sequence, alone)
             loaded = self.loaded
             assert loaded is not None
             start = time.perf_counter()
@@ -487,7 +490,8 @@ class Runner(threading.Thread):
             record = lease.record.extend(sequence.prompt_ids, unreused, sequence.prompt_ends) \
                 .extend(sequence.output, sequence.tracker.text, sequence.tracker.ends)
             try:
-                caches.commit(lease, record, cache, persist=request.persist, hot_ttl_s=request.hot_ttl_s)
+                sequence.job.stored = caches.commit(lease, record, cache, persist=request.persist,
+                                                    hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
         sequence.put(sequence.finished(committed))

@@ -136,7 +136,9 @@ def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
     k = record.n_tokens - 10  # inside turn 2's reply: turn 1 and turn 2 both shaped it
     from app.types import Prompt
     text = record.text[:record.ends[k - 1]] + "\u0000diverge"
-    lease = engine.caches.lease("logits", conv("logits"), Prompt(text, (), ()))
+    # The prompt's own tokens: the record's first k, then one for the divergent rest.
+    lease = engine.caches.lease("logits", conv("logits"),
+                                Prompt(text, record.tokens[:k] + (0,), record.ends[:k] + (len(text),)))
     assert lease.n_reused == k
     suffix = record.tokens[k:]
     warm = engine.loaded.model(mx.array([suffix]), cache=lease.cache)[0, -1]

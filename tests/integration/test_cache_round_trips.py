@@ -205,7 +205,7 @@ def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
     model = build("llama")
     n_layers = len(model.layers)
     rng = np.random.default_rng(2)
-    caches = manager(tmp_path, n_layers)
+    caches = manager(tmp_path, n_layers, working_copies=1)  # the 4-bit caches themselves over budget
     prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "b")}
     for agent, tokens in prompts.items():
         lease = caches.lease(agent, agent + "-c", as_prompt(tokens))
@@ -224,6 +224,55 @@ def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
     lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))  # warm -> hot from disk
     assert (lease.n_reused, lease.outcome) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
+    caches.close()
+
+
+def test_float_working_copies_go_before_any_4bit_cache(tmp_path: Path) -> None:
+    """Over budget, the older conversation's float copy is dropped and its 4-bit cache
+    stays hot; its next turn rebuilds the float copy from the blocks, same logits."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(5)
+    caches = manager(tmp_path, n_layers)
+    prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "b")}
+    for agent, tokens in prompts.items():
+        lease = caches.lease(agent, agent + "-c", as_prompt(tokens))
+        forward(model, lease.cache, tokens)
+        caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    more = rng.integers(0, VOCAB, 20).tolist()
+    lease = caches.lease("b", "b-c", as_prompt(prompts["b"] + more))
+    forward(model, lease.cache, more)
+    caches.commit(lease, CacheRecord(*_record_fields(prompts["b"] + more)), lease.cache)
+    assert list(caches._working) == ["a-c", "b-c"]
+    caches._pool.budget_bytes = caches.stats().pool_bytes - 1  # one float copy too many
+    caches._enforce_budget(keep="b-c")  # what every commit ends with
+    assert list(caches._working) == ["b-c"] and caches.record("a-c") is not None and caches.stats().n_spilled == 0
+    lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))
+    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
+    caches.close()
+
+
+def test_a_side_request_starts_from_the_main_conversations_float_copy(tmp_path: Path) -> None:
+    """A sibling lease copies the first tokens of the other conversation's float copy
+    (no dequantization), leaves that copy whole, and computes what a rebuild would."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(6)
+    caches = manager(tmp_path, n_layers)
+    main = rng.integers(0, VOCAB, 400).tolist()
+    lease = caches.lease("a", "main", as_prompt(main))
+    forward(model, lease.cache, main)
+    caches.commit(lease, CacheRecord(*_record_fields(main)), lease.cache)
+    copy = caches._working["main"]
+    before = [np.array(layer.keys, copy=True) for layer in copy]
+    side = main[:320] + rng.integers(0, VOCAB, 30).tolist()  # 320: a key group's end (q4c)
+    lease = caches.lease("a", "side", as_prompt(side))
+    assert (lease.n_reused, lease.report.reason) == (320, "sibling")
+    out = forward(model, lease.cache, side[320:])
+    assert caches._working["main"] is copy and copy[0].offset == 400
+    assert all(np.array_equal(a, np.array(layer.keys)) for a, layer in zip(before, copy))
+    assert mx.array_equal(out, cold_same_split(model, n_layers, main[:320], side[320:], prefilled=main))
     caches.close()
 
 

@@ -10,6 +10,7 @@ from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import common_prefix_length, match_prompt
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
+from app.types import Prompt
 
 
 def chars(text: str) -> CacheRecord:
@@ -31,31 +32,50 @@ def test_extend_and_truncate() -> None:
     assert record.truncate(0) == CacheRecord.empty()
 
 
+def prompt_of(text: str) -> Prompt:
+    """One token per character, as ``chars``."""
+    record = chars(text)
+    return Prompt(text, record.tokens, record.ends)
+
+
 def test_outcomes() -> None:
     record = chars("hello world")
-    assert match_prompt(record, "hello world, again").outcome == "extend"
-    assert match_prompt(record, "hello world, again").n_reused == 11
-    assert match_prompt(record, "hello there").outcome == "diverge"
-    assert match_prompt(record, "hello there").n_reused == 6
-    exact = match_prompt(record, "hello world")
+    assert match_prompt(record, prompt_of("hello world, again")).outcome == "extend"
+    assert match_prompt(record, prompt_of("hello world, again")).n_reused == 11
+    assert match_prompt(record, prompt_of("hello there")).outcome == "diverge"
+    assert match_prompt(record, prompt_of("hello there")).n_reused == 6
+    exact = match_prompt(record, prompt_of("hello world"))
     assert (exact.outcome, exact.n_reused) == ("exact", 10)
-    assert match_prompt(record, "goodbye").outcome == "miss"
-    assert match_prompt(CacheRecord.empty(), "x").outcome == "miss"
+    assert match_prompt(record, prompt_of("goodbye")).outcome == "miss"
+    assert match_prompt(CacheRecord.empty(), prompt_of("x")).outcome == "miss"
 
 
 def test_tokens_straddling_the_match_are_dropped() -> None:
     record = CacheRecord((1, 2, 3), "abcdef", (2, 4, 6))  # tokens "ab", "cd", "ef"
-    match = match_prompt(record, "abcX")
+    match = match_prompt(record, Prompt("abcX", (1, 7, 8), (2, 3, 4)))  # "ab", "c", "X"
     assert (match.n_reused, match.n_chars) == (1, 2)  # "cd" is only half inside
 
 
-@given(st.text(max_size=40), st.text(max_size=40))
-def test_reused_tokens_always_spell_a_prefix_of_the_prompt(cached: str, prompt: str) -> None:
-    record = chars(cached)
+def test_reuse_stops_where_the_prompt_tokenizes_differently() -> None:
+    """The same text split otherwise ("a"+"bc" cached, "ab"+"c" in the prompt's own
+    tokenization): only the tokens a cold prefill would compute too are kept."""
+    record = CacheRecord((1, 2, 3, 4), "xabcd", (1, 2, 4, 5))  # "x", "a", "bc", "d"
+    prompt = Prompt("xabcde", (1, 9, 10, 4, 5), (1, 3, 4, 5, 6))  # "x", "ab", "c", "d", "e"
     match = match_prompt(record, prompt)
-    assert prompt.startswith(record.text[:match.n_chars])
-    assert match.n_reused < len(prompt) or match.n_reused == 0
-    assert common_prefix_length(cached, prompt) >= match.n_chars
+    assert (match.n_reused, match.n_chars, match.outcome) == (1, 1, "extend")
+    same_ids_other_ends = Prompt("xabcde", (1, 2, 3, 4, 5), (1, 2, 3, 5, 6))
+    assert match_prompt(record, same_ids_other_ends).n_reused == 2
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_reused_tokens_always_spell_a_prefix_of_the_prompt(cached: str, text: str) -> None:
+    record = chars(cached)
+    prompt = prompt_of(text)
+    match = match_prompt(record, prompt)
+    assert text.startswith(record.text[:match.n_chars])
+    assert record.tokens[:match.n_reused] == prompt.token_ids[:match.n_reused]
+    assert match.n_reused < len(text) or match.n_reused == 0
+    assert common_prefix_length(cached, text) >= match.n_chars
 
 
 def test_block_hashes_chain_and_salt() -> None:
