@@ -125,7 +125,11 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
     from app.engine.model import ensure_calibrated
 
     with tqdm(total=n_steps(), desc=f"calibrate the KV format of {name}", unit="step") as bar:
-        kv = ensure_calibrated(name, path, settings.dtype, lambda label: (bar.set_postfix_str(label), bar.update()))
+        def step(label: str) -> None:
+            bar.set_postfix_str(label)
+            bar.update()
+
+        kv = ensure_calibrated(name, path, settings.dtype, step)
         bar.total = bar.n  # it stops at the first size that meets the goal
     print(f"{name}: KV format {kv.describe()}")
 

@@ -175,7 +175,8 @@ def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path,
               progress: calibration.Progress | None = None) -> KVChoice:
     """Calibrate the model at ``path`` (loaded as ``model``) and record the result with it."""
     log.info("calibrating the KV format of %s (%d formats at most)", path.name, len(KV_FORMATS))
-    record = calibration.calibrate(model, tokenizer, calibration_key(path), progress)
+    record = calibration.calibrate(model, tokenizer, calibration_key(path),
+                                   progress or (lambda step: log.info("KV calibration of %s: %s done", path.name, step)))
     calibration.write_record(path, record)
     log.info("KV format of %s: %s (%s), calibrated in %.0f s", path.name, record.chosen,
              record.measured[record.chosen].describe(), record.seconds)
