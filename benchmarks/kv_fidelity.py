@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/kv_fidelity.py [--contexts 2048] [--long-smollm2 6144] [--long-gemma3 4096]
 
 For SmolLM2-135M and Gemma 3 270M, two texts (the GPL-3 prose and argparse.py), a
-prefix of each context length prefilled in float32 and passed through each format
-(tests/support/kv_fidelity.py: every kv_format through the product's own quantizer):
+prefix of each context length prefilled in float32 and passed through each stored format
+(app/engine/fidelity.py: every kv_format through the product's own quantizer):
 256 following tokens scored teacher-forced against float KV (top-1 agreement, mean and
 max KL, perplexity change); 64 greedy tokens after the 2K prefix compared with float's; and a needle (a
-passphrase at the start of ~2K tokens of prose, asked for at the end) per format.
+passphrase at the start of ~2K tokens of prose, asked for at the end) per format. The
+"auto" column marks the format the model's calibration chose (kv_format "auto").
 Prints a table, writes benchmarks/results/kv_fidelity.json and kv_fidelity.png.
 """
 
@@ -61,9 +62,9 @@ def main() -> None:
     results: dict = {"formats": {f: {"bytes_vs_fp16": KV_FORMATS[f].bytes_vs_fp16} for f in formats}, "models": {}}
     rows = []
     for key, name in MODELS.items():
-        loaded = load_model(key, ensure_embedded(models_dir, name), kv_format="f16")  # the model only
+        loaded = load_model(key, ensure_embedded(models_dir, name))  # calibrated on its first load
         contexts = sorted({*args.contexts, getattr(args, f"long_{key}")})
-        model_results: dict = {"contexts": {}}
+        model_results: dict = {"contexts": {}, "auto": loaded.kv.format.name}
         for context in contexts:
             started = time.perf_counter()
             per_text = {}
@@ -97,12 +98,13 @@ def main() -> None:
                 rows.append([key, context, f, f"{KV_FORMATS[f].bytes_vs_fp16:.1%}", f"{s['top1_agreement']:.1%}",
                              f"{s['kl_mean']:.4f}", f"{s['kl_max']:.3f}", f"{s['perplexity_change']:+.2%}",
                              model_results["greedy_matches_of_64"][f] if context == first else "",
-                             model_results["needle"][f] if context == first else ""])
+                             model_results["needle"][f] if context == first else "",
+                             "*" if f == model_results["auto"] else ""])
         print(f"{key}: needle with float KV: {model_results['needle']['float']}", file=sys.stderr)
         del loaded
         mx.clear_cache()
     print_table(["model", "context", "format", "bytes vs FP16", "top-1", "KL mean", "KL max", "ppl change",
-                 "greedy /64", "needle"], rows)
+                 "greedy /64", "needle", "auto"], rows)
     print(f"wrote {write_results('kv_fidelity', results)}")
     plot(results, formats)
 
