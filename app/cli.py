@@ -122,15 +122,17 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
     from tqdm import tqdm
 
     from app.engine.calibration import n_steps
-    from app.engine.model import ensure_calibrated
+    from app.engine.model import ensure_calibrated, kv_choice
 
-    with tqdm(total=n_steps(), desc=f"calibrate the KV format of {name}", unit="step") as bar:
-        def step(label: str) -> None:
-            bar.set_postfix_str(label)
-            bar.update()
+    kv = kv_choice(path, "auto")
+    if kv.chosen_by == "pending":
+        with tqdm(total=n_steps(), desc=f"calibrate the KV format of {name}", unit="step") as bar:
+            def step(label: str) -> None:
+                bar.set_postfix_str(label)
+                bar.update()
 
-        kv = ensure_calibrated(name, path, settings.dtype, step)
-        bar.total = bar.n  # it stops at the first size that meets the goal
+            kv = ensure_calibrated(name, path, settings.dtype, step)
+            bar.total = bar.n  # it stops at the first size that meets the goal
     print(f"{name}: KV format {kv.describe()}")
 
 
