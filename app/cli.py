@@ -99,6 +99,7 @@ def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
     weights = f"{result.quantize_bits}-bit + {result.dtype}" if result.quantize_bits else result.dtype
     print(f"imported {result.architecture} model {name!r}: {result.n_tensors} tensors, "
           f"{result.n_params / 1e6:.1f}M parameters, {weights}, {result.n_shards} shard(s) -> {result.path}")
+    _calibrate(settings, name, result.path)
     return 0
 
 
@@ -107,17 +108,47 @@ def cmd_models_install(settings: Settings, args: argparse.Namespace) -> int:
 
     path = ensure_embedded(settings.models_dir, args.name)
     print(f"{args.name}: {path}")
+    _calibrate(settings, args.name, path)
     return 0
+
+
+def _calibrate(settings: Settings, name: str, path: Path) -> None:
+    """Measure the ``auto`` KV format of a new model now rather than at its first load."""
+    if settings.kv_format_for(name) != "auto":
+        return
+    from app.engine.blas import load_fast_blas
+
+    load_fast_blas(settings.blas_library)
+    from tqdm import tqdm
+
+    from app.engine.calibration import n_steps
+    from app.engine.model import ensure_calibrated, kv_choice
+
+    kv = kv_choice(path, "auto")
+    if kv.chosen_by == "pending":
+        with tqdm(total=n_steps(), desc=f"calibrate the KV format of {name}", unit="step") as bar:
+            def step(label: str) -> None:
+                bar.set_postfix_str(label)
+                bar.update()
+
+            kv = ensure_calibrated(name, path, settings.dtype, step)
+            bar.total = bar.n  # it stops at the first size that meets the goal
+    print(f"{name}: KV format {kv.describe()}")
 
 
 def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED
     from app.catalog.registry import list_models
+    from app.engine.blas import load_fast_blas
+
+    load_fast_blas(settings.blas_library)
+    from app.engine.model import kv_choice
 
     installed = {m.name: m for m in list_models(settings.models_dir)}
     for model in installed.values():
         default = " (default)" if model.name == settings.model else ""
-        print(f"{model.name}\t{model.architecture}\t{model.path}{default}")
+        kv = kv_choice(model.path, settings.kv_format_for(model.name))
+        print(f"{model.name}\t{model.architecture}\t{model.path}{default}\tKV {kv.describe()}")
     for name, model in EMBEDDED.items():
         if name not in installed:
             print(f"{name}\tnot imported\t{model.description}")

@@ -57,7 +57,6 @@ def serve(settings: Settings) -> None:
     import waitress
 
     from app.catalog.registry import Catalog
-    from app.cache.blocks import KV_FORMATS
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import make_engine, make_session_factory, upgrade
 
@@ -66,7 +65,7 @@ def serve(settings: Settings) -> None:
     upgrade(settings.db_url)
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
-                        settings.max_conversations, KV_FORMATS[settings.kv_format])
+                        settings.max_conversations, settings.kv_format_for)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)

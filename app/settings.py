@@ -77,12 +77,16 @@ class Settings:
     # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float
     # working copy of the most recently used agent; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
-    # How stored KV caches are quantized: q4c (4-bit, keys per channel over 64-token
-    # groups, 28% of FP16), q4 (4-bit per token: the format before q4c), q4r (q4 after
-    # a Hadamard rotation of each head), k8v4 (8-bit keys: 41%), q8 (53%), f16 (float16,
-    # not quantized: 100%). See the README's KV format table for what each keeps. Part
-    # of the model fingerprint: changing it makes existing caches a clean miss.
-    kv_format: str = "q4c"
+    # How stored KV caches are kept: "auto" = per model, the fewest bytes that keep its
+    # answers faithful (top-1 agreement with float KV >= 98%, perplexity within 1%),
+    # measured once per model (app/engine/calibration.py); or a format for every model
+    # (see docs/kv-formats.md: q4k, q4c, q4r, q4, k8v4, q8, f16). Part of the model
+    # fingerprint: changing it makes existing caches a clean miss.
+    kv_format: str = "auto"
+    # A format (or "auto") for some models, over kv_format: model name -> format. In TOML a
+    # table (`[kv_formats]` then `gemma3-270m = "q8"`); in the environment
+    # `SEMANTIC_KV_FORMATS="gemma3-270m=q8,smollm2-135m-instruct=auto"`.
+    kv_formats: dict[str, str] = field(default_factory=dict)
     # Conversation caches an agent keeps (memory and disk); beyond it the least recently
     # used one's cache is deleted (its history stays).
     max_conversations: int = 8
@@ -137,26 +141,35 @@ class Settings:
         return RequestOptions(self.max_output_tokens, self.default_temperature, self.default_max_tokens,
                               self.stable_prompts)
 
+    def kv_format_for(self, model: str) -> str:
+        """The stored KV format asked for ``model``: a format's name, or "auto"."""
+        return self.kv_formats.get(model, self.kv_format)
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _aliases(name: str, value: Any) -> dict[str, str]:
-    """``{"alias": "model"}`` from a TOML table or from ``"alias=model,alias2=model2"``."""
+_TABLES = {"model_aliases": ("alias", "model"), "kv_formats": ("model", "format")}
+
+
+def _table(name: str, value: Any) -> dict[str, str]:
+    """``{"alias": "model"}`` from a TOML table or from ``"alias=model,alias2=model2"``
+    (``kv_formats``: ``model=format``)."""
+    key, target = _TABLES[name]
     if isinstance(value, str):
         pairs = [item.partition("=") for item in value.split(",") if item.strip()]
-        if any(not sep or not alias.strip() or not target.strip() for alias, sep, target in pairs):
-            raise ConfigError(f"{name}: expected alias=model pairs separated by commas, got {value!r}")
-        value = {alias.strip(): target.strip() for alias, _, target in pairs}
+        if any(not sep or not k.strip() or not v.strip() for k, sep, v in pairs):
+            raise ConfigError(f"{name}: expected {key}={target} pairs separated by commas, got {value!r}")
+        value = {k.strip(): v.strip() for k, _, v in pairs}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
                                               for k, v in value.items()):
-        raise ConfigError(f"{name}: expected a table of alias = \"model\" strings, got {value!r}")
+        raise ConfigError(f"{name}: expected a table of {key} = \"{target}\" strings, got {value!r}")
     return dict(value)
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:
     if kind == dict[str, str]:
-        return _aliases(name, value)
+        return _table(name, value)
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
@@ -229,8 +242,10 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Set
     values.update({k: v for k, v in overrides.items() if v is not None})
     typed = {name: _coerce(name, _KINDS[name], value) for name, value in values.items()}
     settings = Settings(**typed)
-    if settings.kv_format not in KV_FORMAT_NAMES:
-        raise ConfigError(f"kv_format: {settings.kv_format!r} is not one of {', '.join(KV_FORMAT_NAMES)}")
+    requested = {"kv_format": settings.kv_format, **{f"kv_formats: {m}": f for m, f in settings.kv_formats.items()}}
+    for where, kv_format in requested.items():
+        if kv_format not in ("auto", *KV_FORMAT_NAMES):
+            raise ConfigError(f"{where}: {kv_format!r} is not auto or one of {', '.join(KV_FORMAT_NAMES)}")
     if not 0 < settings.port < 65536:
         raise ConfigError(f"port: {settings.port} is not a valid TCP port")
     return dataclasses.replace(settings, home=settings.home.expanduser())

@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/kv_fidelity.py [--contexts 2048] [--long-smollm2 6144] [--long-gemma3 4096]
 
 For SmolLM2-135M and Gemma 3 270M, two texts (the GPL-3 prose and argparse.py), a
-prefix of each context length prefilled in float32 and passed through each format
-(tests/support/kv_fidelity.py: every kv_format through the product's own quantizer):
+prefix of each context length prefilled in float32 and passed through each stored format
+(app/engine/fidelity.py: every kv_format through the product's own quantizer):
 256 following tokens scored teacher-forced against float KV (top-1 agreement, mean and
 max KL, perplexity change); 64 greedy tokens after the 2K prefix compared with float's; and a needle (a
-passphrase at the start of ~2K tokens of prose, asked for at the end) per format.
+passphrase at the start of ~2K tokens of prose, asked for at the end) per format. The
+"auto" column marks the format the model's calibration chose (kv_format "auto").
 Prints a table, writes benchmarks/results/kv_fidelity.json and kv_fidelity.png.
 """
 
@@ -27,12 +28,13 @@ load_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
+from app.cache.blocks import KV_FORMATS  # noqa: E402
 from app.catalog.registry import ensure_embedded  # noqa: E402
+from app.engine.fidelity import copy_cache, natural_texts, prefill, roundtrip, teacher_forced  # noqa: E402
 from app.engine.model import load_model  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
-from support.kv_fidelity import (BYTES_VS_FP16, FORMATS, copy_cache, greedy, greedy_agreement,  # noqa: E402
-                                 natural_texts, needle_prompt, prefill, teacher_forced)
+from support.kv_fidelity import greedy, greedy_agreement, needle_prompt  # noqa: E402
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 SCORED = 256
@@ -44,7 +46,7 @@ def needle(loaded, n_filler: int) -> dict[str, bool]:  # type: ignore[no-untyped
     base = prefill(loaded.model, ids[:-1])
     n = len(ids) - 1
     answers = {"float": greedy(loaded.model, copy_cache(base, n), ids[-1], 16)}
-    answers |= {name: greedy(loaded.model, FORMATS[name](base, n), ids[-1], 16) for name in FORMATS}
+    answers |= {name: greedy(loaded.model, roundtrip(base, n, f), ids[-1], 16) for name, f in KV_FORMATS.items()}
     return {name: "4172" in loaded.tokenizer.decode(tokens) for name, tokens in answers.items()}
 
 
@@ -56,13 +58,13 @@ def main() -> None:
     args = parser.parse_args()
     models_dir = load_settings().models_dir
     texts = natural_texts()
-    formats = list(FORMATS)
-    results: dict = {"formats": {f: {"bytes_vs_fp16": BYTES_VS_FP16[f]} for f in formats}, "models": {}}
+    formats = list(KV_FORMATS)
+    results: dict = {"formats": {f: {"bytes_vs_fp16": KV_FORMATS[f].bytes_vs_fp16} for f in formats}, "models": {}}
     rows = []
     for key, name in MODELS.items():
-        loaded = load_model(key, ensure_embedded(models_dir, name))
+        loaded = load_model(key, ensure_embedded(models_dir, name))  # calibrated on its first load
         contexts = sorted({*args.contexts, getattr(args, f"long_{key}")})
-        model_results: dict = {"contexts": {}}
+        model_results: dict = {"contexts": {}, "auto": loaded.kv.format.name}
         for context in contexts:
             started = time.perf_counter()
             per_text = {}
@@ -70,7 +72,7 @@ def main() -> None:
                 tokens = loaded.tokenizer.encode(text)[:context + SCORED + 1]
                 if len(tokens) < context + SCORED + 1:
                     continue
-                per_text[text_name] = teacher_forced(loaded.model, tokens, context, formats)
+                per_text[text_name] = teacher_forced(loaded.model, tokens, context, KV_FORMATS.values())
             summary = {}
             for f in formats:
                 scores = [per_text[t][f] for t in per_text]
@@ -93,15 +95,16 @@ def main() -> None:
         for context, summary in model_results["contexts"].items():
             for f in formats:
                 s = summary[f]
-                rows.append([key, context, f, f"{BYTES_VS_FP16[f]:.1%}", f"{s['top1_agreement']:.1%}",
+                rows.append([key, context, f, f"{KV_FORMATS[f].bytes_vs_fp16:.1%}", f"{s['top1_agreement']:.1%}",
                              f"{s['kl_mean']:.4f}", f"{s['kl_max']:.3f}", f"{s['perplexity_change']:+.2%}",
                              model_results["greedy_matches_of_64"][f] if context == first else "",
-                             model_results["needle"][f] if context == first else ""])
+                             model_results["needle"][f] if context == first else "",
+                             "*" if f == model_results["auto"] else ""])
         print(f"{key}: needle with float KV: {model_results['needle']['float']}", file=sys.stderr)
         del loaded
         mx.clear_cache()
     print_table(["model", "context", "format", "bytes vs FP16", "top-1", "KL mean", "KL max", "ppl change",
-                 "greedy /64", "needle"], rows)
+                 "greedy /64", "needle", "auto"], rows)
     print(f"wrote {write_results('kv_fidelity', results)}")
     plot(results, formats)
 

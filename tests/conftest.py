@@ -40,18 +40,24 @@ def models_dir() -> Path:
     return load_settings().models_dir
 
 
+def _embedded(models_dir: Path, name: str) -> Path:
+    """An embedded model, imported and its KV format calibrated once (later loads read the record)."""
+    from app.catalog.registry import ensure_embedded
+    from app.engine.model import ensure_calibrated
+
+    path = ensure_embedded(models_dir, name, progress=False)
+    ensure_calibrated(name, path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(models_dir: Path) -> Path:
-    from app.catalog.registry import ensure_embedded
-
-    return ensure_embedded(models_dir, "smollm2-135m-instruct", progress=False)
+    return _embedded(models_dir, "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir(models_dir: Path) -> Path:
-    from app.catalog.registry import ensure_embedded
-
-    return ensure_embedded(models_dir, "gemma3-270m", progress=False)
+    return _embedded(models_dir, "gemma3-270m")
 
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"

@@ -16,6 +16,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
+    from app.engine.model import KVChoice
 
 
 class RootResource:
@@ -48,6 +49,7 @@ class HealthResource:
             "queue_depth": status.queue_depth,
             "active_requests": status.n_active,
             "split_cores": status.split_cores,
+            "kv_format": _kv_format(status.kv),
             "engine": {  # totals since start: batched decode steps and prefill chunks
                 "decode_steps": status.counters.decode_steps, "split_steps": status.counters.split_steps,
                 "decode_tokens": status.counters.decode_tokens,
@@ -69,6 +71,17 @@ class HealthResource:
                 "conversations": {"hot": status.cache.hot_conversations,
                                   "warm": max(stored - status.cache.hot_conversations, 0)},
             }
+
+
+def _kv_format(kv: KVChoice | None) -> dict | None:
+    """The loaded model's stored KV format, why it is used, and what its calibration measured."""
+    if kv is None:
+        return None
+    measured = kv.measured
+    return {"name": kv.format.name, "chosen_by": kv.chosen_by, "bytes_vs_fp16": round(kv.format.bytes_vs_fp16, 4),
+            "top1_agreement": round(measured.top1_agreement, 4) if measured else None,
+            "perplexity_change": round(measured.perplexity_change, 4) if measured else None,
+            "kl_mean": round(measured.kl_mean, 5) if measured else None}
 
 
 class ModelsResource:

@@ -61,10 +61,11 @@ class KVFormat:
         if not self.quantized:
             return f"float16-b{BLOCK_TOKENS}"
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
-        if self.channel_keys:
-            layout = "-kchannel" + ("-vhadamard" if self.rotate_values else "")
+        if self.rotate_keys and self.rotate_values and not self.channel_keys:
+            layout = "-hadamard"  # keys and values (q4r's string before formats rotated only one)
         else:
-            layout = "-hadamard" if self.rotate_keys else ""
+            layout = ("-kchannel" if self.channel_keys else "-khadamard" if self.rotate_keys else "") + \
+                ("-vhadamard" if self.rotate_values else "")
         return f"affine-{bits}{layout}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
 
     @property
@@ -73,6 +74,11 @@ class KVFormat:
         if not self.quantized:
             return 2.0
         return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
+
+    @property
+    def bytes_vs_fp16(self) -> float:
+        """Stored bytes relative to float16 keys and values."""
+        return self.bytes_per_value / 2
 
     def grouped_tokens(self, n_tokens: int) -> int:
         """How many of a stored conversation's ``n_tokens`` tokens have their keys in
@@ -93,10 +99,18 @@ class KVFormat:
         return n_reused - n_reused % GROUP_SIZE
 
 
-KV_FORMATS = {f.name: f for f in (KVFormat("q4", 4, 4), KVFormat("q4r", 4, 4, rotate_keys=True, rotate_values=True),
-                                   KVFormat("q4c", 4, 4, rotate_values=True, channel_keys=True),
-                                   KVFormat("k8v4", 8, 4), KVFormat("q8", 8, 8), KVFormat("f16", 16, 16))}
+# Every stored format, smallest first (docs/kv-formats.md has what each keeps on both real models).
+KV_FORMATS = {f.name: f for f in (
+    KVFormat("q4r", 4, 4, rotate_keys=True, rotate_values=True),
+    KVFormat("q4c", 4, 4, rotate_values=True, channel_keys=True),
+    KVFormat("k5c", 5, 4, rotate_values=True, channel_keys=True),
+    KVFormat("k6v4", 6, 4, rotate_keys=True, rotate_values=True),
+    KVFormat("k8v4", 8, 4, rotate_values=True),
+    KVFormat("q8", 8, 8),
+    KVFormat("f16", 16, 16))}
 assert tuple(KV_FORMATS) == KV_FORMAT_NAMES
+# The format of callers that name none (tests of one layer); the server resolves one per
+# model (kv_format "auto": app/engine/calibration.py).
 DEFAULT_KV_FORMAT = KV_FORMATS["q4c"]
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.

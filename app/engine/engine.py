@@ -11,14 +11,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.manager import CacheManager, CacheStats
 from app.catalog.registry import Catalog
-from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
+from app.engine.model import KVChoice, LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
 from app.engine.runner import EngineCounters, Job, Runner, working_bytes
 from app.errors import EngineUnavailable, MemoryExhausted
@@ -34,13 +33,13 @@ class CacheConfig:
     budget_bytes: int
     enabled: bool = True
     max_conversations: int = 8
-    kv_format: KVFormat = DEFAULT_KV_FORMAT
+    kv_format_for: Callable[[str], str] = lambda _model: "auto"  # model name -> stored format's name or "auto"
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
         return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
-                            max_conversations=self.max_conversations, kv_format=self.kv_format)
+                            max_conversations=self.max_conversations, kv_format=loaded.kv_format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +66,7 @@ class EngineStatus:
     counters: EngineCounters
     swaps: int  # models swapped in since start
     split_cores: bool  # batched decode steps are split over both CPU cores (cores.py)
+    kv: KVChoice | None = None  # the loaded model's stored KV format, and why
 
 
 class Engine:
@@ -80,12 +80,12 @@ class Engine:
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``."""
         self._catalog = catalog
         self._dtype = dtype
-        self._kv_format = cache.kv_format
+        self._kv_format_for = cache.kv_format_for
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
         self._memory_bytes = cache.budget_bytes
-        self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype, cache.kv_format,
-                                                         split_cores),
+        self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
+                                                      cache.kv_format_for(name), split_cores),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               repetition_penalty=repetition_penalty, max_batch=max_batch,
@@ -157,7 +157,8 @@ class Engine:
             raise EngineUnavailable("the model is still loading")  # its first import may be under way
         with self._specs_lock:
             if name not in self._specs:
-                self._specs[name] = load_spec(name, self._catalog.install(name), self._dtype, self._kv_format)
+                self._specs[name] = load_spec(name, self._catalog.install(name), self._dtype,
+                                              self._kv_format_for(name))
             return self._specs[name]
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None) -> Prompt:
@@ -208,6 +209,7 @@ class Engine:
             counters=self._runner.counters.snapshot(),
             swaps=self._runner.swaps,
             split_cores=loaded is not None and loaded.cores is not None,
+            kv=loaded.kv if loaded else None,
         )
 
     @property

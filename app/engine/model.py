@@ -17,13 +17,38 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
-from app.cache.blocks import DEFAULT_KV_FORMAT, KVFormat
-from app.engine import attention, cores
+from app.cache.blocks import KV_FORMATS, KVFormat
+from app.engine import attention, calibration, cores
+from app.engine.calibration import Calibration, Measured
 from app.engine.cores import CoreSplit
 from app.engine.token_text import TokenBytes
 from app.errors import InvalidModelFile
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVChoice:
+    """The stored KV format a model uses, and why: ``chosen_by`` "calibration" (the
+    ``auto`` format: ``calibration`` holds what it measured), "setting" (``kv_format``
+    or the model's entry in ``kv_formats``), or "pending" (``auto`` for a model not
+    calibrated yet: it is, when it loads)."""
+
+    format: KVFormat
+    chosen_by: str
+    calibration: Calibration | None = None
+
+    @property
+    def measured(self) -> Measured | None:
+        """The format's calibration scores, if it was measured."""
+        return self.calibration.measured.get(self.format.name) if self.calibration else None
+
+    def describe(self) -> str:
+        if self.chosen_by == "pending":
+            return "auto (calibrated when the model first loads)"
+        how = "auto" if self.chosen_by == "calibration" else "set"
+        measured = self.measured
+        return f"{self.format.name} ({how}: {measured.describe() if measured else f'{self.format.bytes_vs_fp16:.1%} of FP16'})"
 
 
 @dataclass(frozen=True)
@@ -43,6 +68,11 @@ class ModelSpec:
     token_bytes: TokenBytes
     kv_bytes_per_token: int  # a float working cache's bytes per token (keys and values, every layer)
     vocab_size: int
+    kv: KVChoice  # the stored KV format (part of ``fingerprint``)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.kv.format
 
 
 @dataclass(frozen=True)
@@ -125,8 +155,44 @@ def _compute_dtype(requested: str) -> Any:
         raise InvalidModelFile(f"unknown dtype {requested!r}") from None
 
 
-def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT) -> ModelSpec:
+def calibration_key(path: Path) -> str:
+    """What a model's KV calibration is valid for: its weights, tokenizer and template, and the calibration version."""
+    return model_fingerprint(path, f"kv-calibration-v{calibration.CALIBRATION_VERSION}")
+
+
+def kv_choice(path: Path, kv_format: str) -> KVChoice:
+    """The stored format ``kv_format`` (a format's name, or "auto") means for the model at
+    ``path``, without measuring: "auto" is the recorded calibration's choice, or pending."""
+    if kv_format != "auto":
+        return KVChoice(KV_FORMATS[kv_format], "setting", calibration.read_record(path, calibration_key(path)))
+    record = calibration.read_record(path, calibration_key(path))
+    if record is None:
+        return KVChoice(KV_FORMATS[calibration.LOSSLESS], "pending")
+    return KVChoice(KV_FORMATS[record.chosen], "calibration", record)
+
+
+def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path,
+              progress: calibration.Progress | None = None) -> KVChoice:
+    """Calibrate the model at ``path`` (loaded as ``model``) and record the result with it."""
+    log.info("calibrating the KV format of %s (%d formats at most)", path.name, len(KV_FORMATS))
+    record = calibration.calibrate(model, tokenizer, calibration_key(path),
+                                   progress or (lambda step: log.info("KV calibration of %s: %s done", path.name, step)))
+    calibration.write_record(path, record)
+    log.info("KV format of %s: %s (%s), calibrated in %.0f s", path.name, record.chosen,
+             record.measured[record.chosen].describe(), record.seconds)
+    return KVChoice(KV_FORMATS[record.chosen], "calibration", record)
+
+
+def ensure_calibrated(name: str, path: Path, dtype: str = "auto",
+                      progress: calibration.Progress | None = None) -> KVChoice:
+    """The ``auto`` format of the model at ``path``: recorded, or measured now (loading the model)."""
+    kv = kv_choice(path, "auto")
+    return load_model(name, path, dtype, "auto", progress=progress).kv if kv.chosen_by == "pending" else kv
+
+
+def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto") -> ModelSpec:
     """Tokenizer, context and fingerprint of the model directory ``path``, without its weights.
+    ``kv_format``: a stored format's name, or "auto" (see ``kv_choice``).
 
     Raises:
         InvalidModelFile: the directory is missing or not loadable.
@@ -142,18 +208,21 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = 
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
     target = _compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
-    return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv_format.fingerprint),
+    kv = kv_choice(path, kv_format)
+    return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv.format.fingerprint),
                      TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
-                     int(config.get("vocab_size") or len(tokenizer.vocab)))
+                     int(config.get("vocab_size") or len(tokenizer.vocab)), kv)
 
 
-def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat = DEFAULT_KV_FORMAT,
-               split_cores: bool = False) -> LoadedModel:
+def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto",
+               split_cores: bool = False, progress: calibration.Progress | None = None) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
     On the CPU backend weights are cast to float32: bf16/fp16 matmuls do not go
     through BLAS there and are an order of magnitude slower. With ``split_cores``,
     batched decode steps split their work over both CPU cores (``cores``).
+    ``kv_format`` "auto" on a model not calibrated yet calibrates it first (``calibrate``;
+    ``progress`` is called once per step).
 
     Raises:
         InvalidModelFile: the directory is missing or not loadable.
@@ -170,5 +239,8 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: KVFormat =
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:
         attention.install(model)
+    if spec.kv.chosen_by == "pending":
+        fields["kv"] = calibrate(model, spec.tokenizer, path, progress)
+        fields["fingerprint"] = model_fingerprint(path, fields["kv"].format.fingerprint)
     split = cores.install(model) if split_cores and used == mx.float32 else None
     return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split)

@@ -56,6 +56,7 @@ class FakeStatus:
     cache: None = None
     swaps: int = 0
     split_cores: bool = False
+    kv: object = None
     counters: object = field(default_factory=lambda: type("C", (), {
         "decode_steps": 0, "split_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0,
         "steps_by_batch": {}, "seconds_by_batch": {}})())
@@ -104,7 +105,13 @@ class FakeEngine:
         pass
 
     def status(self) -> FakeStatus:
-        return FakeStatus(healthy=not self.loading, loading=self.loading)
+        from app.cache.blocks import KV_FORMATS
+        from app.engine.calibration import Calibration, Measured
+        from app.engine.model import KVChoice
+
+        calibration = Calibration("key", "k6v4", {"k6v4": Measured(0.986, 0.0033, 0.0011, 0.34375)}, 36.5)
+        kv = None if self.loading else KVChoice(KV_FORMATS["k6v4"], "calibration", calibration)
+        return FakeStatus(healthy=not self.loading, loading=self.loading, kv=kv)
 
 
 @pytest.fixture
@@ -166,8 +173,12 @@ def test_health_says_loading_until_the_engine_is_ready(app) -> None:  # type: ig
     engine.loading = True
     response = client.simulate_get("/health")
     assert response.status_code == 503 and response.json["status"] == "loading"
+    assert response.json["kv_format"] is None
     engine.loading = False
-    assert client.simulate_get("/health").json["status"] == "ok"
+    health = client.simulate_get("/health").json
+    assert health["status"] == "ok"
+    assert health["kv_format"] == {"name": "k6v4", "chosen_by": "calibration", "bytes_vs_fp16": 0.3438,
+                                   "top1_agreement": 0.986, "perplexity_change": 0.0033, "kl_mean": 0.0011}
 
 
 def test_routing_and_protocol_error_shapes(app) -> None:  # type: ignore[no-untyped-def]

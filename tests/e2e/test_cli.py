@@ -44,14 +44,21 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     assert {p.name for p in model_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"}
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"
+    # kv_format "auto": the new model's KV format is calibrated right away, with a progress bar, and recorded.
+    assert "calibrate the KV format of my-smol" in result.stderr and "prefill prose" in result.stderr
+    chosen = json.loads((model_dir / "kv_calibration.json").read_text())["chosen"]
+    assert f"my-smol: KV format {chosen} (auto: top-1 " in result.stdout
     listing = semantic(tmp_path, "models", "list").stdout
     assert "my-smol\tllama" in listing and "gemma3-270m\tnot imported" in listing
+    assert f"\tKV {chosen} (auto: top-1 " in listing and "of FP16)" in listing
+    pinned = semantic(tmp_path, "models", "list", env={"SEMANTIC_KV_FORMATS": "my-smol=q8"}).stdout
+    assert "\tKV q8 (set: " in pinned
 
 
 def test_models_import_with_dtype_quantization_and_shards(tmp_path: Path) -> None:
     gguf = locate_gguf(SMOLLM2, tmp_path)
     result = semantic(tmp_path, "models", "import", str(gguf), "--name", "smol-q8", "--dtype", "float16",
-                      "--quantize", "8", "--shard-gb", "0.05")
+                      "--quantize", "8", "--shard-gb", "0.05", env={"SEMANTIC_KV_FORMAT": "q8"})  # no calibration
     assert result.returncode == 0, result.stderr
     assert "8-bit + float16, 3 shard(s)" in result.stdout, result.stdout
     assert "import " in result.stderr and "B/s" in result.stderr  # the progress bar, in bytes written
@@ -59,6 +66,7 @@ def test_models_import_with_dtype_quantization_and_shards(tmp_path: Path) -> Non
     assert len(list(model_dir.glob("model-0000*-of-00003.safetensors"))) == 3
     config = json.loads((model_dir / "config.json").read_text())
     assert config["quantization"]["bits"] == 8 and config["torch_dtype"] == "float16"
+    assert not (model_dir / "kv_calibration.json").exists()
     bad = semantic(tmp_path, "models", "import", str(gguf), "--dtype", "int8")
     assert bad.returncode == 2 and "invalid choice: 'int8'" in bad.stderr
 

@@ -3,6 +3,7 @@ among them (hot swap), and unknown names refused when they are not mapped."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +58,9 @@ def test_each_request_is_served_by_the_model_it_names(two_models: ServerProcess,
     assert {("gemma", gemma3_dir.name), ("default", smollm2_dir.name)} <= set(served)
     health = httpx.get(f"{two_models.url}/health").json()
     assert health["status"] == "ok" and health["model_swaps"] >= 1
+    loaded_dir = {smollm2_dir.name: smollm2_dir, gemma3_dir.name: gemma3_dir}[health["model"]]
+    chosen = json.loads((loaded_dir / "kv_calibration.json").read_text())["chosen"]  # each model its own format
+    assert health["kv_format"]["name"] == chosen
 
 
 def test_an_unknown_model_is_a_404_in_each_protocol(two_models: ServerProcess) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -11,6 +12,8 @@ import anthropic
 import httpx
 import openai
 
+from pathlib import Path
+
 from conftest import ServerProcess
 
 
@@ -18,8 +21,16 @@ def test_head_root_answers_200(server: ServerProcess) -> None:
     assert httpx.head(f"{server.url}/").status_code == 200
 
 
-def test_health_reports_model_backend_blas_uptime(server: ServerProcess) -> None:
+def test_health_reports_model_backend_blas_uptime(server: ServerProcess, smollm2_dir: Path) -> None:
     health = httpx.get(f"{server.url}/health").json()
+    record = json.loads((smollm2_dir / "kv_calibration.json").read_text())  # kv_format "auto": the model's own
+    measured = record["measured"][record["chosen"]]
+    assert health["kv_format"] == {"name": record["chosen"], "chosen_by": "calibration",
+                                   "bytes_vs_fp16": round(measured["bytes_vs_fp16"], 4),
+                                   "top1_agreement": round(measured["top1_agreement"], 4),
+                                   "perplexity_change": round(measured["perplexity_change"], 4),
+                                   "kl_mean": round(measured["kl_mean"], 5)}
+    assert health["kv_format"]["top1_agreement"] >= 0.98
     assert health["status"] == "ok"
     assert health["model"] == "smollm2-135m-instruct"
     assert health["backend"] == "cpu" and health["dtype"] == "float32"

@@ -132,17 +132,20 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
 
 def test_every_format_has_its_own_fingerprint_and_the_documented_size() -> None:
     assert DEFAULT_KV_FORMAT is KV_FORMATS["q4c"]
-    assert KV_FORMATS["q4"].fingerprint == "affine-q4-g64-s16-b256"  # caches stored before q4c still match q4
-    assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-g64-s16-b256"
+    # Formats unchanged since caches were first stored in them keep their strings (their caches still match).
     assert KV_FORMATS["q4r"].fingerprint == "affine-q4-hadamard-g64-s16-b256"
     assert KV_FORMATS["q4c"].fingerprint == "affine-q4-kchannel-vhadamard-g64-s16-b256"
+    assert KV_FORMATS["k5c"].fingerprint == "affine-k5v4-kchannel-vhadamard-g64-s16-b256"
+    assert KV_FORMATS["k6v4"].fingerprint == "affine-k6v4-hadamard-g64-s16-b256"
+    assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-vhadamard-g64-s16-b256"  # values rotated since k5c
+    assert KV_FORMATS["q8"].fingerprint == "affine-q8-g64-s16-b256"
     assert KV_FORMATS["f16"].fingerprint == "float16-b256"
     assert len({f.fingerprint for f in KV_FORMATS.values()}) == len(KV_FORMATS)
-    # Bytes per token relative to FP16: 28.1% (the documented 4-bit figure, whatever the layout), 40.6%, 53.1%, 100%.
-    assert [round(f.bytes_per_value / 2, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.281, 0.406, 0.531, 1.0]
+    # Bytes per token relative to FP16 (data and a float16 scale and bias per 64 values): the documented figures.
+    assert [round(f.bytes_vs_fp16, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.312, 0.344, 0.406, 0.531, 1.0]
 
 
-@pytest.mark.parametrize("name", ["q4", "q4r", "q4c", "k8v4", "q8", "f16"])
+@pytest.mark.parametrize("name", list(KV_FORMATS))
 def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -> None:
     kv_format = KV_FORMATS[name]
     model = build("llama")
@@ -171,7 +174,7 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     assert (lease.n_reused, lease.outcome) == (400, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more, kv_format))
-    other = KV_FORMATS["q4r" if name == "q4" else "q4"]
+    other = KV_FORMATS["q4c" if name == "q4r" else "q4r"]
     assert not mx.array_equal(warm, cold_same_split(model, n_layers, first, more, other))  # the format matters
     reloaded.close()
     caches.close()

@@ -30,7 +30,9 @@ def test_explicit_config_file(tmp_path: Path) -> None:
     ({"SEMANTIC_PORT": "eighty"}, "port: expected an integer"),
     ({"SEMANTIC_PORT": "70000"}, "not a valid TCP port"),
     ({"SEMANTIC_CACHE_REUSE": "maybe"}, "cache_reuse: expected a boolean"),
-    ({"SEMANTIC_KV_FORMAT": "q2"}, "kv_format: 'q2' is not one of q4, q4r, q4c, k8v4, q8, f16"),
+    ({"SEMANTIC_KV_FORMAT": "q2"}, "kv_format: 'q2' is not auto or one of q4r, q4c, k5c, k6v4, k8v4, q8, f16"),
+    ({"SEMANTIC_KV_FORMATS": "gemma3-270m=q8,smol=q3"}, "kv_formats: smol: 'q3' is not auto or one of"),
+    ({"SEMANTIC_KV_FORMATS": "gemma3-270m"}, "kv_formats: expected model=format pairs"),
 ])
 def test_bad_values_are_named(tmp_path: Path, env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -60,6 +62,15 @@ def test_model_aliases_from_a_toml_table_or_the_environment(tmp_path: Path) -> N
     assert load_settings(env).model_aliases == {"fast": "a", "big": "/models/b"}
     with pytest.raises(ConfigError, match="model_aliases: expected alias=model pairs"):
         load_settings({**env, "SEMANTIC_MODEL_ALIASES": "fast"})
+
+
+def test_kv_format_is_auto_unless_pinned_globally_or_per_model(tmp_path: Path) -> None:
+    assert load_settings({"SEMANTIC_HOME": str(tmp_path)}).kv_format_for("any") == "auto"
+    (tmp_path / "config.toml").write_text('kv_format = "q8"\n[kv_formats]\ngemma3-270m = "auto"\nsmol = "f16"\n')
+    settings = load_settings({"SEMANTIC_HOME": str(tmp_path)})
+    assert [settings.kv_format_for(m) for m in ("gemma3-270m", "smol", "other")] == ["auto", "f16", "q8"]
+    env = {"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_KV_FORMATS": "smol=k6v4"}
+    assert load_settings(env).kv_formats == {"smol": "k6v4"}  # the environment replaces the file's table
 
 
 def _installed(models: Path, name: str) -> Path:

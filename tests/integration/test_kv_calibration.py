@@ -1,0 +1,55 @@
+"""The ``auto`` KV format on a real model (SmolLM2): the first load of a model that was
+never calibrated measures the stored formats, records the fewest bytes that meet the
+goal next to the weights, and every later load reads that record."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from app.engine.calibration import GOAL, RECORD_NAME, read_record
+from app.engine.model import calibration_key, load_model, load_spec, model_fingerprint
+
+
+def _copy_of(model_dir: Path, destination: Path) -> Path:
+    """The model's files linked into a directory of its own (no calibration record yet)."""
+    destination.mkdir()
+    for path in model_dir.iterdir():
+        if path.is_file() and not path.name.startswith(".") and path.name != RECORD_NAME:
+            (destination / path.name).symlink_to(path)
+    return destination
+
+
+def test_calibration_picks_the_fewest_bytes_that_meet_the_goal_and_records_them(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    model_dir = _copy_of(smollm2_dir, tmp_path / "smollm2")
+    assert load_spec("smollm2", model_dir).kv.chosen_by == "pending"
+    started = time.perf_counter()
+    loaded = load_model("smollm2", model_dir)  # kv_format "auto": calibrates
+    print(f"load and calibration: {time.perf_counter() - started:.1f} s")
+    kv = loaded.kv
+    record = kv.calibration
+    assert kv.chosen_by == "calibration" and record is not None and record.chosen == kv.format.name
+    print({name: m.describe() for name, m in record.measured.items()}, f"calibration {record.seconds:.1f} s")
+    chosen = record.measured[record.chosen]
+    assert GOAL.met_by(chosen)
+    for name, measured in record.measured.items():
+        assert measured.bytes_vs_fp16 <= chosen.bytes_vs_fp16, name  # nothing larger was measured
+        if measured.bytes_vs_fp16 < chosen.bytes_vs_fp16:
+            assert not GOAL.met_by(measured), name  # nothing smaller meets the goal
+    assert loaded.fingerprint == model_fingerprint(model_dir, kv.format.fingerprint)
+
+    # Recorded with the model: the next load reads it, a pinned format overrides it.
+    assert read_record(model_dir, calibration_key(model_dir)) == record
+    spec = load_spec("smollm2", model_dir)
+    assert (spec.kv.format, spec.kv.chosen_by, spec.fingerprint) == (kv.format, "calibration", loaded.fingerprint)
+    pinned = load_spec("smollm2", model_dir, kv_format="q8")
+    assert (pinned.kv.format.name, pinned.kv.chosen_by) == ("q8", "setting")
+    assert pinned.fingerprint != spec.fingerprint
+
+    # A changed model (here its config) is a stale record: calibrated again at its next load.
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").unlink()
+    (model_dir / "config.json").write_text(json.dumps({**config, "note": "changed"}))
+    assert load_spec("smollm2", model_dir).kv.chosen_by == "pending"

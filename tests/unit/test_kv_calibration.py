@@ -1,0 +1,77 @@
+"""The ``auto`` KV format's choice rule and its record, with plain numbers (the real-model
+calibration is tests/integration/test_kv_calibration.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.cache.blocks import KV_FORMATS, KVFormat
+from app.engine.calibration import (CALIBRATION_VERSION, GOAL, LOSSLESS, RECORD_NAME, Calibration, Goal, Measured,
+                                    by_size, choose, read_record, search, write_record)
+
+
+def m(top1: float, ppl: float, kl: float, size: float) -> Measured:
+    return Measured(top1_agreement=top1, perplexity_change=ppl, kl_mean=kl, bytes_vs_fp16=size)
+
+
+def test_the_fewest_bytes_that_meet_every_criterion_win() -> None:
+    measured = {"small": m(0.975, 0.004, 0.002, 0.28),  # top-1 short of 98%
+                "mid": m(0.985, 0.008, 0.002, 0.34),
+                "big": m(0.995, 0.001, 0.0002, 0.53)}
+    assert choose(measured) == "mid"
+    assert choose({**measured, "mid": m(0.985, -0.012, 0.002, 0.34)}) == "big"  # perplexity 1.2% lower: too far
+    assert choose({**measured, "mid": m(0.985, 0.008, 0.004, 0.34)}) == "big"  # KL too high for a lucky top-1
+    assert choose({"a": m(GOAL.top1, -GOAL.perplexity, GOAL.kl, 0.3)}) == "a"  # the bounds themselves meet it
+    assert choose({"small": measured["small"]}) is None
+    assert choose(measured, Goal(top1=0.97)) == "small"
+
+
+def test_equal_bytes_prefer_the_lower_kl() -> None:
+    measured = {"a": m(0.99, 0.0, 0.004, 0.28), "b": m(0.98, 0.0, 0.001, 0.28), "c": m(0.99, 0.0, 0.0001, 0.4)}
+    assert choose(measured) == "b"
+
+
+def test_search_stops_at_the_first_size_that_meets_the_goal() -> None:
+    groups = by_size()
+    sizes = [g[0].bytes_vs_fp16 for g in groups]
+    assert sizes == sorted(sizes) and groups[-1] == [KV_FORMATS[LOSSLESS]]
+    assert {f.name for g in groups for f in g} == set(KV_FORMATS)
+    target = groups[1]  # the second smallest size meets it
+    scored: list[str] = []
+
+    def measure(kv_format: KVFormat) -> Measured:
+        scored.append(kv_format.name)
+        good = kv_format.bytes_vs_fp16 >= target[0].bytes_vs_fp16
+        return m(0.99 if good else 0.9, 0.0, 0.001 if good else 0.02, kv_format.bytes_vs_fp16)
+
+    chosen, measured = search(measure)
+    assert chosen in {f.name for f in target}
+    assert scored == [f.name for g in groups[:2] for f in g] == list(measured)  # nothing larger was measured
+
+
+def test_nothing_but_float16_meets_the_goal() -> None:
+    chosen, measured = search(lambda f: m(1.0 if f.name == LOSSLESS else 0.9, 0.0, 0.0, f.bytes_vs_fp16))
+    assert chosen == LOSSLESS and set(measured) == set(KV_FORMATS)
+    chosen, _ = search(lambda f: m(0.5, 0.5, 1.0, f.bytes_vs_fp16))  # not even f16: still f16, never a crash
+    assert chosen == LOSSLESS
+
+
+def test_the_record_is_kept_for_the_same_model_and_version_only(tmp_path: Path) -> None:
+    calibration = Calibration("key-1", "q8", {"q8": m(0.99, 0.001, 0.0003, 0.53)}, 12.5)
+    assert read_record(tmp_path, "key-1") is None
+    write_record(tmp_path, calibration)
+    assert read_record(tmp_path, "key-1") == calibration
+    assert read_record(tmp_path, "key-2") is None  # another model (or weights changed)
+    path = tmp_path / RECORD_NAME
+    path.write_text(path.read_text().replace(f'"version": {CALIBRATION_VERSION}', '"version": 0'))
+    assert read_record(tmp_path, "key-1") is None  # an older calibration
+    for damaged in ("{", '{"version": 1}', calibration.to_json().replace('"chosen": "q8"', '"chosen": "q9"')):
+        path.write_text(damaged)
+        assert read_record(tmp_path, "key-1") is None
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_goal_is_the_one_documented() -> None:
+    assert (GOAL.top1, GOAL.perplexity) == (0.98, 0.01)
