@@ -70,6 +70,22 @@ def claude() -> Path:
     return binary
 
 
+CODEX = "@openai/codex@0.169.0"
+
+
+@pytest.fixture(scope="session")
+def codex() -> Path:
+    """The real Codex CLI, installed from the npm registry into the repository's cache once."""
+    install_dir = ROOT / ".cache" / "codex-0.169.0"
+    binary = install_dir / "node_modules" / ".bin" / "codex"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        assert npm, "npm is required for the Codex tests (Node.js 18+)"
+        subprocess.run([npm, "install", "--prefix", str(install_dir), CODEX], check=True, capture_output=True,
+                       timeout=600)
+    return binary
+
+
 def claude_env(base_url: str, home: Path) -> dict[str, str]:
     """Headless Claude Code talking to ``base_url`` only (CLAUDE_CODE.md)."""
     return {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": base_url,

@@ -98,7 +98,8 @@ def run_codex(codex: Path, workdir: Path, env: dict[str, str], prompt: str, resu
     """``codex exec`` (or ``codex exec resume --last``) with ``prompt``; JSONL events on stdout."""
     args = [str(codex), "exec", "--skip-git-repo-check", "--json"]
     args += ["resume", "--last", prompt] if resume else [prompt]
-    return subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(args, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def main(out: Path, codex: Path) -> None:
