@@ -27,22 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
-from conftest import CLAUDE_CODE, CODEX, ROOT, claude_env, start_server, stop_server  # noqa: E402
+from conftest import CLAUDE_CODE, CODEX, claude_env, npm_cli, start_server, stop_server  # noqa: E402
 from support.codex_recorder import codex_env, run_codex, write_config  # noqa: E402
 from support.dbcheck import query  # noqa: E402
 
 PROMPTS = ("What is 2+2?", "And 3+3?", "And 4+4?", "And 5+5?", "And 6+6?")
 
 
-def installed(package: str, directory: str, binary: str) -> Path:
-    path = ROOT / ".cache" / directory / "node_modules" / ".bin" / binary
-    if not path.exists():
-        subprocess.run(["npm", "install", "--prefix", str(path.parents[2]), package], check=True, timeout=600)
-    return path
-
-
 def codex_session(server_url: str, scratch: Path, turns: int) -> None:
-    codex = installed(CODEX, "codex-0.169.0", "codex")
+    codex = npm_cli(CODEX, "codex")
     write_config(scratch / "codex-home", f"{server_url}/v1")
     (scratch / "codex-work").mkdir()
     env = codex_env(scratch / "codex-home", scratch)
@@ -53,7 +46,7 @@ def codex_session(server_url: str, scratch: Path, turns: int) -> None:
 
 
 def claude_session(server_url: str, scratch: Path, turns: int) -> None:
-    claude = installed(CLAUDE_CODE, "claude-code-2.1.197", "claude")
+    claude = npm_cli(CLAUDE_CODE, "claude")
     work, home = scratch / "claude-work", scratch / "claude-home"
     work.mkdir()
     home.mkdir()

@@ -3,7 +3,8 @@
 Each ``POST .../responses`` is recorded (headers and JSON body) and answered with the
 smallest stream Codex accepts: ``response.created``, one message item with its text,
 ``response.completed`` with usage. Used to capture real requests (CODEX.md) for the
-unit-test fixture; ``python -m support.codex_recorder OUT.json`` runs two turns.
+unit-test fixture: ``cd tests && python -m support.codex_recorder OUT.json PATH/TO/codex`` records two
+turns.
 """
 
 from __future__ import annotations
@@ -13,18 +14,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-
-@dataclass
-class Recorded:
-    path: str
-    headers: dict[str, str]
-    body: dict[str, Any]
+from support.recording import RecordingServer
 
 
 def _stream(n: int, text: str) -> bytes:
@@ -44,39 +37,9 @@ def _stream(n: int, text: str) -> bytes:
                     for name, data in events)
 
 
-@dataclass
-class Recorder:
-    reply: str = "4"
-    requests: list[Recorded] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        recorder = self
-        lock = threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                length = int(self.headers.get("content-length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                with lock:
-                    recorder.requests.append(Recorded(self.path, dict(self.headers.items()), body))
-                    n = len(recorder.requests)
-                payload = _stream(n, recorder.reply)
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+def stand_in(reply: str = "4") -> RecordingServer:
+    """The Responses API's stand-in: every request is answered with ``reply``."""
+    return RecordingServer(lambda path, body, n: (_stream(n, reply), "text/event-stream"))
 
 
 def write_config(codex_home: Path, base_url: str, model: str = "smollm2-135m-instruct") -> None:
@@ -104,7 +67,7 @@ def run_codex(codex: Path, workdir: Path, env: dict[str, str], prompt: str, resu
 
 def main(out: Path, codex: Path) -> None:
     """Record two turns of a session into ``out`` (a JSON list of requests)."""
-    recorder = Recorder()
+    recorder = stand_in()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         write_config(root / "codex-home", f"{recorder.url}/v1")
