@@ -102,7 +102,7 @@ class ReasoningItem(_Strict):
 class UnsupportedItem(_Strict):
     """Any other item type (hosted tools' calls, MCP, compaction, item references)."""
 
-    type: str
+    type: str = "item_reference"  # the one item type that may leave its type out
 
 
 ITEM_TYPES = ("message", "function_call", "custom_tool_call", "function_call_output", "custom_tool_call_output",
@@ -112,7 +112,7 @@ ITEM_TYPES = ("message", "function_call", "custom_tool_call", "function_call_out
 def _item_tag(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    kind = value.get("type", "message")  # an easy input message may leave out its type
+    kind = value.get("type") or ("message" if "role" in value or "id" not in value else "item_reference")
     if kind in ("function_call_output", "custom_tool_call_output"):
         return "output"
     return kind if kind in ITEM_TYPES else "unsupported"
@@ -168,7 +168,7 @@ class NamedChoice(_Strict):
 
 
 class AllowedTool(_Strict):
-    type: str
+    type: str | None = None
     name: str | None = None
 
 
@@ -226,6 +226,7 @@ class ResponsesBody(_Strict):
     text: TextConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -272,6 +273,7 @@ def _refuse_unsupported(body: ResponsesBody) -> None:
         ("prompt", body.prompt is not None, "prompt templates are not supported"),
         ("moderation", body.moderation is not None, "moderation is not supported"),
         ("top_logprobs", bool(body.top_logprobs), "log probabilities are not supported"),
+        ("include", "message.output_text.logprobs" in (body.include or []), "log probabilities are not supported"),
         ("truncation", body.truncation == "auto", "'auto' truncation is not supported: a prompt beyond the "
                                                   "context is refused (context_length_exceeded)"),
         ("text.format.type", body.text is not None and body.text.format is not None
