@@ -407,7 +407,8 @@ def _chat_messages(rendered: list[tuple[Side, str]], system: list[str]) -> list[
 
 def _echo(body: dict[str, Any], parsed: ResponsesBody) -> dict[str, Any]:
     """The request fields a response object repeats (and when it was created)."""
-    return {"created_at": int(time.time()), "instructions": parsed.instructions, "max_output_tokens": parsed.max_output_tokens,
+    return {"created_at": int(time.time()), "instructions": parsed.instructions,
+            "max_output_tokens": parsed.max_output_tokens,
             "metadata": parsed.metadata or {}, "parallel_tool_calls": parsed.parallel_tool_calls is not False,
             "reasoning": parsed.reasoning or {"effort": None, "summary": None}, "temperature": parsed.temperature,
             "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
@@ -435,7 +436,8 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         items: list[Any] = [MessageItem(role="user", content=parsed.input)] if parsed.input else []
     else:
         raw_input, items = list(body["input"]), list(parsed.input)
-    kept = [(i, raw, item) for i, (raw, item) in enumerate(zip(raw_input, items)) if not isinstance(item, ReasoningItem)]
+    kept = [(i, raw, item) for i, (raw, item) in enumerate(zip(raw_input, items))
+            if not isinstance(item, ReasoningItem)]
     if not kept:
         raise InvalidRequest("input: a non-empty string or list of items is required", "input")
     seen = [(f"input.{i}", *_rendered(item, f"input.{i}")) for i, _, item in kept]  # (label, side, text)

@@ -71,7 +71,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[falcon.testing.
 
 def answered(client: falcon.testing.TestClient, body: dict[str, Any]) -> str:
     """``ok`` for a 200 with a response object, else the field the 400 names."""
-    response = client.simulate_post("/v1/responses", body=json.dumps(body), headers={"content-type": "application/json"})
+    response = client.simulate_post("/v1/responses", body=json.dumps(body),
+                                    headers={"content-type": "application/json"})
     if response.status_code == 200:
         assert response.json["object"] == "response" and response.json["status"] == "completed", response.text
         return "ok"

@@ -41,7 +41,8 @@ def test_create_then_continue_warm_with_previous_response_id(client: openai.Open
     # The whole first prompt and reply come from the cache: only the new message is prefilled.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     rows = query(server.db_path, "SELECT r.conversation_id, r.n_messages, q.protocol, q.match_outcome FROM responses r "
-                 "JOIN requests q ON q.id = r.request_id WHERE r.id IN (?, ?) ORDER BY r.created_at", first.id, second.id)
+                 "JOIN requests q ON q.id = r.request_id WHERE r.id IN (?, ?) ORDER BY r.created_at",
+                 first.id, second.id)
     assert [(n, protocol, outcome) for _, n, protocol, outcome in rows] == [(2, "responses", "miss"),
                                                                            (4, "responses", "extend")]
     assert rows[0][0] == rows[1][0]  # one conversation
@@ -140,8 +141,9 @@ def test_stored_responses_survive_a_restart_and_are_visible_to_sql(tmp_path: Pat
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens  # read from disk
     finally:
         stop_server(server)
-    listed = subprocess.run([sys.executable, "-m", "app", "sql", "SELECT id, previous_response_id, status FROM responses "
-                             "ORDER BY created_at"], cwd=ROOT, env={**os.environ, "SEMANTIC_HOME": str(home)},
-                            capture_output=True, text=True, timeout=120)
+    listed = subprocess.run([sys.executable, "-m", "app", "sql",
+                             "SELECT id, previous_response_id, status FROM responses ORDER BY created_at"],
+                            cwd=ROOT, env={**os.environ, "SEMANTIC_HOME": str(home)}, capture_output=True, text=True,
+                            timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert first.id in listed.stdout and second.id in listed.stdout and "(2 rows)" in listed.stdout

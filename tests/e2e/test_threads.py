@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
 
 import anthropic
@@ -27,7 +28,7 @@ TOOLS = [{"type": "function", "name": "exec_command", "description": "Run a shel
 
 
 @pytest.fixture(scope="module")
-def greedy_server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
+def greedy_server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
     # Neither client sends a temperature; greedy keeps every reply, and so every prompt, reproducible.
     running = start_server(tmp_path_factory.mktemp("threads"), smollm2_dir, {"SEMANTIC_DEFAULT_TEMPERATURE": "0"})
     yield running
