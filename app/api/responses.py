@@ -9,7 +9,7 @@ continue as if the client had resent everything.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import falcon
 
@@ -21,13 +21,14 @@ from app.api.sse import frame
 from app.errors import InvalidRequest
 from app.protocol import responses, responses_output
 from app.protocol.turn import ParsedTurn
+from app.types import GenerationEvent
 
 
 def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
     return responses_agent(headers)
 
 
-def _stream(response_id: str, parsed: ParsedTurn, events: Any) -> Any:
+def _stream(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
     for event in responses_output.render_events(response_id, parsed, events):
         yield frame(event["type"], event)
 

@@ -29,12 +29,9 @@ from typing import Any, Iterator
 from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, NotFound, Overloaded, SemanticError
 from app.protocol import openai, tools
 from app.protocol.reply import ReplyParser, Thinking, parse_reply
-from app.protocol.responses import ResponsesDetails, flat_name
+from app.protocol.responses import ResponsesDetails
 from app.protocol.turn import ParsedTurn
 from app.types import Finished, GenerationEvent, Heartbeat, Started, TextDelta
-
-ID_PREFIXES = {"message": "msg", "function_call": "fc", "custom_tool_call": "ctc", "reasoning": "rs"}
-
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
