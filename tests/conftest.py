@@ -61,19 +61,32 @@ def gemma3_dir(models_dir: Path) -> Path:
 
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+CODEX = "@openai/codex@0.169.0"
+
+
+def npm_cli(package: str, binary: str) -> Path:
+    """A pinned CLI (``name@version``) installed from the npm registry into the repository's cache once."""
+    name, version = package.rsplit("@", 1)
+    install_dir = ROOT / ".cache" / f"{name.rsplit('/', 1)[-1]}-{version}"
+    path = install_dir / "node_modules" / ".bin" / binary
+    if not path.exists():
+        npm = shutil.which("npm")
+        assert npm, f"npm is required for the {binary} tests (Node.js 18+)"
+        subprocess.run([npm, "install", "--prefix", str(install_dir), package], check=True, capture_output=True,
+                       timeout=600)
+    return path
 
 
 @pytest.fixture(scope="session")
 def claude() -> Path:
-    """The real Claude Code CLI, installed from the npm registry into the repository's cache once."""
-    install_dir = ROOT / ".cache" / "claude-code-2.1.197"
-    binary = install_dir / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        assert npm, "npm is required for the Claude Code tests (Node.js 18+)"
-        subprocess.run([npm, "install", "--prefix", str(install_dir), CLAUDE_CODE], check=True,
-                       capture_output=True, timeout=600)
-    return binary
+    """The real Claude Code CLI."""
+    return npm_cli(CLAUDE_CODE, "claude")
+
+
+@pytest.fixture(scope="session")
+def codex() -> Path:
+    """The real Codex CLI."""
+    return npm_cli(CODEX, "codex")
 
 
 def claude_env(base_url: str, home: Path) -> dict[str, str]:

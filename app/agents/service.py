@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.agents.identity import AgentKey, new_agent
 from app.errors import InvalidRequest, NotFound, StoreBusy
 from app.store import agents as agents_store
-from app.store import cache_index, history
+from app.store import cache_index, history, responses
 from app.store.db import with_retries
 from app.store.history import StoredMessage
 from app.types import Finished, ReuseReport
@@ -43,6 +43,15 @@ class ConversationTarget:
     snapshot: str | None = None  # pinned at the conversation's start (None: a new conversation pins its own)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredReply:
+    """A response object to keep with its turn (Responses API ``store``)."""
+
+    response_id: str
+    previous_id: str | None
+    body: dict[str, Any]
+
+
 class AgentService:
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self._sessions = session_factory
@@ -53,7 +62,7 @@ class AgentService:
         when none is named; else a new conversation (of a new agent if none is named)."""
         with self._sessions() as session:
             if named is not None:
-                found = history.find_conversation(session, named.agent_id, system_digest, digests)
+                found = history.find_conversation(session, named.agent_id, system_digest, digests, named.thread)
                 agent = named
             else:
                 found = history.find_by_content(session, system_digest, digests)
@@ -111,6 +120,28 @@ class AgentService:
         with self._sessions.begin() as session:
             agents_store.remove(session, agent_id)
 
+    def response(self, response_id: str) -> dict[str, Any]:
+        """A stored response object. Raises NotFound."""
+        with self._sessions() as session:
+            found = responses.get(session, response_id)
+        if found is None:
+            raise NotFound(f"response {response_id!r} does not exist")
+        return found
+
+    def response_point(self, response_id: str) -> responses.ResponsePoint:
+        """The history a stored response continues from. Raises NotFound."""
+        with self._sessions() as session:
+            found = responses.point(session, response_id)
+        if found is None:
+            raise NotFound(f"response {response_id!r} does not exist")
+        return found
+
+    def delete_response(self, response_id: str) -> None:
+        """Raises NotFound."""
+        with self._sessions.begin() as session:
+            if not responses.delete(session, response_id):
+                raise NotFound(f"response {response_id!r} does not exist")
+
     def reject(self, request_id: str, protocol: str, error_type: str, message: str) -> None:
         """Record a request refused before generation (bad input, overload)."""
         def write() -> None:
@@ -143,14 +174,17 @@ class AgentService:
                 history.touch_agent(session, target.agent.agent_id, target.agent.origin, now,
                                     ttl_seconds=ttl_seconds, hot_ttl_seconds=hot_ttl_seconds)
                 history.ensure_conversation(session, target.conversation_id, target.agent.agent_id,
-                                            target.agent.origin, now, target.system_digest, snapshot)
+                                            target.agent.origin, now, target.system_digest, snapshot,
+                                            target.agent.thread)
 
         with_retries(write, attempts=1)
 
     def complete(self, request_id: str, target: ConversationTarget, messages: Sequence[StoredMessage],
-                 finished: Finished, reuse: ReuseReport | None = None) -> None:
+                 finished: Finished, reuse: ReuseReport | None = None,
+                 response: StoredReply | None = None) -> None:
         """Record the outcome, and append to the conversation the messages it does not hold
-        yet (``messages`` ends with the reply). A cancelled turn stores no history."""
+        yet (``messages`` ends with the reply), with the response object to keep if any
+        (Responses API ``store``). A cancelled turn stores no history."""
         now = history.utcnow()
         agent_id, conversation_id = target.agent.agent_id, target.conversation_id
 
@@ -159,6 +193,10 @@ class AgentService:
                 history.touch_agent(session, agent_id, target.agent.origin, now)
                 if finished.stop_reason != "cancelled":
                     history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
+                    if response is not None:
+                        responses.save(session, response.response_id, request_id=request_id, agent_id=agent_id,
+                                       conversation_id=conversation_id, previous_response_id=response.previous_id,
+                                       body=response.body, now=now)
                 history.finish_request(session, request_id, finished, now, agent_id=agent_id,
                                        conversation_id=conversation_id, reuse=reuse)
 

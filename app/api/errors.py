@@ -10,7 +10,7 @@ import falcon
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
                         MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
                         Unauthorized, UnsupportedMediaType)
-from app.protocol import anthropic, openai
+from app.protocol import anthropic, openai, responses_output
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,10 @@ STATUS: dict[type[SemanticError], int] = {
     InvalidModelFile: 500,
 }
 
-ErrorRenderer = Callable[[int, str], dict[str, Any]]
-RENDERERS: dict[str, ErrorRenderer] = {"anthropic": anthropic.render_error, "openai": openai.render_error}
+ErrorRenderer = Callable[[int, str, SemanticError | None], dict[str, Any]]  # status, message, the error if ours
+RENDERERS: dict[str, ErrorRenderer] = {"anthropic": lambda status, message, _: anthropic.render_error(status, message),
+                                       "openai": lambda status, message, _: openai.render_error(status, message),
+                                       "responses": responses_output.render_error}
 
 
 def status_of(exc: SemanticError) -> int:
@@ -40,14 +42,15 @@ def status_of(exc: SemanticError) -> int:
     return 500
 
 
-def _render(req: falcon.Request, status: int, message: str) -> dict[str, Any]:
+def _render(req: falcon.Request, status: int, message: str, exc: SemanticError | None) -> dict[str, Any]:
     protocol = getattr(req.context, "protocol", "anthropic")
-    return RENDERERS.get(protocol, anthropic.render_error)(status, message)
+    return RENDERERS.get(protocol, RENDERERS["anthropic"])(status, message, exc)
 
 
-def _respond(req: falcon.Request, resp: falcon.Response, status: int, message: str) -> None:
+def _respond(req: falcon.Request, resp: falcon.Response, status: int, message: str,
+             exc: SemanticError | None = None) -> None:
     resp.status = falcon.code_to_http_status(status)
-    resp.media = _render(req, status, message)
+    resp.media = _render(req, status, message, exc)
 
 
 def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticError, _params: Any) -> None:
@@ -56,7 +59,7 @@ def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticErr
         resp.set_header("retry-after", str(exc.retry_after_s))
     if status >= 500:
         log.error("request %s failed: %s", getattr(req.context, "request_id", "-"), exc)
-    _respond(req, resp, status, str(exc))
+    _respond(req, resp, status, str(exc), exc)
 
 
 def handle_http(req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError, _params: Any) -> None:

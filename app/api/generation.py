@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import falcon
 
 from app.agents.identity import AgentKey
-from app.agents.service import AgentService, ConversationTarget
+from app.agents.service import AgentService, ConversationTarget, StoredReply
 from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.metrics import Metrics
@@ -34,31 +34,36 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0  # a stream waiting this long for its next event (a long prefill) sends a keep-alive
 
 
-@dataclass(frozen=True)
-class Dialect:
-    """How one protocol speaks. Every function is pure."""
-
-    name: str  # anthropic / openai: the requests.protocol column
-    parse: Callable[[Any, RequestOptions], ParsedTurn]
-    named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
-    new_id: Callable[[], str]
-    render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
-    reply_message: Callable[[str, ParsedTurn, str], dict[str, Any]]  # the reply as the client resends it
-    message_digest: Callable[[dict[str, Any]], str]  # a message's identity as the model sees it
-    render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Iterator[bytes]]
-    render_stream_error: Callable[[int, str], bytes]
-    error_types: Mapping[int, str]
-
-
 # What history keeps of a message besides its role (OpenAI tool calls and their results).
 STORED_KEYS = frozenset({"content", "tool_calls", "tool_call_id"})
 
 
-def _stored_content(message: dict[str, Any]) -> Any:
-    """A received message as history keeps it: its content, or (OpenAI ``tool_calls``,
-    ``tool_call_id``) the message without its role. Other keys are not kept."""
+def chat_entry(message: dict[str, Any]) -> tuple[str, Any]:
+    """A received chat message as history keeps it: (role, content), the content being the
+    message without its role when it has OpenAI ``tool_calls`` or ``tool_call_id``. Other
+    keys are not kept."""
     rest = {k: v for k, v in message.items() if k in STORED_KEYS}
-    return message.get("content") if rest.keys() <= {"content"} else rest
+    return message["role"], message.get("content") if rest.keys() <= {"content"} else rest
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one protocol speaks. Every function is pure."""
+
+    name: str  # anthropic / openai / responses: the requests.protocol column
+    parse: Callable[[Any, RequestOptions], ParsedTurn]
+    named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
+    new_id: Callable[[], str]
+    render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
+    reply_messages: Callable[[str, ParsedTurn, str], list[dict[str, Any]]]  # the reply as the client resends it
+    message_digest: Callable[[dict[str, Any]], str]  # a message's identity as the model sees it
+    render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Iterator[bytes]]
+    # An error once the stream started; None: the stream renders it itself, then raises it again.
+    render_stream_error: Callable[[int, str], bytes] | None
+    error_types: Mapping[int, str]
+    history_entry: Callable[[dict[str, Any]], tuple[str, Any]] = chat_entry  # (role, content) history keeps
+    # The response object to keep with the turn (the Responses API's ``store``); None: nothing.
+    stored_response: Callable[[str, ParsedTurn, str, Finished], dict[str, Any] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,10 @@ class GenerationResource:
         self.respond(req, resp, lambda: read_json(req))
 
     def respond(self, req: falcon.Request, resp: falcon.Response, body: Callable[[], Any],
-                agent: AgentKey | None = None) -> None:
-        """Serve one generation whose request body ``body()`` returns; ``agent``
-        overrides identity resolution (the direct API names it in the URL)."""
+                agent: AgentKey | Callable[[], AgentKey | None] | None = None) -> None:
+        """Serve one generation whose request body ``body()`` returns; ``agent`` (or what it
+        returns once ``body()`` ran) overrides identity resolution (the direct API names it
+        in the URL, a Responses API request continues a stored response's agent)."""
         turn, job = self._start(req, body, agent)
         # waitress tells whether the client hung up (the server keeps reading the socket).
         client_gone = req.env.get("waitress.client_disconnected")
@@ -99,11 +105,13 @@ class GenerationResource:
         text, finished = self._collect(turn, job, client_gone)
         resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
 
-    def _start(self, req: falcon.Request, body: Callable[[], Any], agent: AgentKey | None) -> tuple[Turn, Job]:
+    def _start(self, req: falcon.Request, body: Callable[[], Any],
+               agent: AgentKey | Callable[[], AgentKey | None] | None) -> tuple[Turn, Job]:
         request_id = req.context.request_id
         job: Job | None = None
         try:
-            parsed, model, prompt, target = self._prepare(req, body(), agent)
+            received = body()
+            parsed, model, prompt, target = self._prepare(req, received, agent() if callable(agent) else agent)
             self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model,
                                stream=parsed.stream, n_input_tokens=prompt.n_tokens)
             job = self._engine.submit(GenerationRequest(
@@ -155,14 +163,17 @@ class GenerationResource:
         parsed = turn.parsed
         # A prefilled reply (a final assistant message) and its continuation are one message.
         received = parsed.raw_messages[:-1] if parsed.prefill else parsed.raw_messages
-        reply = self._dialect.reply_message(turn.message_id, parsed, parsed.prefill + text)
-        messages = [StoredMessage(m["role"], _stored_content(m), digest)
-                    for m, digest in zip(received, parsed.message_digests)]
-        messages.append(StoredMessage("assistant", _stored_content(reply), self._dialect.message_digest(reply)))
+        replies = self._dialect.reply_messages(turn.message_id, parsed, parsed.prefill + text)
+        entry = self._dialect.history_entry
+        messages = [StoredMessage(*entry(m), digest) for m, digest in zip(received, parsed.message_digests)]
+        messages += [StoredMessage(*entry(r), self._dialect.message_digest(r)) for r in replies]
         reuse = finished.reuse
         if reuse is not None and reuse.offset is not None:
             reuse = replace(reuse, part=locate_part(parsed.parts, turn.prompt.text, reuse.offset))
-        self._agents.complete(turn.request_id, turn.target, messages, finished, reuse)
+        keep = self._dialect.stored_response
+        body = keep(turn.message_id, parsed, text, finished) if keep is not None else None
+        stored = StoredReply(turn.message_id, body.get("previous_response_id"), body) if body is not None else None
+        self._agents.complete(turn.request_id, turn.target, messages, finished, reuse, stored)
         self._metrics.observe(self._dialect.name, finished)
         _log_turn(turn, finished, reuse)
 
@@ -198,7 +209,8 @@ class GenerationResource:
             # The status line is gone; report in-stream, as the protocols do.
             log.error("stream %s failed: %s", turn.request_id, exc)
             self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
-            yield self._dialect.render_stream_error(status_of(exc), str(exc))
+            if self._dialect.render_stream_error is not None:
+                yield self._dialect.render_stream_error(status_of(exc), str(exc))
         except GeneratorExit:
             job.cancel()
             self._agents.fail(turn.request_id, turn.target, "cancelled", "client disconnected", status="cancelled")

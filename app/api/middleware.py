@@ -16,6 +16,8 @@ OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 def protocol_of(path: str) -> str:
     if path.startswith("/v1/chat/"):
         return "openai"
+    if path == "/v1/responses" or path.startswith("/v1/responses/"):
+        return "responses"
     return "anthropic"
 
 

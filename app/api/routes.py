@@ -15,6 +15,7 @@ from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
+from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
 from app.api.status_page import StatusPageResource
 from app.settings import Settings
 from app.store import jobs
@@ -41,6 +42,9 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/metrics", MetricsResource(metrics))
     for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))
+    responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
+    app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))
+    app.add_route("/v1/responses/{response_id}", ResponseResource(deps.agents))
     direct = GenerationResource(replace(ANTHROPIC, name="direct"), deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))

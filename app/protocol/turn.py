@@ -44,6 +44,9 @@ class ParsedTurn:
     # A snapshot closing the system prompt that the conversation keeps from its first
     # request (Claude Code's git status; app.protocol.claude_code). "" if none.
     snapshot: str = ""
+    # What one protocol's renderers need beyond the above (the Responses API: its tools'
+    # kinds and namespaces, the request fields its response object repeats).
+    details: Any = None
 
     def with_snapshot(self, pinned: str | None) -> ParsedTurn:
         """The turn rendered with the conversation's pinned snapshot instead of this request's."""

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from app.store.models import Agent, Cache, Conversation, Message
+from app.store.models import Agent, Cache, Conversation, Message, StoredResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,9 @@ def latest_conversation(session: Session, agent_id: str) -> str | None:
 
 
 def remove(session: Session, agent_id: str) -> None:
-    """Delete the agent, its conversations and messages (requests keep their rows, unlinked)."""
+    """Delete the agent, its conversations, messages and stored responses (requests keep their
+    rows, unlinked)."""
+    session.execute(delete(StoredResponse).where(StoredResponse.agent_id == agent_id))
     session.execute(delete(Message).where(Message.agent_id == agent_id))
     session.execute(delete(Conversation).where(Conversation.agent_id == agent_id))
     session.execute(delete(Agent).where(Agent.id == agent_id))

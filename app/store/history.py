@@ -71,10 +71,13 @@ def _longest_prefix(candidates: Sequence[Conversation], stored: dict[str, list[s
 
 
 def find_conversation(session: Session, agent_id: str, system_digest: str,
-                      digests: Sequence[str]) -> ConversationMatch | None:
-    """The agent's conversation that ``digests`` continue (same system prompt and tools)."""
+                      digests: Sequence[str], thread: str | None = None) -> ConversationMatch | None:
+    """The agent's conversation that ``digests`` continue (same system prompt and tools, and
+    the same client thread: a request naming none continues only conversations without one)."""
     candidates = list(session.scalars(select(Conversation).where(Conversation.agent_id == agent_id,
-                                                                 Conversation.system_digest == system_digest)))
+                                                                 Conversation.system_digest == system_digest,
+                                                                 Conversation.thread.is_(None) if thread is None
+                                                                 else Conversation.thread == thread)))
     return _longest_prefix(candidates, _digests(session, [c.id for c in candidates]), digests, minimum=0)
 
 
@@ -106,18 +109,21 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
 
 
 def ensure_conversation(session: Session, conversation_id: str, agent_id: str, origin: str, now: datetime,
-                        system_digest: str | None = None, snapshot: str | None = None) -> None:
+                        system_digest: str | None = None, snapshot: str | None = None,
+                        thread: str | None = None) -> None:
     """Create the agent and the conversation rows if missing (the server's request path and
     its cache persister both may be first; neither fails on the other's insert)."""
     session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
                                          status="active", metadata_json={}).on_conflict_do_nothing())
     session.execute(insert(Conversation).values(id=conversation_id, agent_id=agent_id, system_digest=system_digest,
-                                                snapshot=snapshot or None, created_at=now, last_access_at=now)
+                                                snapshot=snapshot or None, thread=thread, created_at=now,
+                                                last_access_at=now)
                     .on_conflict_do_nothing())
     if system_digest is not None:  # the persister may have created it without one
         conversation = session.get_one(Conversation, conversation_id)
         conversation.system_digest = conversation.system_digest or system_digest
         conversation.snapshot = conversation.snapshot or snapshot or None
+        conversation.thread = conversation.thread or thread
 
 
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,

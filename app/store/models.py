@@ -65,6 +65,11 @@ class Conversation(Base):
     # The snapshot closing the system prompt kept from the conversation's first request
     # (Claude Code's git status, app.protocol.claude_code); NULL if none.
     snapshot: Mapped[str | None]
+    # The client's own name for the thread this conversation is (Codex ``thread-id``, with
+    # ``x-openai-subagent`` for a side request; Claude Code's ``x-claude-code-agent-id`` for a
+    # subagent): a request naming a thread continues only that thread's conversations.
+    # NULL: recognised by content alone.
+    thread: Mapped[str | None] = mapped_column(String(260))
     created_at: Mapped[datetime]
     last_access_at: Mapped[datetime] = mapped_column(index=True)
 
@@ -126,6 +131,25 @@ class Message(Base):
     created_at: Mapped[datetime]
     n_tokens: Mapped[int | None]
     request_id: Mapped[str | None] = mapped_column(ForeignKey("requests.id", ondelete="SET NULL"), index=True)
+
+
+class StoredResponse(Base):
+    """A Responses API response kept for ``GET /v1/responses/{id}`` and ``previous_response_id``
+    (``store``, true by default). Its input and output are the first ``n_messages`` messages
+    of its conversation; ``body`` is the response object as it was returned."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), index=True)
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), index=True)
+    request_id: Mapped[str | None] = mapped_column(ForeignKey("requests.id", ondelete="SET NULL"), index=True)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    n_messages: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16))  # completed / incomplete
+    model: Mapped[str | None] = mapped_column(String(256))
+    body: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(index=True)
 
 
 class Cache(Base):

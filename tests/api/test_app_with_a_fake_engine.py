@@ -33,7 +33,7 @@ class FakeJob:
     request: GenerationRequest
     cancelled: bool = False
 
-    def events(self, client_gone=None) -> Iterator:  # type: ignore[no-untyped-def]
+    def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
         yield Started(n, 0, n)
         yield TextDelta("Hello there.")

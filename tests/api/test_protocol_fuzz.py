@@ -1,4 +1,4 @@
-"""Protocol fuzzing of the three APIs (issue 12): valid requests with one part replaced by
+"""Protocol fuzzing of the four APIs (issue 12): valid requests with one part replaced by
 random JSON or removed, random JSON documents and random bytes. Every answer is a 2xx
 (the mutation happened to be valid) or a 4xx in the protocol's error shape, never a
 5xx, and a refused request leaves no agent, conversation or message behind."""
@@ -39,6 +39,21 @@ VALID = {
                                  "name": "f", "parameters": {"type": "object"}}}],
                              "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}]},
+    "/v1/responses": {"model": "gpt-x", "max_output_tokens": 8, "temperature": 0, "store": True,
+                      "instructions": "Be brief.", "reasoning": {"summary": "auto"}, "tool_choice": "auto",
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}},
+                                {"type": "custom", "name": "apply_patch"},
+                                {"type": "namespace", "name": "ns", "description": "d",
+                                 "tools": [{"type": "function", "name": "g"}]},
+                                {"type": "web_search"}],
+                      "input": [{"role": "developer", "content": [{"type": "input_text", "text": "Hi"}]},
+                                {"type": "message", "role": "user", "content": "Hi"},
+                                {"type": "reasoning", "id": "rs_1", "summary": []},
+                                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                                {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "x"},
+                                {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"},
+                                {"role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}]},
     "/v1/agents": {"id": "fuzz-agent", "system_prompt": "Be brief.", "metadata": {"k": "v"}, "ttl_seconds": 60,
                    "prefill": False},
     "/v1/agents/fuzz-direct/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
@@ -95,7 +110,7 @@ def check(client: falcon.testing.TestClient, db: Path, route: str, **request: An
     assert response.status_code < 500, (route, request, response.text)
     if response.status_code >= 400:
         error = response.json
-        if route == "/v1/chat/completions":  # OpenAI's shape
+        if route in ("/v1/chat/completions", "/v1/responses"):  # OpenAI's shape
             assert set(error["error"]) >= {"message", "type", "param", "code"}, response.text
         else:  # Anthropic's, which the direct API shares
             assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, response.text

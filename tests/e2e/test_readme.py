@@ -45,7 +45,7 @@ def run(lang: str, code: str, server: ServerProcess) -> subprocess.CompletedProc
 
 def test_the_readme_has_examples_for_every_user() -> None:
     joined = "\n".join(code for _, code in API_BLOCKS)
-    for endpoint in ("/v1/messages", "/v1/chat/completions", "/v1/agents", "/health", "/metrics"):
+    for endpoint in ("/v1/messages", "/v1/chat/completions", "/v1/responses", "/v1/agents", "/health", "/metrics"):
         assert endpoint in joined
     assert any(lang == "python" for lang, _ in API_BLOCKS) and SQL_BLOCKS
 

@@ -70,3 +70,25 @@ def test_conversation_start_is_a_prefix_of_every_first_turn(model: LoadedModel) 
     for question in ("Where to?", "A very different first message, with <tags> and émojis 🎉"):
         first = turn(anthropic, [{"role": "user", "content": question}], system="You plan trips.")
         assert render_chat(model.tokenizer, first.messages).text.startswith(start.text)
+
+
+def test_codex_requests_render_whole_and_turn_1_is_a_prefix_of_turn_2(model: LoadedModel) -> None:
+    """Codex's recorded turns (two developer messages, two user messages in a row, a namespace of
+    tools) through both templates: uncompacted, Gemma 3's 32K context holds them; SmolLM2's
+    8K holds them too (the tools in the generic format), and fitted they shrink by ~2,500 tokens."""
+    import json
+    from pathlib import Path
+
+    from app.engine.prompting import check_fits
+    from app.protocol import responses
+
+    recorded = json.loads((Path(__file__).parents[1] / "unit" / "data" / "codex_requests.json").read_text())
+    second = recorded["body"]
+    first = {**second, "input": second["input"][:4]}
+    prompts = [render_chat(model.tokenizer, responses.parse_request(body, RequestOptions()).messages)
+               for body in (first, second)]
+    reply_end = prompts[1].text.index("4", len(prompts[0].text))  # turn 1's reply: "4"
+    assert prompts[1].text[:reply_end] == prompts[0].text
+    check_fits(prompts[1], model.context_length)
+    fitted = render_chat(model.tokenizer, responses.parse_request(second, RequestOptions(fit=True)).messages)
+    assert prompts[1].n_tokens - fitted.n_tokens > 2000

@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
+from support.recording import Answer, Recorded, RecordingServer
+
 SUBAGENT_MARKER = "You are an agent for Claude Code"
-
-
-@dataclass
-class Recorded:
-    path: str
-    headers: dict[str, str]
-    body: dict[str, Any]
 
 
 def text_of(content: Any) -> str:
@@ -98,48 +90,20 @@ def _json(body: dict[str, Any], reply: Reply, n: int) -> bytes:
                        "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 5}}).encode()
 
 
-@dataclass
-class Recorder:
-    script: Callable[[dict[str, Any]], Reply] = default_script
-    requests: list[Recorded] = field(default_factory=list)
+def _answer(script: Callable[[dict[str, Any]], Reply]) -> Answer:
+    def answer(path: str, body: dict[str, Any], n: int) -> tuple[bytes, str]:
+        if not path.startswith("/v1/messages") or "count_tokens" in path:
+            return json.dumps({"input_tokens": 100}).encode(), "application/json"
+        if body.get("stream"):
+            return _sse(body, script(body), n), "text/event-stream"
+        return _json(body, script(body), n), "application/json"
 
-    def __post_init__(self) -> None:
-        recorder = self
-        lock = threading.Lock()
+    return answer
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                pass
 
-            def do_HEAD(self) -> None:
-                self.send_response(200)
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                length = int(self.headers.get("content-length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                with lock:
-                    recorder.requests.append(Recorded(self.path, dict(self.headers.items()), body))
-                    n = len(recorder.requests)
-                if not self.path.startswith("/v1/messages") or "count_tokens" in self.path:
-                    payload, kind = json.dumps({"input_tokens": 100}).encode(), "application/json"
-                elif body.get("stream"):
-                    payload, kind = _sse(body, recorder.script(body), n), "text/event-stream"
-                else:
-                    payload, kind = _json(body, recorder.script(body), n), "application/json"
-                self.send_response(200)
-                self.send_header("content-type", kind)
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+def stand_in(script: Callable[[dict[str, Any]], Reply] = default_script) -> RecordingServer:
+    """The Anthropic API's stand-in, answering from ``script``."""
+    return RecordingServer(_answer(script))
 
 
 SESSION_PROMPTS = ("List the files here.", "Now use a subagent to survey the files.")
@@ -154,7 +118,7 @@ def record_headless_session(claude: Path, work: Path, home: Path, env: dict[str,
     (work / "README.md").write_text("# demo\n")
     for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "first"]):
         subprocess.run([*git, *args], cwd=work, check=True, capture_output=True)
-    recorder = Recorder()
+    recorder = stand_in()
     try:
         for turn, prompt in enumerate(SESSION_PROMPTS):
             if turn:

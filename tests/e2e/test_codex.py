@@ -1,0 +1,55 @@
+"""The real Codex CLI (npm, pinned) against a real server and the embedded model: one session,
+two turns (``codex exec``, then ``codex exec resume --last``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import ServerProcess, start_server, stop_server
+from support.codex_recorder import codex_env, run_codex, write_config
+from support.dbcheck import query
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    # Codex sends no temperature; greedy with a repetition penalty lets SmolLM2 end its turn.
+    running = start_server(tmp_path_factory.mktemp("codex-home"), smollm2_dir,
+                           {"SEMANTIC_DEFAULT_TEMPERATURE": "0", "SEMANTIC_REPETITION_PENALTY": "1.3"})
+    yield running
+    stop_server(running)
+
+
+def events(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(1500)
+def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server: ServerProcess,
+                                                           tmp_path: Path) -> None:
+    write_config(tmp_path / "codex-home", f"{server.url}/v1")
+    (tmp_path / "work").mkdir()
+    env = codex_env(tmp_path / "codex-home", tmp_path)
+    turns = []
+    for resume, prompt in ((False, "What is 2+2?"), (True, "And 3+3?")):
+        done = run_codex(codex, tmp_path / "work", env, prompt, resume)
+        assert done.returncode == 0, (done.stdout, done.stderr[-3000:], server.log()[-3000:])
+        turns.append(events(done.stdout))
+    first, second = ({e["type"]: e for e in turn} for turn in turns)
+    assert first["thread.started"]["thread_id"] == second["thread.started"]["thread_id"]
+    for turn in turns:  # each turn ended with an answer
+        assert any(e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in turn), turn
+    # What the CLI was told: the second request read at least 90% of the first one's prompt from cache.
+    usage_1, usage_2 = first["turn.completed"]["usage"], second["turn.completed"]["usage"]
+    assert usage_2["cached_input_tokens"] >= 0.9 * usage_1["input_tokens"]
+    # What the server recorded: both requests in one agent (the session) and one conversation (its thread).
+    session = first["thread.started"]["thread_id"]
+    rows = query(server.db_path, "SELECT conversation_id, n_input_tokens, n_cached_tokens, match_outcome, protocol "
+                 "FROM requests WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", session)
+    assert len(rows) == 2 and rows[0][0] == rows[1][0] and {r[4] for r in rows} == {"responses"}
+    (_, prompt_1, _, _, _), (_, prompt_2, cached_2, outcome_2, _) = rows
+    assert cached_2 >= 0.9 * prompt_1 and outcome_2 == "extend"
+    assert query(server.db_path, "SELECT thread FROM conversations WHERE id = ?", rows[0][0]) == [(session,)]
