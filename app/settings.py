@@ -80,7 +80,7 @@ class Settings:
     # How stored KV caches are kept: "auto" = per model, the fewest bytes that keep its
     # answers faithful (top-1 agreement with float KV >= 98%, perplexity within 1%),
     # measured once per model (app/engine/calibration.py); or a format for every model
-    # (see docs/kv-formats.md: q4k, q4c, q4r, q4, k8v4, q8, f16). Part of the model
+    # (see docs/kv-formats.md: q4r, q4c, k5c, k6v4, k8v4, q8, f16, f32). Part of the model
     # fingerprint: changing it makes existing caches a clean miss.
     kv_format: str = "auto"
     # A format (or "auto") for some models, over kv_format: model name -> format. In TOML a

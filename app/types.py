@@ -15,7 +15,7 @@ MAX_STOP_CHARS = 256
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # a TTL beyond ten years is a mistake (and overflows dates)
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # agent ids, wherever they come from
 # Stored KV formats (setting kv_format), defined in app/cache/blocks.py.
-KV_FORMAT_NAMES = ("q4r", "q4c", "k5c", "k6v4", "k8v4", "q8", "f16")
+KV_FORMAT_NAMES = ("q4r", "q4c", "k5c", "k6v4", "k8v4", "q8", "f16", "f32")
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
 
 

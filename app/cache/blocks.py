@@ -18,7 +18,10 @@ FP16). The ``KVFormat`` says how:
   their groups from them (float data, never quantized data: see
   ``KVFormat.grouped_tokens`` and ``KVFormat.reusable``). Blocks are cut and
   joined only at group boundaries, and only the last one holds float16 keys.
-- not quantized (``f16``): keys and values as float16, the near-lossless choice.
+- not quantized: ``f16`` keeps keys and values as float16, the near-lossless
+  choice; ``f32`` keeps the float32 the model computes, exact: a reused cache holds
+  what a cold prefill computes (never chosen by ``auto``; pinned where answers must
+  not move, and by the warm-equals-cold tests).
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
@@ -56,10 +59,15 @@ class KVFormat:
         return self.key_bits < 16
 
     @property
+    def float_dtype(self) -> mx.Dtype:
+        """What an unquantized format stores (``f16``, ``f32``)."""
+        return mx.float32 if self.key_bits == 32 else mx.float16
+
+    @property
     def fingerprint(self) -> str:
         """Part of every model fingerprint: caches of another format never match."""
         if not self.quantized:
-            return f"float16-b{BLOCK_TOKENS}"
+            return f"float{self.key_bits}-b{BLOCK_TOKENS}"
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
         if self.rotate_keys and self.rotate_values and not self.channel_keys:
             layout = "-hadamard"  # keys and values (q4r's string before formats rotated only one)
@@ -72,7 +80,7 @@ class KVFormat:
     def bytes_per_value(self) -> float:
         """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
         if not self.quantized:
-            return 2.0
+            return self.key_bits / 8
         return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
 
     @property
@@ -107,7 +115,8 @@ KV_FORMATS = {f.name: f for f in (
     KVFormat("k6v4", 6, 4, rotate_keys=True, rotate_values=True),
     KVFormat("k8v4", 8, 4, rotate_values=True),
     KVFormat("q8", 8, 8),
-    KVFormat("f16", 16, 16))}
+    KVFormat("f16", 16, 16),
+    KVFormat("f32", 32, 32))}
 assert tuple(KV_FORMATS) == KV_FORMAT_NAMES
 # The format of callers that name none (tests of one layer); the server resolves one per
 # model (kv_format "auto": app/engine/calibration.py).
@@ -119,7 +128,7 @@ assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
 ARRAY_NAMES = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
 # Per-channel keys: k_w / k_s / k_b are (batch, heads, head_dim, along time), k_t the float16 incomplete group.
 CHANNEL_ARRAY_NAMES = ("k_w", "k_s", "k_b", "k_t", "v_w", "v_s", "v_b")
-FLOAT_ARRAY_NAMES = ("k", "v")  # f16: keys and values as float16, not quantized
+FLOAT_ARRAY_NAMES = ("k", "v")  # f16, f32: keys and values as floats, not quantized
 _NAMES = {len(names): names for names in (ARRAY_NAMES, CHANNEL_ARRAY_NAMES, FLOAT_ARRAY_NAMES)}
 _ALONG_TIME = {"k_w", "k_s", "k_b"}
 
@@ -254,7 +263,7 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
     for layer in cache:
         keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
         if not kv_format.quantized:
-            layers.append((keys.astype(mx.float16), layer.values[..., start:end, :].astype(mx.float16)))
+            layers.append((keys.astype(kv_format.float_dtype), layer.values[..., start:end, :].astype(kv_format.float_dtype)))
             continue
         values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits)
         if kv_format.channel_keys:

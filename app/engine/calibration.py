@@ -105,8 +105,9 @@ def choose(measured: Mapping[str, Measured], goal: Goal = GOAL) -> str | None:
 
 
 def by_size() -> list[list[KVFormat]]:
-    """Every stored format, grouped by bytes, smallest first (float16 last)."""
-    ordered = sorted(KV_FORMATS.values(), key=lambda f: f.bytes_vs_fp16)
+    """Every stored format up to float16, grouped by bytes, smallest first (float16 last;
+    ``f32``, exact at twice its bytes, is only ever pinned)."""
+    ordered = sorted((f for f in KV_FORMATS.values() if f.bytes_vs_fp16 <= 1), key=lambda f: f.bytes_vs_fp16)
     return [list(group) for _, group in groupby(ordered, key=lambda f: f.bytes_vs_fp16)]
 
 
@@ -115,7 +116,7 @@ Progress = Callable[[str], None]  # called once per step done (a text prefilled,
 
 def n_steps() -> int:
     """Steps of a calibration that measures every format (for a progress bar's total)."""
-    return len(natural_texts()) + len(KV_FORMATS)
+    return len(natural_texts()) + sum(len(group) for group in by_size())
 
 
 def search(measure: Callable[[KVFormat], Measured], goal: Goal = GOAL,

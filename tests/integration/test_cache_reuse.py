@@ -8,7 +8,7 @@ import os
 import shutil
 import sqlite3
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 import pytest
@@ -16,29 +16,21 @@ from mlx_lm.generate import generate_step
 
 from app.cache.blocks import BLOCK_TOKENS, join_blocks, quantize_span, requantize_start, slice_block, to_working_cache
 from app.catalog.registry import Catalog
-from app.engine.engine import CacheConfig, Engine
-from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import touch_agent, utcnow
-from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+from app.engine.engine import Engine
+from app.types import ChatMessage, Finished, SamplingParams
+from support import engines
 from support.dbcheck import query
+from support.engines import conv
 
 SYSTEM = ChatMessage("system", "You are a helpful assistant. " + "Answer briefly and precisely. " * 90)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-def make_engine_at(home: Path, model_dir: Path, enabled: bool = True, budget: int = 1 << 30,
-                   catalog: Catalog | None = None) -> Engine:
-    home.mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{home / 'semantic.db'}"
-    upgrade(url)
-    sessions = make_session_factory(make_engine(url))
-    with sessions.begin() as session:
-        for agent in ("wc", "logits", "restart", "damaged", "share-a", "share-b", "off", "swap"):
-            touch_agent(session, agent, "direct", utcnow())
-    engine = Engine(catalog or Catalog.single("smollm2", model_dir),
-                    CacheConfig(home / "blocks", sessions, budget, enabled))
-    engine.start()
-    return engine
+AGENTS = ("wc", "logits", "restart", "damaged", "share-a", "share-b", "off", "swap")
+
+
+def make_engine_at(home: Path, model_dir: Path, **options: Any) -> Engine:
+    return engines.make_engine_at(home, model_dir, AGENTS, **options)
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +45,9 @@ def engine(home: Path, smollm2_dir: Path) -> Iterator[Engine]:
     running.stop()
 
 
-def conv(agent: str | None) -> str | None:
-    """Each agent here holds one conversation."""
-    return f"{agent}-conversation" if agent else None
-
-
 def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams = GREEDY,
          model: str | None = None) -> tuple[str, Finished]:
-    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages, model=model), sampling, agent,
-                                          conv(agent), model=model))
-    events = list(job.events())
-    finished = events[-1]
-    assert isinstance(finished, Finished)
-    assert engine.wait_idle()  # the turn's cache is committed
-    return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
+    return engines.turn(engine, agent, messages, sampling, model)
 
 
 def conversation(engine: Engine, agent: str, system: ChatMessage = SYSTEM) -> tuple[list[ChatMessage], Finished, Finished]:
@@ -275,7 +256,7 @@ def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_d
     q4_dir = tmp_path / "smollm2-4bit"
     convert(str(smollm2_dir), str(q4_dir), quantize=True, q_bits=4, q_group_size=64)
     assert json.loads((q4_dir / "config.json").read_text())["quantization"]["bits"] == 4
-    engine = make_engine_at(tmp_path / "home", q4_dir)
+    engine = make_engine_at(tmp_path / "home", q4_dir, kv_format="k6v4")  # calibrating at 13 tokens/s: minutes
     try:
         assert type(engine.loaded.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
         # Short turns: 4-bit matmuls skip BLAS on this CPU (13 prompt tokens/s, benchmarks/weights.py).

@@ -140,9 +140,10 @@ def test_every_format_has_its_own_fingerprint_and_the_documented_size() -> None:
     assert KV_FORMATS["k8v4"].fingerprint == "affine-k8v4-vhadamard-g64-s16-b256"  # values rotated since k5c
     assert KV_FORMATS["q8"].fingerprint == "affine-q8-g64-s16-b256"
     assert KV_FORMATS["f16"].fingerprint == "float16-b256"
+    assert KV_FORMATS["f32"].fingerprint == "float32-b256"
     assert len({f.fingerprint for f in KV_FORMATS.values()}) == len(KV_FORMATS)
     # Bytes per token relative to FP16 (data and a float16 scale and bias per 64 values): the documented figures.
-    assert [round(f.bytes_vs_fp16, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.312, 0.344, 0.406, 0.531, 1.0]
+    assert [round(f.bytes_vs_fp16, 3) for f in KV_FORMATS.values()] == [0.281, 0.281, 0.312, 0.344, 0.406, 0.531, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("name", list(KV_FORMATS))
@@ -164,7 +165,7 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
         assert (tail.n_tokens, tail.n_grouped) == (144, 64)
         assert tail.layers[0][3].shape[2] == 80 and tail.layers[0][3].dtype == mx.float16
     elif not kv_format.quantized:
-        assert arrays["k"].dtype == arrays["v"].dtype == mx.float16 and arrays["k"].shape[-1] == head_dim
+        assert arrays["k"].dtype == arrays["v"].dtype == kv_format.float_dtype and arrays["k"].shape[-1] == head_dim
     else:
         assert arrays["k_w"].shape[-1] * 32 // head_dim == kv_format.key_bits  # keys packed at their bits
         assert arrays["v_w"].shape[-1] * 32 // head_dim == kv_format.value_bits

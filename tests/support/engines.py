@@ -1,0 +1,46 @@
+"""Real engines on a temporary home, and one turn through them (integration tests, benchmarks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from app.catalog.registry import Catalog
+from app.engine.engine import CacheConfig, Engine
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.history import touch_agent, utcnow
+from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+
+
+def make_engine_at(home: Path, model_dir: Path, agents: Iterable[str], enabled: bool = True, budget: int = 1 << 30,
+                   catalog: Catalog | None = None, kv_format: str = "auto", name: str = "smollm2") -> Engine:
+    """A started engine serving ``model_dir`` whose store at ``home`` knows ``agents``;
+    ``kv_format`` is the stored format's name or "auto"; ``enabled`` False turns reuse off."""
+    home.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        for agent in agents:
+            touch_agent(session, agent, "direct", utcnow())
+    engine = Engine(catalog or Catalog.single(name, model_dir),
+                    CacheConfig(home / "blocks", sessions, budget, enabled, kv_format_for=lambda _model: kv_format))
+    engine.start()
+    return engine
+
+
+def conv(agent: str | None) -> str | None:
+    """Each agent in these tests holds one conversation."""
+    return f"{agent}-conversation" if agent else None
+
+
+def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams,
+         model: str | None = None) -> tuple[str, Finished]:
+    """One generation to its end (and its cache committed): the reply's text and the Finished event."""
+    job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages, model=model), sampling, agent,
+                                          conv(agent), model=model))
+    events = list(job.events())
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    assert engine.wait_idle()
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
