@@ -14,7 +14,10 @@ raises) instead of hanging. Each loop iteration of this thread:
    prompt first, a time-bounded chunk while others decode).
 
 A sequence that finishes hands its cache back to the cache manager (commit,
-4-bit blocks, persistence) before its ``Finished`` event, as a lone one did.
+4-bit blocks, persistence) before its ``Finished`` event, as a lone one did. The
+reader receives ``Finished`` once the cache is on disk (``Job.events`` waits for the
+background write, at most ``DURABLE_WAIT_S``): a turn that has ended survives a kill,
+reply included, while this thread has already moved on to the next step.
 """
 
 from __future__ import annotations

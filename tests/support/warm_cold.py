@@ -77,28 +77,37 @@ def agent_of(case: Case) -> str:
     return f"wc-{case.name}"
 
 
-def answer_pairs(warm: Engine, cold: Engine, case: Case, sampling: SamplingParams) -> Iterator[Pair]:
+ColdAnswers = dict[tuple[ChatMessage, ...], tuple[str, Finished]]
+
+
+def answer_pairs(warm: Engine, cold: Engine, case: Case, sampling: SamplingParams,
+                 cold_answers: ColdAnswers | None = None) -> Iterator[Pair]:
     """Play ``case`` on ``warm`` (its agent's conversation: each turn reuses the last) and
-    ask ``cold`` (reuse off) every compared prompt."""
+    ask ``cold`` (reuse off) every compared prompt (once: ``cold_answers`` keeps them
+    across runs with the same sampling)."""
+    cold_answers = {} if cold_answers is None else cold_answers
     agent = agent_of(case)
     history = [ChatMessage("system", case.system)]
     for number, user in enumerate(case.users, 1):
         messages = [*history, ChatMessage("user", user)]
         reply, finished = turn(warm, agent, messages, sampling)
         if number > 1:
-            yield _compare(cold, case, str(number), messages, reply, finished, sampling)
+            yield _compare(cold, case, str(number), messages, reply, finished, sampling, cold_answers)
         history = [*messages, ChatMessage("assistant", reply)]
     if case.edit:
         old, new = case.edit
         assert old in case.users[-1]
         edited = [*history[:-2], ChatMessage("user", case.users[-1].replace(old, new, 1))]
         reply, finished = turn(warm, agent, edited, sampling)
-        yield _compare(cold, case, "edit", edited, reply, finished, sampling)
+        yield _compare(cold, case, "edit", edited, reply, finished, sampling, cold_answers)
 
 
 def _compare(cold: Engine, case: Case, label: str, messages: list[ChatMessage], reply: str, warm: Finished,
-             sampling: SamplingParams) -> Pair:
-    cold_reply, cold_finished = turn(cold, None, messages, sampling)
+             sampling: SamplingParams, cold_answers: ColdAnswers) -> Pair:
+    key = tuple(messages)
+    if key not in cold_answers:
+        cold_answers[key] = turn(cold, None, messages, sampling)
+    cold_reply, cold_finished = cold_answers[key]
     assert cold_finished.n_cached_tokens == 0 and cold_finished.n_prompt_tokens == warm.n_prompt_tokens
     return Pair(case.name, label, warm.output_token_ids, cold_finished.output_token_ids, reply, cold_reply,
                 warm.n_cached_tokens, warm.n_prompt_tokens)

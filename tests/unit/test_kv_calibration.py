@@ -17,19 +17,20 @@ def m(top1: float, ppl: float, kl: float, size: float) -> Measured:
 
 
 def test_the_fewest_bytes_that_meet_every_criterion_win() -> None:
-    measured = {"small": m(0.975, 0.004, 0.002, 0.28),  # top-1 short of 98%
-                "mid": m(0.985, 0.008, 0.002, 0.34),
-                "big": m(0.995, 0.001, 0.0002, 0.53)}
+    measured = {"small": m(0.975, 0.004, GOAL.kl * 0.8, 0.28),  # top-1 short of 98%
+                "mid": m(0.985, 0.008, GOAL.kl * 0.8, 0.34),
+                "big": m(0.995, 0.001, GOAL.kl / 5, 0.53)}
     assert choose(measured) == "mid"
-    assert choose({**measured, "mid": m(0.985, -0.012, 0.002, 0.34)}) == "big"  # perplexity 1.2% lower: too far
-    assert choose({**measured, "mid": m(0.985, 0.008, 0.004, 0.34)}) == "big"  # KL too high for a lucky top-1
+    assert choose({**measured, "mid": m(0.985, -0.012, GOAL.kl * 0.8, 0.34)}) == "big"  # perplexity 1.2% lower: too far
+    assert choose({**measured, "mid": m(0.985, 0.008, GOAL.kl * 1.2, 0.34)}) == "big"  # KL too high for a lucky top-1
     assert choose({"a": m(GOAL.top1, -GOAL.perplexity, GOAL.kl, 0.3)}) == "a"  # the bounds themselves meet it
     assert choose({"small": measured["small"]}) is None
     assert choose(measured, Goal(top1=0.97)) == "small"
 
 
 def test_equal_bytes_prefer_the_lower_kl() -> None:
-    measured = {"a": m(0.99, 0.0, 0.004, 0.28), "b": m(0.98, 0.0, 0.001, 0.28), "c": m(0.99, 0.0, 0.0001, 0.4)}
+    measured = {"a": m(0.99, 0.0, GOAL.kl * 0.9, 0.28), "b": m(0.98, 0.0, GOAL.kl / 2, 0.28),
+                "c": m(0.99, 0.0, GOAL.kl / 10, 0.4)}
     assert choose(measured) == "b"
 
 
@@ -44,7 +45,7 @@ def test_search_stops_at_the_first_size_that_meets_the_goal() -> None:
     def measure(kv_format: KVFormat) -> Measured:
         scored.append(kv_format.name)
         good = kv_format.bytes_vs_fp16 >= target[0].bytes_vs_fp16
-        return m(0.99 if good else 0.9, 0.0, 0.001 if good else 0.02, kv_format.bytes_vs_fp16)
+        return m(0.99 if good else 0.9, 0.0, GOAL.kl / 2 if good else 0.02, kv_format.bytes_vs_fp16)
 
     chosen, measured = search(measure)
     assert chosen in {f.name for f in target}
