@@ -1,5 +1,5 @@
 """The ``auto`` KV format's choice rule and its record, with plain numbers (the real-model
-calibration is tests/integration/test_kv_calibration.py)."""
+calibration is tests/integration/test_kv_calibration_on_smollm2.py)."""
 
 from __future__ import annotations
 
