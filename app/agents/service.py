@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -94,10 +94,7 @@ class AgentService:
     def get(self, agent_id: str) -> agents_store.AgentView:
         """Raises NotFound."""
         with self._sessions() as session:
-            found = agents_store.view(session, agent_id)
-        if found is None:
-            raise NotFound(f"agent {agent_id!r} does not exist")
-        return found
+            return _found(agents_store.view(session, agent_id), f"agent {agent_id!r}")
 
     def list(self, limit: int, offset: int) -> list[agents_store.AgentView]:
         with self._sessions() as session:
@@ -123,18 +120,12 @@ class AgentService:
     def response(self, response_id: str) -> dict[str, Any]:
         """A stored response object. Raises NotFound."""
         with self._sessions() as session:
-            found = responses.get(session, response_id)
-        if found is None:
-            raise NotFound(f"response {response_id!r} does not exist")
-        return found
+            return _found(responses.get(session, response_id), f"response {response_id!r}")
 
     def response_point(self, response_id: str) -> responses.ResponsePoint:
         """The history a stored response continues from. Raises NotFound."""
         with self._sessions() as session:
-            found = responses.point(session, response_id)
-        if found is None:
-            raise NotFound(f"response {response_id!r} does not exist")
-        return found
+            return _found(responses.point(session, response_id), f"response {response_id!r}")
 
     def delete_response(self, response_id: str) -> None:
         """Raises NotFound."""
@@ -220,3 +211,13 @@ class AgentService:
             with_retries(write, attempts=2)
         except StoreBusy:
             log.error("%s was not recorded: the database stayed locked", what)
+
+
+T = TypeVar("T")
+
+
+def _found(value: T | None, what: str) -> T:
+    """``value``, or NotFound naming ``what`` if there is none."""
+    if value is None:
+        raise NotFound(f"{what} does not exist")
+    return value
