@@ -9,12 +9,14 @@ MLX and BLAS, evaluates the scores, and runs the softmax in NumPy in place on
 the scores' own memory (a writable view: no copy either way), its rows split
 over ``THREADS`` threads (NumPy releases the GIL). Measured with SmolLM2 in
 float32: 256 new tokens after 6K cached ones 7.9 s -> 1.9 s; a 1,024-token cold
-prompt 5.2 s -> 3.2 s (``benchmarks/prefill_chunks.py``).
+prompt 5.2 s -> 3.2 s (``benchmarks/prefill_chunks.py`` measures it).
 
 The math is the softmax MLX computes (float32, the row maximum subtracted
-first); results differ from MLX's in float32 rounding only. Small score
-matrices (a decode step on a short context) stay in MLX: evaluating in the
-middle of the forward pass costs more than their ``exp`` does.
+first); results differ from MLX's in float32 rounding only. Decode steps (one
+query per sequence) stay in MLX: their ``exp`` is small, evaluating in the middle
+of the forward pass costs about as much, and a rule that does not depend on the
+batch or the chunk size keeps every sequence's numbers independent of what it
+runs beside (a greedy answer is the same alone and batched, whatever the load).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 
 Attention = Callable[..., mx.array]
 
-MIN_WEIGHTS = 1 << 15  # fewer attention weights than this stay in MLX
 THREADS = max(1, min(2, os.cpu_count() or 1))
 _POOL = ThreadPoolExecutor(THREADS, thread_name_prefix="semantic-softmax") if THREADS > 1 else None
 
@@ -77,14 +78,13 @@ def _apply_mask(scores: np.ndarray, mask: Any, n_queries: int) -> None:
 
 def attention(plain: Attention) -> Attention:
     """mlx-lm's ``scaled_dot_product_attention`` with the softmax in NumPy where that pays;
-    ``plain`` where it does not apply (quantized caches, attention sinks, small matrices)."""
+    ``plain`` where it does not apply (decode steps, quantized caches, attention sinks)."""
 
     def numpy_softmax_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                                 mask: Any, sinks: Any = None) -> mx.array:
         batch, heads, n_queries, dim = queries.shape
         kv_heads, n_keys = keys.shape[1], keys.shape[2]
-        if sinks is not None or hasattr(cache, "bits") or heads % kv_heads \
-                or batch * heads * n_queries * n_keys < MIN_WEIGHTS:
+        if n_queries == 1 or sinks is not None or hasattr(cache, "bits") or heads % kv_heads:
             return plain(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         per_kv = heads // kv_heads
         # The query heads sharing a key/value head are rows of one matmul: the cache is never broadcast.

@@ -45,10 +45,10 @@ def test_sliding_window_mask_matches_mlx() -> None:
 
 
 def test_batched_left_padding_mask_matches_mlx() -> None:
-    """A batched decode step masks each row's left padding: a (rows, 1, 1, keys) mask."""
-    q, k, v = qkv(3, 9, 3, 1, 4000)
-    mask = create_causal_mask(1, 3999, left_padding=mx.array([0, 1000, 2500]))
-    assert mask.shape == (3, 1, 1, 4000)
+    """Batched rows mask their left padding: a (rows, 1, queries, keys) mask."""
+    q, k, v = qkv(3, 9, 3, 16, 4000)
+    mask = create_causal_mask(16, 3984, left_padding=mx.array([0, 1000, 2500]))
+    assert mask.shape == (3, 1, 16, 4000)
     assert close(FAST(q, k, v, cache=None, scale=0.125, mask=mask), reference(q, k, v, scale=0.125, mask=mask))
 
 
@@ -58,7 +58,7 @@ def test_additive_mask_matches_mlx() -> None:
     assert close(FAST(q, k, v, cache=None, scale=0.125, mask=mask), reference(q, k, v, scale=0.125, mask=mask))
 
 
-def test_small_matrices_and_sinks_stay_in_mlx() -> None:
+def test_decode_steps_and_sinks_stay_in_mlx() -> None:
     calls = []
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -66,13 +66,13 @@ def test_small_matrices_and_sinks_stay_in_mlx() -> None:
         return reference(*args, **kwargs)
 
     wrapped = attention.attention(spy)
-    q, k, v = qkv(1, 9, 3, 1, 100)  # 900 weights: below MIN_WEIGHTS
+    q, k, v = qkv(4, 9, 3, 1, 2000)  # one query per sequence: a decode step, batched or not
     wrapped(q, k, v, cache=None, scale=1.0, mask=None)
     q, k, v = qkv(1, 9, 3, 64, 640)
     wrapped(q, k, v, cache=None, scale=1.0, mask="causal", sinks=mx.zeros((9,)))
     assert len(calls) == 2
     wrapped(q, k, v, cache=None, scale=1.0, mask="causal")
-    assert len(calls) == 2  # a large matrix without sinks took the NumPy path
+    assert len(calls) == 2  # queries of a prefill chunk without sinks took the NumPy path
 
 
 def test_softmax_in_place_over_threads() -> None:
