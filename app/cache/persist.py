@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
-from app.store.db import write_locked
+from app.store.db import with_retries, write_locked
 from app.store.history import ensure_conversation, utcnow
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # does not fit (another model's shapes, a record that disagrees with its index).
 UNUSABLE = (blockfiles.DamagedFile, KeyError, ValueError)
 WRITE_ATTEMPTS = 3  # a snapshot's block files are rewritten if the worker deleted them meanwhile
+INDEX_ATTEMPTS = 4  # a locked database is waited out (with_retries: 0.1, 0.2, 0.4 s apart)
 
 
 @dataclass(frozen=True)
@@ -220,25 +221,36 @@ class Persister(threading.Thread):
         record_path = self._files.write_record(cache)
         for _ in range(WRITE_ATTEMPTS):
             written = [self._files.write_block(block, snapshot.blocks[block]) for block in cache.chain]
-            with write_locked(self._sessions) as session:
-                # A block file that existed above may have been deleted since by the worker
-                # (its row was dropped); under the lock no deleter runs, and after this
-                # commit the rows protect the files.
-                if not all(path.exists() for path, _ in written):
-                    continue
-                rows = [cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest)
-                        for block, parent, (path, digest) in zip(cache.chain, (None, *cache.chain), written)]
-                now = utcnow()
-                previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
-                ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
-                cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
-                                       cache.record.n_tokens, str(record_path), rows, now)
+            # Another writer (the worker, a second process) may hold the database: wait it out
+            # as a finished turn's history does, rather than lose the cache's rows.
+            indexed, previous = with_retries(lambda: self._index(cache, record_path, written), INDEX_ATTEMPTS)
+            if not indexed:
+                continue
             # Only now: a crash before the commit leaves the previous record in force (and the new
             # file an orphan for the worker's compact), never a row without its file.
             if previous is not None and previous.record_path != str(record_path):
                 Path(previous.record_path).unlink(missing_ok=True)
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
+
+    def _index(self, cache: ConversationCache, record_path: Path,
+               written: list[tuple[Path, str]]) -> tuple[bool, cache_index.CacheEntry | None]:
+        """Index the written files in one transaction: (False, None) if a block file was
+        deleted meanwhile, else (True, the entry it replaced)."""
+        with write_locked(self._sessions) as session:
+            # A block file that existed above may have been deleted since by the worker
+            # (its row was dropped); under the lock no deleter runs, and after this
+            # commit the rows protect the files.
+            if not all(path.exists() for path, _ in written):
+                return False, None
+            rows = [cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest)
+                    for block, parent, (path, digest) in zip(cache.chain, (None, *cache.chain), written)]
+            now = utcnow()
+            previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
+            ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
+            cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
+                                   cache.record.n_tokens, str(record_path), rows, now)
+            return True, previous
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:

@@ -90,9 +90,11 @@ def test_tools_forced_call_result_and_answer(client: openai.OpenAI, server: Serv
         stream_options={"include_usage": True}, extra_body={"session_id": session}))
     answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert answer.strip()
-    # The second turn reuses the whole first prompt (the call is rendered back in canonical JSON,
+    # The second turn reuses the first prompt (the call is rendered back in canonical JSON,
     # which may be spaced differently from what the model wrote: reuse stops there at the latest).
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    # Its last token may be one the second prompt's own tokenization merges with what follows
+    # (the forced call's opening ends in a space): reuse then stops one token before it.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
     stored = query(server.db_path, "SELECT role, content FROM messages WHERE agent_id = ? ORDER BY position", session)
     assert [r for r, _ in stored] == ["user", "assistant", "tool", "assistant"]  # resent messages stored once

@@ -58,7 +58,8 @@ def test_a_locked_database_is_a_503_with_retry_after_and_nothing_half_written(bu
 
 def test_a_finished_turn_waits_out_a_lock_and_keeps_its_history(busy_server: ServerProcess) -> None:
     """The lock is taken once the request is accepted (its message_start arrived) and
-    held for 1.5 s, three busy timeouts: the history write retries until it lands."""
+    held for 1.5 s, three busy timeouts: the turn's cache rows (written before the turn
+    ends) and its history retry until they land."""
     headers = {"x-claude-code-session-id": "busy-kept"}
     events: list[str] = []
     lock: sqlite3.Connection | None = None
@@ -81,4 +82,6 @@ def test_a_finished_turn_waits_out_a_lock_and_keeps_its_history(busy_server: Ser
     rows = query(busy_server.db_path, "SELECT role FROM messages WHERE agent_id = 'busy-kept' ORDER BY position")
     assert rows == [("user",), ("assistant",)]
     assert query(busy_server.db_path, "SELECT status FROM requests WHERE agent_id = 'busy-kept'") == [("ok",)]
+    assert query(busy_server.db_path, "SELECT count(*) FROM caches WHERE agent_id = 'busy-kept'") == [(1,)]
     assert "database locked (attempt 1 of 4)" in busy_server.log()
+    assert "persisting a cache failed" not in busy_server.log()
