@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, or a directory")
     serve.add_argument("--no-worker", dest="worker", action="store_false", default=None,
                        help="serve only; run `semantic worker` separately")
+    serve.add_argument("--insecure-no-auth", dest="insecure_no_auth", action="store_true", default=None,
+                       help="serve a non-loopback address without api_key: anyone who can reach it reads every "
+                            "agent's history (SEMANTIC_INSECURE_NO_AUTH)")
     serve.set_defaults(handler=cmd_serve)
 
     worker = commands.add_parser("worker", help="run the Huey consumer (periodic cache jobs)")
@@ -211,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
-                                 model=getattr(args, "model", None), worker=getattr(args, "worker", None))
+                                 model=getattr(args, "model", None), worker=getattr(args, "worker", None),
+                                 insecure_no_auth=getattr(args, "insecure_no_auth", None))
         _configure_logging(settings)
         return int(args.handler(settings, args))
     except SemanticError as exc:

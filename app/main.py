@@ -13,7 +13,7 @@ import falcon
 
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
-from app.api.local_only import LocalOnlyMiddleware
+from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopback
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
 from app.errors import ConfigError, EngineUnavailable
@@ -46,10 +46,17 @@ def serve(settings: Settings) -> None:
     ``/health`` with "loading"; serve until SIGINT/SIGTERM.
 
     Raises:
-        ConfigError: the port cannot be bound (in use, not allowed), or a configured
-            model is neither installed nor embedded.
+        ConfigError: the port cannot be bound (in use, not allowed), a configured
+            model is neither installed nor embedded, or a non-loopback address would
+            be served without api_key (``local_only.exposure_problem``).
         EngineUnavailable: the model failed to load.
     """
+    problem = exposure_problem(settings.host, settings.api_key, settings.insecure_no_auth)
+    if problem:
+        raise ConfigError(problem)
+    if not is_loopback(settings.host) and not settings.api_key:
+        log.warning("SERVING %s WITHOUT AN API KEY (--insecure-no-auth): anyone who can reach port %d reads "
+                    "and changes every agent's history", settings.host, settings.port)
     from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)

@@ -97,12 +97,18 @@ class Settings:
     # least recently used caches cold until they fit.
     disk_budget_bytes: int = 20 * 1024**3
     # When set, every API request must carry it (x-api-key or Authorization: Bearer).
+    # Required to serve a non-loopback address (host 0.0.0.0, a LAN address).
     api_key: str = ""
+    # Serve a non-loopback address without api_key anyway (`serve --insecure-no-auth`):
+    # anyone who can reach the port reads and changes every agent's history.
+    insecure_no_auth: bool = False
     # Web page origins allowed to call the API besides loopback ones (comma-separated,
     # e.g. "https://chat.example.com"; "*" = any). Requests from other origins get 403.
     allowed_origins: str = ""
-    # Host names this server answers to besides loopback and its bind address
-    # (comma-separated; "*" = any): the guard against DNS rebinding.
+    # Host names this server answers to besides loopback and its bind address (comma-
+    # separated; "*" = any): the guard against DNS rebinding. On a non-loopback bind the
+    # machine's own names and addresses, private addresses and *.local / *.internal
+    # names are accepted too.
     allowed_hosts: str = ""
     # Seconds a database write waits for another writer's lock (SQLite busy timeout)
     # before it is retried (a turn's history: 4 attempts) or answered with 503.

@@ -9,8 +9,12 @@ servers, every request is checked before routing:
   loopback origin (``localhost``, ``127.0.0.1``, ``[::1]``, any port) or listed
   in ``allowed_origins``; else 403. Clients that are not browsers send none.
 - ``Host``: when the server listens on loopback, it must name loopback (or an
-  entry of ``allowed_hosts``); a rebound name gets 403. A server bound to all
-  interfaces (``0.0.0.0``) checks only ``allowed_hosts``, when set.
+  entry of ``allowed_hosts``); a rebound name gets 403. A server bound to another
+  address (``0.0.0.0``, a LAN address) also answers to its bind address, the
+  machine's own names and addresses, private and link-local IP addresses, and
+  names under ``.local`` / ``.internal``: what a client on the network types,
+  never an attacker's public name rebound to this machine. Such a server must
+  have an ``api_key`` (``exposure_problem``).
 - A request body must be ``application/json`` (415 otherwise): the content
   types a page may send without a preflight are all refused.
 
@@ -19,6 +23,8 @@ Allowed origins get CORS headers, so a local web UI can call the API.
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 import falcon
@@ -26,7 +32,7 @@ import falcon
 from app.errors import Forbidden, UnsupportedMediaType
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+LAN_SUFFIXES = (".local", ".internal")
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -43,13 +49,56 @@ def host_name(host_header: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+def is_loopback(bind_host: str) -> bool:
+    """Whether a bind address reaches this machine only (``localhost``, ``127.x``, ``::1``)."""
+    bind = bind_host.strip().lower().strip("[]")
+    if bind == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(bind_host: str, api_key: str, insecure_no_auth: bool) -> str | None:
+    """Why serving ``bind_host`` as configured is refused (None: it is not)."""
+    if is_loopback(bind_host) or api_key or insecure_no_auth:
+        return None
+    return (f"host {bind_host!r} is reachable from other machines and api_key is not set: anyone on the "
+            "network could read and change every agent's history. Set api_key (SEMANTIC_API_KEY), bind "
+            "127.0.0.1, or pass --insecure-no-auth (SEMANTIC_INSECURE_NO_AUTH=1) to serve it open anyway")
+
+
+def machine_hosts() -> frozenset[str]:
+    """This machine's own names and addresses, as a client on the network would type them."""
+    names = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    addresses: set[str] = set()
+    for name in names:
+        try:
+            addresses |= {str(info[4][0]).lower() for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            continue
+    return frozenset(names | addresses)
+
+
+def is_lan_name(host: str) -> bool:
+    """A private or link-local IP address, or a name under .local / .internal."""
+    if host.endswith(LAN_SUFFIXES):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_private or address.is_link_local
+
+
 class LocalOnlyMiddleware:
     def __init__(self, bind_host: str, allowed_origins: str = "", allowed_hosts: str = "") -> None:
         self._origins = split_list(allowed_origins)
         self._hosts = split_list(allowed_hosts)
         bind = bind_host.strip().lower().strip("[]")
-        self._check_host = bool(self._hosts) or bind not in WILDCARD_BINDS
-        self._known_hosts = LOOPBACK_HOSTS | {bind} | self._hosts
+        self._lan = not is_loopback(bind)
+        self._known_hosts = LOOPBACK_HOSTS | {bind} | self._hosts | (machine_hosts() if self._lan else frozenset())
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.strip().lower().rstrip("/")
@@ -59,9 +108,10 @@ class LocalOnlyMiddleware:
         return parts.scheme in ("http", "https") and (parts.hostname or "") in LOOPBACK_HOSTS
 
     def host_allowed(self, host_header: str | None) -> bool:
-        if not self._check_host or not host_header or "*" in self._hosts:
+        if not host_header or "*" in self._hosts:
             return True
-        return host_name(host_header) in self._known_hosts
+        host = host_name(host_header)
+        return host in self._known_hosts or (self._lan and is_lan_name(host))
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         if not self.host_allowed(req.get_header("HOST")):

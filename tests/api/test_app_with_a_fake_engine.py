@@ -194,3 +194,54 @@ def test_routing_and_protocol_error_shapes(app) -> None:  # type: ignore[no-unty
     generated = client.simulate_post("/v1/agents/a1/generate", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert generated.status_code == 200 and generated.json["content"][0]["text"] == "Hello there."
     assert [m["role"] for m in client.simulate_get("/v1/agents/a1/history").json["messages"]] == ["user", "assistant"]
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> falcon.testing.TestClient:
+    db = tmp_path / "semantic.db"
+    upgrade(f"sqlite:///{db}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    settings = Settings(home=tmp_path, allowed_hosts="falconframework.org", api_key="the-key")
+    return falcon.testing.TestClient(create_app(Deps(settings, FakeEngine(tmp_path), AgentService(sessions), sessions)))
+
+
+def test_every_route_but_the_probes_wants_the_key(keyed: falcon.testing.TestClient) -> None:
+    """Every registered route and method answers 401 without the key, in its protocol's
+    error shape; the probes (/, /health, /metrics) answer without it."""
+    from falcon import inspect as falcon_inspect
+
+    from app.api.middleware import OPEN_PATHS, protocol_of
+
+    checked = 0
+    for route in falcon_inspect.inspect_routes(keyed.app):
+        path = route.path.replace("{", "").replace("}", "")  # /v1/agents/{agent_id} -> /v1/agents/agent_id
+        for method in (m.method for m in route.methods if not m.internal):
+            body = {} if method in ("POST", "PUT", "PATCH") else None
+            for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}):
+                result = keyed.simulate_request(method, path, json=body, headers=headers)
+                if route.path in OPEN_PATHS:
+                    assert result.status_code != 401, (method, path)
+                    continue
+                assert result.status_code == 401, (method, path, headers, result.text)
+                shape = result.json
+                if protocol_of(path) == "anthropic":
+                    assert shape["type"] == "error" and shape["error"]["type"] == "authentication_error", shape
+                else:
+                    assert "API key" in shape["error"]["message"], shape
+                checked += 1
+    assert checked >= 3 * 14  # every route of every API: Anthropic, OpenAI, Responses, agents, models, status
+    assert keyed.simulate_get("/v1/models", headers={"x-api-key": "the-key"}).status_code == 200
+    assert keyed.simulate_get("/v1/models", headers={"authorization": "Bearer the-key"}).status_code == 200
+
+
+def test_a_cors_preflight_with_a_key_set(keyed: falcon.testing.TestClient) -> None:
+    """A browser's preflight carries no key: an allowed origin gets its CORS answer, a
+    foreign one 403; the request that follows still needs the key."""
+    preflight = {"origin": "http://localhost:3000", "access-control-request-method": "POST",
+                 "access-control-request-headers": "x-api-key, content-type"}
+    allowed = keyed.simulate_options("/v1/messages", headers=preflight)
+    assert allowed.status_code == 204
+    assert allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "x-api-key" in allowed.headers["access-control-allow-headers"]
+    assert keyed.simulate_options("/v1/messages", headers={**preflight, "origin": "https://evil.example"}).status_code == 403
+    assert keyed.simulate_post("/v1/messages", json=MESSAGES, headers={"origin": "http://localhost:3000"}).status_code == 401

@@ -35,6 +35,16 @@ def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 2 and "port: expected an integer" in result.stderr
 
 
+def test_a_network_bind_without_a_key_refuses_to_start(tmp_path: Path) -> None:
+    """Before anything is loaded or bound: a clear error naming the ways out."""
+    for args, env in ((("serve", "--host", "0.0.0.0", "--port", "1"), None),
+                      (("serve", "--port", "1"), {"SEMANTIC_HOST": "::"})):
+        result = semantic(tmp_path, *args, env=env, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "api_key is not set" in result.stderr and "--insecure-no-auth" in result.stderr
+        assert not (tmp_path / "semantic.db").exists()  # refused before the store was touched
+
+
 def test_models_import_and_list(tmp_path: Path) -> None:
     gguf = locate_gguf(SMOLLM2, tmp_path)
     result = semantic(tmp_path, "models", "import", str(gguf), "--name", "my-smol")

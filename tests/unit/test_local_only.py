@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from app.api.local_only import LocalOnlyMiddleware, host_name
+from app.api.local_only import LocalOnlyMiddleware, exposure_problem, host_name
 
 
 @pytest.mark.parametrize("header,name", [("localhost:8000", "localhost"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
@@ -21,10 +23,31 @@ def test_loopback_bind_answers_only_to_loopback_names() -> None:
     assert LocalOnlyMiddleware("127.0.0.1", allowed_hosts="box.lan").host_allowed("box.lan:8000")
 
 
-def test_wildcard_bind_checks_hosts_only_when_listed() -> None:
-    assert LocalOnlyMiddleware("0.0.0.0").host_allowed("anything.example")
-    guard = LocalOnlyMiddleware("0.0.0.0", allowed_hosts="box.lan, 10.0.0.2")
-    assert guard.host_allowed("10.0.0.2:8000") and not guard.host_allowed("other.example")
+def test_wildcard_bind_answers_to_the_network_but_not_to_a_rebound_name() -> None:
+    """DNS rebinding points an attacker's public name at this machine: refused on a
+    wildcard bind too; what a client on the network types is accepted."""
+    guard = LocalOnlyMiddleware("0.0.0.0")
+    for allowed in ("localhost:8000", "10.0.0.2:8000", "192.168.1.20", "172.16.5.5:1", "[fe80::1]:8000",
+                    "[fd00::2]", "box.local:8000", "nas.internal", socket.gethostname() + ":8000", None):
+        assert guard.host_allowed(allowed), allowed
+    for refused in ("attacker.example", "attacker.example:8000", "8.8.8.8:8000", "127.0.0.1.nip.io", "local"):
+        assert not guard.host_allowed(refused), refused
+    listed = LocalOnlyMiddleware("0.0.0.0", allowed_hosts="chat.example.com")
+    assert listed.host_allowed("chat.example.com:443") and not listed.host_allowed("other.example")
+    assert LocalOnlyMiddleware("0.0.0.0", allowed_hosts="*").host_allowed("anything.example")
+    assert not LocalOnlyMiddleware("127.0.0.1").host_allowed("10.0.0.2:8000")  # loopback binds stay strict
+
+
+@pytest.mark.parametrize("host,key,insecure,refused", [
+    ("127.0.0.1", "", False, False), ("localhost", "", False, False), ("::1", "", False, False),
+    ("127.0.0.2", "", False, False), ("0.0.0.0", "", False, True), ("::", "", False, True),
+    ("192.168.1.5", "", False, True), ("0.0.0.0", "k", False, False), ("0.0.0.0", "", True, False)])
+def test_a_non_loopback_bind_needs_a_key_or_an_explicit_flag(host: str, key: str, insecure: bool,
+                                                             refused: bool) -> None:
+    problem = exposure_problem(host, key, insecure)
+    assert (problem is not None) == refused
+    if refused:
+        assert "api_key" in problem and "--insecure-no-auth" in problem
 
 
 def test_origins() -> None:
