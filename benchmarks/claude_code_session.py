@@ -42,7 +42,7 @@ from app.protocol import anthropic as protocol  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from app.types import RequestOptions  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
-from benchmarks.peer import MLX_LM_MODEL, MlxLmServer  # noqa: E402
+from benchmarks.peers import MLX_LM_MODEL, mlx_lm_server  # noqa: E402
 from conftest import CLAUDE_CODE, ROOT, claude_env, start_server, stop_server  # noqa: E402
 from support.claude_recorder import is_subagent, record_headless_session  # noqa: E402
 from support.dbcheck import query  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> None:
         for row, (outcome, reason, part) in zip(runs[name], reasons, strict=True):
             row.update(outcome=outcome, reason=reason, diverge_part=part)
     semantic, control = runs["semantic"], runs["control"]
-    peer = MlxLmServer(model_dir, home / "mlx_lm.log")
+    peer = mlx_lm_server(model_dir, home / "mlx_lm.log")
     try:
         mlx = mlx_run(peer.url, requests)
     finally:

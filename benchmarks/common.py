@@ -80,12 +80,12 @@ def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | N
     return ttft or time.perf_counter() - start, "".join(text), usage
 
 
-def openai_stream(url: str, body: dict[str, Any]) -> tuple[float, str, dict]:
+def openai_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
     """POST a streaming chat completion to ``url``: (seconds to the first content
     delta, reply text, usage if the server sent it)."""
     start = time.perf_counter()
     ttft, text, usage = None, [], {}
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800) as response:
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
-from benchmarks.multi_turn import user_message  # noqa: E402
-from benchmarks.peer import SYSTEM  # noqa: E402
+from benchmarks.multi_turn import SYSTEM, user_message  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 REPLY_TOKENS = 64
@@ -58,7 +57,7 @@ class Turn:
 
 def agent(url: str, name: str, turns: int) -> list[Turn]:
     rng = random.Random(name)
-    history = [SYSTEM]
+    history = [{"role": "system", "content": SYSTEM}]
     out = []
     for _ in range(turns):
         history.append({"role": "user", "content": user_message(rng, 150)})

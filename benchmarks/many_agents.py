@@ -24,28 +24,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
-from benchmarks.multi_turn import user_message  # noqa: E402
-from benchmarks.peer import SYSTEM, stream_turn  # noqa: E402
+from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.multi_turn import SYSTEM, user_message  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 BYTES_PER_TOKEN = 6480  # SmolLM2's 4-bit KV bytes per token (benchmarks/memory.py)
 WORKING_BYTES_PER_TOKEN = 46080  # its float32 working copy (keys and values, 30 layers)
 
 
+def stream_turn(url: str, agent: str, messages: list[dict]) -> tuple[float, str]:
+    """(seconds to the first content delta, reply text) of one streamed turn of ``agent``."""
+    body = {"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0, "session_id": agent}
+    ttft, text, _ = openai_stream(f"{url}/v1/chat/completions", body)
+    return ttft, text
+
+
 def rounds(url: str, args: argparse.Namespace) -> list[list[float]]:
     """TTFT per round per agent; every server sees the same messages."""
     rng = random.Random(11)
-    histories = {f"agent-{i}": [SYSTEM, {"role": "user", "content": user_message(rng, args.context_words)}]
+    histories = {f"agent-{i}": [{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": user_message(rng, args.context_words)}]
                  for i in range(args.agents)}
     for agent, history in histories.items():  # build each conversation once
-        history.append({"role": "assistant", "content": stream_turn(url, history, {"session_id": agent})[1]})
+        history.append({"role": "assistant", "content": stream_turn(url, agent, history)[1]})
     table = []
     for _ in range(args.rounds):
         row = []
         for agent, history in histories.items():
             history.append({"role": "user", "content": user_message(rng, 40)})
-            ttft, reply = stream_turn(url, history, {"session_id": agent})
+            ttft, reply = stream_turn(url, agent, history)
             history.append({"role": "assistant", "content": reply})
             row.append(ttft)
         table.append(row)

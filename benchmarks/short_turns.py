@@ -25,7 +25,7 @@ from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.interleave import text_of  # noqa: E402
-from benchmarks.peer import MLX_LM_MODEL, MlxLmServer  # noqa: E402
+from benchmarks.peers import MLX_LM_MODEL, mlx_lm_server  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 SHORT = "Which word came first? Answer in one word."  # ~20 tokens with the template's markers
@@ -60,7 +60,7 @@ def main() -> None:
                 results[context][name] = measure(server.url, context, f"short-{context}")
         finally:
             stop_server(server)
-    peer = MlxLmServer(model_dir, home / "mlx_lm.log")
+    peer = mlx_lm_server(model_dir, home / "mlx_lm.log")
     try:
         for context in args.contexts:
             results[context]["mlx_lm"] = measure(peer.url, context, None)

@@ -1,0 +1,381 @@
+"""Workload 6: one agent conversation against Semantic, mlx_lm.server and Rapid-MLX, side by side.
+
+    .venv/bin/python benchmarks/peers.py [--quick] [--servers semantic mlx_lm rapid_mlx]
+
+The servers run one after another on the same imported SmolLM2 directory, all on
+OpenBLAS (the peers through LD_PRELOAD), and get the same client: OpenAI chat
+completions, streamed, greedy, 32-token replies, the X-Session-ID header on every
+request, each server continuing its own conversation as a real client would. The
+conversation: a ~1.9K-token system prompt, turns of ~240 new tokens until the prompt
+passes 6K tokens (--quick: 3K), one short turn (~20 new tokens); then the server is
+stopped with SIGKILL and started again, takes one more short turn, is stopped with
+SIGTERM (which lets Rapid-MLX save its prefix cache to disk) and started again for a
+last short turn.
+
+Recorded per turn: seconds to the first content delta and to the end of the reply, and
+the prompt and cached tokens the server reports (stream_options.include_usage; "-": not
+reported, as Rapid-MLX does when nothing was cached). Per server: cold prefill tokens/s
+(turn 1), decode tokens/s, start-up seconds, and the peak and final resident memory
+(VmHWM, VmRSS of the server's process tree; Linux) of each process. Prints two tables, writes benchmarks/results/peers.json and peers.png
+(--quick: peers-quick.*). --servers measures some servers again and keeps the others'
+results from that file when the conversation was the same; each server's entry names
+the commit it was measured at.
+
+Rapid-MLX (PyPI rapid-mlx, the renamed vllm-mlx) is installed on first use into a venv
+of its own, ~/.cache/semantic-bench/rapid-mlx, with this venv's MLX version; it runs
+with HOME in the run's directory, ~/.cache/semantic-bench/peers (the servers' homes and
+logs of the last run), which every run empties first: no server starts from an earlier
+run's disk cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from app.catalog.registry import ensure_embedded  # noqa: E402
+from app.engine.blas import find_openblas  # noqa: E402
+from app.settings import load_settings  # noqa: E402
+from benchmarks.common import RESULTS, machine, openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.multi_turn import user_message  # noqa: E402
+from conftest import free_port, start_server  # noqa: E402
+
+RAPID_MLX = "rapid-mlx==0.16.10"
+SCRATCH = Path.home() / ".cache" / "semantic-bench"
+RAPID_MLX_VENV = SCRATCH / "rapid-mlx"
+# mlx_lm.server's name for the model given by --model (any other name is loaded as a path
+# or a hub repository); Semantic serves any name with its model.
+MLX_LM_MODEL = "default_model"
+REPLY_TOKENS = 32
+# SmolLM2's ChatML around a user turn after a reply cut at max_tokens, all new to the
+# server: <|im_end|>\n<|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
+MARKERS = 10
+HEADERS = {"X-Session-ID": "peers-bench"}
+NAMES = {"semantic": "Semantic", "mlx_lm": "mlx_lm.server", "rapid_mlx": "Rapid-MLX"}
+
+
+@dataclass(frozen=True)
+class Turn:
+    label: str
+    user: str
+    restart: str | None = None  # "SIGKILL" / "SIGTERM": stop the server so and start it again first
+
+
+@dataclass(frozen=True)
+class Plan:
+    system: str
+    turns: tuple[Turn, ...]
+
+
+def text_of(rng: random.Random, n_tokens: int, count: Callable[[str], int]) -> str:
+    """Note-like text of at most ``n_tokens`` tokens by ``count``: the longest run of words that fits."""
+    words = user_message(rng, 2 * n_tokens).split()  # every word is at least one token
+    low, high = 1, len(words)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if count(" ".join(words[:middle])) <= n_tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return " ".join(words[:low])
+
+
+def plan(count: Callable[[str], int], *, system_tokens: int = 1900, turn_tokens: int = 240,
+         max_context: int = 6000, short_tokens: int = 20, reply_tokens: int = REPLY_TOKENS,
+         restarts: tuple[str, ...] = ("SIGKILL", "SIGTERM"), seed: int = 0) -> Plan:
+    """The conversation: long turns of ``turn_tokens`` new tokens (template markers
+    included) until a prompt reaches ``max_context`` tokens, a short turn, then a short
+    turn after each restart. Prompt sizes are estimated with ``count`` and a reply of
+    ``reply_tokens``; the servers report the real ones."""
+    rng = random.Random(seed)
+    system = text_of(rng, system_tokens, count)
+    turns: list[Turn] = []
+    prompt = count(system)
+    while True:
+        prompt += turn_tokens
+        turns.append(Turn(str(len(turns) + 1), text_of(rng, turn_tokens - MARKERS, count)))
+        if prompt >= max_context:
+            break
+        prompt += reply_tokens
+    turns.append(Turn(f"{len(turns) + 1} short", text_of(rng, short_tokens - MARKERS, count)))
+    turns += [Turn(f"after {sig}", text_of(rng, short_tokens - MARKERS, count), sig) for sig in restarts]
+    return Plan(system, tuple(turns))
+
+
+class Running(Protocol):
+    """A server process that answered its health check."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+class PeerServer:
+    """A peer's server as a process, on OpenBLAS (LD_PRELOAD) as Semantic binds it."""
+
+    def __init__(self, argv: Callable[[int], list[str]], log_path: Path, env: dict[str, str] | None = None,
+                 health: str = "/health", timeout_s: float = 300) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        blas = find_openblas()
+        env = {**os.environ, **(env or {}), **({"LD_PRELOAD": str(blas)} if blas else {})}
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv(port), env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{argv(port)[0]} exited with {self.process.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{self.url}{health}", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.process.kill()
+        raise RuntimeError(f"{argv(port)[0]} did not become healthy; see {log_path}")
+
+    def stop(self) -> None:
+        end(self.process, signal.SIGTERM)
+
+
+def mlx_lm_server(model_dir: Path, log_path: Path) -> PeerServer:
+    """``mlx_lm server`` from this venv; it serves ``model_dir`` as MLX_LM_MODEL."""
+    return PeerServer(lambda port: [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+                                    "--port", str(port)], log_path)
+
+
+def rapid_mlx_venv() -> Path:
+    """Rapid-MLX's own venv, created on first use: the pinned release with this venv's
+    MLX (its requirement is mlx<0.33), so both peers run the same kernels."""
+    try:
+        cpu = "[cpu]" if version("mlx-cpu") else ""
+    except PackageNotFoundError:
+        cpu = ""
+    spec = [RAPID_MLX, f"mlx{cpu}=={version('mlx')}"]
+    stamp = RAPID_MLX_VENV / "semantic-bench-spec"
+    if not stamp.exists() or stamp.read_text() != " ".join(spec):
+        print(f"installing {' '.join(spec)} into {RAPID_MLX_VENV} (minutes, once)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(RAPID_MLX_VENV)], check=True)
+        subprocess.run([str(RAPID_MLX_VENV / "bin" / "python"), "-m", "pip", "install", "-q", *spec], check=True)
+        stamp.write_text(" ".join(spec))
+    return RAPID_MLX_VENV
+
+
+def rapid_mlx_server(model_dir: Path, home: Path, log_path: Path) -> PeerServer:
+    """``rapid-mlx serve`` on ``model_dir`` (served under its path) with HOME at ``home``:
+    its prefix cache is saved under ``home`` at SIGTERM and loaded at start-up."""
+    binary = rapid_mlx_venv() / "bin" / "rapid-mlx"
+    home.mkdir(parents=True, exist_ok=True)
+    return PeerServer(lambda port: [str(binary), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                                    "--yes", "--disable-model-downloads"],
+                      log_path, {"HOME": str(home), "RAPID_MLX_TELEMETRY": "0", "DO_NOT_TRACK": "1"},
+                      health="/health/ready")
+
+
+def tree_memory_mb(pid: int) -> tuple[float, float]:
+    """(peak, current) resident MiB of a process and its descendants: VmHWM and VmRSS summed."""
+    peak = current = 0.0
+    pending = [pid]
+    while pending:
+        proc = Path(f"/proc/{pending.pop()}")
+        try:
+            fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
+            pending += [int(c) for task in (proc / "task").iterdir() for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # exited meanwhile
+            continue
+        peak += int(fields["VmHWM"].split()[0]) / 1024
+        current += int(fields["VmRSS"].split()[0]) / 1024
+    return peak, current
+
+
+def end(process: subprocess.Popen[bytes], sig: int) -> float:
+    """Stop ``process`` with ``sig``: seconds until it exited (SIGKILL after 300 s)."""
+    start = time.perf_counter()
+    process.send_signal(sig)
+    try:
+        process.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    model: str  # the name its API serves the model under
+    start: Callable[[], Running]
+    version: str
+
+
+def chat(url: str, model: str, messages: list[dict]) -> dict[str, Any]:
+    """One streamed turn: TTFT, total seconds, the server's token counts, the reply."""
+    body = {"model": model, "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, reply, usage = openai_stream(f"{url}/v1/chat/completions", body, HEADERS)
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens"), "reply": reply}
+
+
+def converse(contender: Contender, conversation: Plan) -> dict[str, Any]:
+    """The conversation on one server, restarted where the plan says; one record per
+    turn and one per process (how it ended, start-up seconds, memory)."""
+    history: list[dict] = [{"role": "system", "content": conversation.system}]
+    turns: list[dict] = []
+    processes: list[dict] = []
+
+    def launch() -> Running:
+        began = time.perf_counter()
+        server = contender.start()
+        processes.append({"start_s": time.perf_counter() - began})
+        return server
+
+    def finish(server: Running, how: str) -> None:
+        peak, current = tree_memory_mb(server.process.pid)
+        processes[-1].update(ended_by=how, peak_rss_mb=peak, rss_mb=current,
+                             stop_s=end(server.process, getattr(signal, how)))
+
+    server = launch()
+    try:
+        for turn in conversation.turns:
+            if turn.restart:
+                finish(server, turn.restart)
+                server = launch()
+            history.append({"role": "user", "content": turn.user})
+            record = chat(server.url, contender.model, history)
+            history.append({"role": "assistant", "content": record.pop("reply")})
+            turns.append({"turn": turn.label, **record})
+            print(f"{contender.name} turn {turn.label}: {record['prompt_tokens']} tokens, "
+                  f"{record['cached_tokens']} cached, TTFT {record['ttft_s']:.2f} s", file=sys.stderr)
+    finally:
+        if server.process.poll() is None:
+            finish(server, "SIGTERM")
+    return {"version": contender.version, "measured": machine(), "turns": turns, "processes": processes,
+            **summary(turns, processes)}
+
+
+def summary(turns: list[dict], processes: list[dict]) -> dict[str, float | None]:
+    first = turns[0]
+    decode = [(t["completion_tokens"] - 1) / (t["total_s"] - t["ttft_s"]) for t in turns
+              if (t["completion_tokens"] or 0) > 1 and t["total_s"] > t["ttft_s"]]
+    return {"cold_prefill_tps": first["prompt_tokens"] / first["ttft_s"] if first["prompt_tokens"] else None,
+            "decode_tps": statistics.median(decode) if decode else None,
+            "turns_total_s": sum(t["total_s"] for t in turns),
+            "peak_rss_mb": max(p["peak_rss_mb"] for p in processes),
+            "rss_after_conversation_mb": processes[0]["rss_mb"]}
+
+
+def report(conversation: dict, servers: dict[str, dict]) -> None:
+    """Print the per-turn and per-server tables."""
+    names = [n for n in NAMES if n in servers]
+    headers = ["turn", "prompt", "new"]
+    for name in names:
+        headers += [f"{NAMES[name]} s", "cached"]
+    peers = [n for n in names if n != "semantic"]
+    compare = "semantic" in servers and bool(peers)
+    if compare:
+        headers.append("fastest peer / Semantic")
+    rows = []
+    for i, label in enumerate(conversation["labels"]):
+        turns = {name: servers[name]["turns"][i] for name in names}
+        first = turns[names[0]]
+        row: list[Any] = [label, first["prompt_tokens"], (first["prompt_tokens"] or 0) - (first["cached_tokens"] or 0)]
+        for name in names:
+            cached = turns[name]["cached_tokens"]
+            row += [turns[name]["ttft_s"], "-" if cached is None else cached]
+        if compare:
+            row.append(min(turns[p]["ttft_s"] for p in peers) / turns["semantic"]["ttft_s"])
+        rows.append(row)
+    print_table(headers, rows)
+    print()
+    print_table(["server", "version", "cold prefill tok/s", "decode tok/s", "turns total s", "start s",
+                 "peak RSS MiB", "RSS after conversation MiB"],
+                [[NAMES[n], servers[n]["version"], servers[n]["cold_prefill_tps"], servers[n]["decode_tps"],
+                  servers[n]["turns_total_s"], servers[n]["processes"][0]["start_s"], servers[n]["peak_rss_mb"],
+                  servers[n]["rss_after_conversation_mb"]] for n in names])
+
+
+def plot(name: str, conversation: dict, servers: dict[str, dict]) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    labels = conversation["labels"]
+    fig, (turns_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    for key, result in servers.items():
+        turns_ax.plot(range(len(labels)), [t["ttft_s"] for t in result["turns"]], "o-", label=NAMES[key])
+    for i, label in enumerate(labels):
+        if label.startswith("after"):
+            turns_ax.axvline(i - 0.5, color="gray", linestyle=":")
+    turns_ax.set_xticks(range(len(labels)), [label.replace("after ", "after\n") for label in labels], fontsize=7)
+    turns_ax.set_yscale("log")
+    turns_ax.set_ylabel("time to first token (s)")
+    turns_ax.set_title(f"Agent conversation to {conversation['max_context']} tokens, SmolLM2-135M, 2-core CPU")
+    turns_ax.legend()
+    memory_ax.bar([NAMES[k] for k in servers], [r["peak_rss_mb"] for r in servers.values()])
+    memory_ax.set_ylabel("peak RSS (MiB)")
+    memory_ax.tick_params(axis="x", labelsize=8)
+    save_plot(fig, name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: to 3K tokens of context")
+    parser.add_argument("--servers", nargs="+", choices=list(NAMES), default=list(NAMES))
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    max_context = 3000 if args.quick else 6000
+    conversation_plan = plan(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+                             max_context=max_context)
+    conversation = {"max_context": max_context, "reply_tokens": REPLY_TOKENS,
+                    "labels": [t.label for t in conversation_plan.turns],
+                    "plan": [asdict(t) for t in conversation_plan.turns], "system": conversation_plan.system}
+    name = "peers-quick" if args.quick else "peers"
+    previous = json.loads((RESULTS / f"{name}.json").read_text()) if (RESULTS / f"{name}.json").exists() else {}
+    servers = previous.get("servers", {}) if previous.get("conversation") == conversation else {}
+
+    scratch = SCRATCH / name  # the last run's homes and logs; its disk caches are gone before the next
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    contenders = {
+        "semantic": Contender("semantic", "smollm2-135m-instruct",
+                              lambda: start_server(scratch / "semantic", model_dir), f"commit {machine()['commit']}"),
+        "mlx_lm": Contender("mlx_lm", MLX_LM_MODEL, lambda: mlx_lm_server(model_dir, scratch / "mlx_lm.log"),
+                            f"mlx-lm {version('mlx-lm')}"),
+        "rapid_mlx": Contender("rapid_mlx", str(model_dir),
+                               lambda: rapid_mlx_server(model_dir, scratch / "rapid-home", scratch / "rapid_mlx.log"),
+                               RAPID_MLX.replace("==", " ")),
+    }
+    for key in args.servers:
+        servers[key] = converse(contenders[key], conversation_plan)
+        servers = {k: servers[k] for k in NAMES if k in servers}
+        write_results(name, {"args": vars(args), "conversation": conversation, "servers": servers})
+    print(f"scratch (logs): {scratch}")
+    report(conversation, servers)
+    print(f"wrote {RESULTS / f'{name}.json'}")
+    plot(name, conversation, servers)
+
+
+if __name__ == "__main__":
+    main()
