@@ -324,7 +324,7 @@ def plot(name: str, conversation: dict, servers: dict[str, dict]) -> None:
     for i, label in enumerate(labels):
         if label.startswith("after"):
             turns_ax.axvline(i - 0.5, color="gray", linestyle=":")
-    turns_ax.set_xticks(range(len(labels)), [label.replace("after ", "after\n") for label in labels], fontsize=7)
+    turns_ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
     turns_ax.set_yscale("log")
     turns_ax.set_ylabel("time to first token (s)")
     turns_ax.set_title(f"Agent conversation to {conversation['max_context']} tokens, SmolLM2-135M, 2-core CPU")
