@@ -25,11 +25,16 @@ FP16). The ``KVFormat`` says how:
 
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
+Dequantizing is elementwise work that MLX's CPU backend runs on one thread per
+stream, so the layers alternate between two streams: a cache loaded after a
+restart is ready in half the time.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -193,14 +198,20 @@ def join_blocks(blocks: list[KVBlock]) -> KVBlock:
     concatenating along the token axis is exact."""
     if len(blocks) == 1:
         return blocks[0]
+    layers = tuple(_join_layer(blocks, i) for i in range(len(blocks[0].layers)))
+    mx.eval([a for layer in layers for a in layer])  # evaluated here, on the engine thread
+    return KVBlock(sum(b.n_tokens for b in blocks), layers)
+
+
+def _join_layer(blocks: list[KVBlock], i: int) -> tuple[mx.array, ...]:
+    """Layer ``i`` of ``blocks`` joined (lazily: the caller evaluates)."""
+    if len(blocks) == 1:
+        return blocks[0].layers[i]
     if any(b.n_grouped != b.n_tokens for b in blocks[:-1]):
         raise ValueError("only the last block may hold float16 keys")
     first = blocks[0]
-    layers = tuple(tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=first._axis(name))
-                         for a, name in enumerate(first.names))
-                   for i in range(len(first.layers)))
-    mx.eval([a for layer in layers for a in layer])  # evaluated here, on the engine thread
-    return KVBlock(sum(b.n_tokens for b in blocks), layers)
+    return tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=first._axis(name))
+                 for a, name in enumerate(first.names))
 
 
 def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
@@ -244,7 +255,7 @@ def _quantize(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
 def _dequantize(w: mx.array, s: mx.array, b: mx.array, bits: int, dtype: mx.Dtype) -> mx.array:
     if w.size == 0:
         return mx.zeros((*s.shape[:-1], 0), dtype=dtype)
-    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits).astype(dtype)
+    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits, dtype=dtype)
 
 
 def _rotate(x: mx.array, rotate: bool) -> mx.array:
@@ -297,16 +308,46 @@ def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype:
     With no blocks, an empty cache (one ``KVCache`` per layer: sliding-window
     layers keep every token too, and the model masks by window).
     """
-    cache = [KVCache() for _ in range(n_layers)]
     if n_tokens == 0:
-        return cache
-    for i, layer in enumerate(cache):
-        parts = [_dequantize_layer(b.layers[i], kv_format, dtype) for b in blocks]
-        keys = mx.concatenate([k for k, _ in parts], axis=2)
-        values = mx.concatenate([v for _, v in parts], axis=2)
-        layer.state = (keys[..., :n_tokens, :], values[..., :n_tokens, :], n_tokens)
+        return [KVCache() for _ in range(n_layers)]
+    return working_cache(n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i), kv_format, dtype), n_tokens)
+
+
+def working_cache(n_layers: int, layer: Callable[[int], tuple[mx.array, mx.array]], n_tokens: int) -> list[KVCache]:
+    """Float caches of their own holding the first ``n_tokens`` of each ``layer(i)``'s keys
+    and values, evaluated, in buffers with room for a prefill step after them.
+
+    mlx-lm's ``KVCache`` grows its buffers in steps of 256 tokens by copying the whole
+    cache; a buffer cut to the tokens it holds would be copied again by the next turn's
+    first chunk (~0.1-0.25 s at 6K tokens here). Layers alternate between two streams,
+    so the work runs on both cores.
+    """
+    capacity = (n_tokens // KVCache.step + 2) * KVCache.step
+    streams = (mx.default_stream(mx.cpu), _second_stream())
+    cache = []
+    for i in range(n_layers):
+        with mx.stream(streams[i % 2]):
+            keys, values = layer(i)
+            cache.append(KVCache())
+            cache[-1].state = (_with_room(keys, n_tokens, capacity), _with_room(values, n_tokens, capacity), n_tokens)
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
     return cache
+
+
+def _with_room(x: mx.array, n_tokens: int, capacity: int) -> mx.array:
+    """The first ``n_tokens`` of ``x`` along the token axis, in a new buffer of ``capacity`` tokens."""
+    room = mx.zeros((*x.shape[:2], capacity - n_tokens, x.shape[3]), dtype=x.dtype)
+    return mx.concatenate([x[..., :n_tokens, :], room], axis=2)
+
+
+_local = threading.local()
+
+
+def _second_stream() -> mx.Stream:
+    """A second CPU stream of the calling thread (MLX gives each stream a thread of its own)."""
+    if not hasattr(_local, "stream"):
+        _local.stream = mx.new_thread_local_stream(mx.cpu)
+    return _local.stream
 
 
 def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int,

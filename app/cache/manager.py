@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -25,13 +26,15 @@ from mlx_lm.models.cache import KVCache
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
-                              quantize_span, requantize_start, slice_block, to_working_cache)
+                              quantize_span, requantize_start, slice_block, to_working_cache,
+                              working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
+from app.store.history import utcnow
 from app.types import Prompt, ReuseReport
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,10 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
+# Conversations used this recently come back into memory after a restart (``prefetch``).
+PREFETCH_WINDOW = timedelta(hours=1)
+
+
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
@@ -111,6 +118,7 @@ class CacheManager:
         self._clock = clock
         self._persister = Persister(self._files, sessions)
         self._persister.start()
+        self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
 
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
@@ -357,6 +365,45 @@ class CacheManager:
         self._persister.flush(60)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
 
+    # -- after a start -----------------------------------------------------------------------
+
+    def prefetch(self) -> bool:
+        """Bring one recently used conversation back from disk, with its float working copy.
+
+        After a restart, the conversations used in the last ``PREFETCH_WINDOW`` (the most
+        recent first, as many as there are working copies) come back into memory while
+        the engine is idle, so their next turns start as if the server had never stopped.
+        Stops at the first one that does not fit the pool's budget beside what is hot.
+        Returns whether it loaded one (False once none is due).
+        """
+        if self._to_prefetch is None:
+            due = []
+            if self.enabled and self._working_copies > 0:
+                with self._sessions() as session:
+                    due = cache_index.recent_caches(session, self.fingerprint, utcnow() - PREFETCH_WINDOW,
+                                                    self._working_copies)
+            self._to_prefetch = deque(due)
+        while self._to_prefetch:
+            agent_id, conversation_id = self._to_prefetch.popleft()
+            if conversation_id in self._hot:
+                continue
+            cache = self._load(agent_id, conversation_id)
+            if cache is None:
+                continue
+            blocks = [self._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
+            working = to_working_cache(blocks, self._n_layers, cache.record.n_tokens, self._dtype, self.kv_format)
+            self._working[conversation_id] = working
+            self._working.move_to_end(conversation_id, last=False)  # loaded most recent first
+            self._pool.set_private(conversation_id, cache.private_bytes + _nbytes(working))
+            if self._pool.over_budget():
+                self._spill(conversation_id, "no room to prefetch it")
+                self._free_arrays(self._pool.evict_free())
+                self._to_prefetch.clear()
+                return False
+            log.info("conversation %s: prefetched with its working copy", conversation_id)
+            return True
+        return False
+
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
         return self._persister.flush(timeout_s)
@@ -450,12 +497,9 @@ class CacheManager:
 def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
     """A working cache of its own holding the first ``n_tokens`` of ``cache`` (which is
     left as it was: writes to either never reach the other)."""
-    copy = [KVCache() for _ in cache]
-    for layer, source in zip(copy, cache):
-        if n_tokens:
-            layer.state = (source.keys[..., :n_tokens, :], source.values[..., :n_tokens, :], n_tokens)
-    mx.eval([x for layer in copy if n_tokens for x in (layer.keys, layer.values)])
-    return copy
+    if n_tokens == 0:
+        return [KVCache() for _ in cache]
+    return working_cache(len(cache), lambda i: (cache[i].keys, cache[i].values), n_tokens)
 
 
 def _nbytes(cache: list[KVCache]) -> int:

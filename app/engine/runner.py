@@ -331,9 +331,12 @@ class Runner(threading.Thread):
     # -- the loop ---------------------------------------------------------------------------
 
     def _idle(self) -> None:
-        """Nothing to run: wait for work; caches past their hot TTL go warm meanwhile."""
+        """Nothing to run: wait for work; caches past their hot TTL go warm meanwhile, and
+        after a start the recently used conversations come back from disk, one at a time."""
         assert self.caches is not None
         self.caches.expire_hot()
+        if self.caches.prefetch():
+            return
         self._wake.wait(IDLE_CHECK_S)
         self._wake.clear()
 

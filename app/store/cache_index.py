@@ -96,6 +96,16 @@ def agent_caches(session: Session, agent_id: str, fingerprint: str) -> list[tupl
     return [(conversation_id, path) for conversation_id, path in rows]
 
 
+def recent_caches(session: Session, fingerprint: str, since: datetime, limit: int) -> list[tuple[str, str]]:
+    """(agent id, conversation id) of the stored caches of one model used since ``since``,
+    most recently used first, at most ``limit``."""
+    rows = session.execute(select(Cache.agent_id, Cache.conversation_id)
+                           .where(Cache.model_fingerprint == fingerprint, Cache.tier != "cold",
+                                  Cache.record_path.is_not(None), Cache.last_access_at >= since)
+                           .order_by(Cache.last_access_at.desc()).limit(limit))
+    return [(agent_id, conversation_id) for agent_id, conversation_id in rows]
+
+
 def block_file(session: Session, block_hash: str) -> tuple[str, str | None] | None:
     """(path, checksum) of a stored block, if it has a file."""
     block = session.get(Block, block_hash)

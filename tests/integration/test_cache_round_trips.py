@@ -10,6 +10,7 @@ same 4-bit cache format.
 from __future__ import annotations
 
 import importlib
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -423,3 +424,41 @@ def test_per_channel_blocks_cut_and_join_only_at_group_boundaries() -> None:
         KVBlock(201, block.layers).check()  # arrays that do not cover the token count
     with pytest.raises(ValueError):
         KVBlock(200, tuple((*layer[:3], layer[3][:, :, :8], *layer[4:]) for layer in block.layers)).check()
+
+
+def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tmp_path: Path) -> None:
+    """After a restart, ``prefetch`` loads the recently used conversations with their float
+    working copies (an hour-old one stays on disk); the next turn takes the copy and
+    computes what a reload from disk would, bit for bit. No room: nothing is loaded."""
+    from sqlalchemy import update
+
+    from app.store.history import utcnow
+    from app.store.models import Cache
+
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(11)
+    caches = manager(tmp_path, n_layers)
+    prompts = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "b")}
+    for agent, tokens in prompts.items():
+        store_turn(caches, model, agent + "-c", tokens)
+    caches.close()
+    with caches._sessions.begin() as session:
+        session.execute(update(Cache).where(Cache.conversation_id == "b-c")
+                        .values(last_access_at=utcnow() - timedelta(hours=2)))
+
+    full = manager(tmp_path, n_layers)
+    full._pool.budget_bytes = 1
+    assert full.prefetch() is False and full.record("a-c") is None and not full._working
+    full.close()
+
+    reloaded = manager(tmp_path, n_layers)
+    assert reloaded.prefetch() is True
+    assert reloaded.prefetch() is False  # "b-c" was used two hours ago
+    assert reloaded.record("a-c") is not None and reloaded.record("b-c") is None
+    copy = reloaded._working["a-c"]
+    more = rng.integers(0, VOCAB, 20).tolist()
+    lease = reloaded.lease("a", "a-c", as_prompt(prompts["a"] + more))
+    assert (lease.n_reused, lease.outcome) == (300, "extend") and lease.cache is copy
+    assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
+    reloaded.close()
