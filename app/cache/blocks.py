@@ -26,8 +26,9 @@ FP16). The ``KVFormat`` says how:
 Attention runs on a transient dequantized float32 copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
 Dequantizing is elementwise work that MLX's CPU backend runs on one thread per
-stream, so the layers alternate between two streams: a cache loaded after a
-restart is ready in half the time.
+stream, so the layers alternate between two streams, and the output has room for
+the next prefill step (``capacity``): a cache loaded after a restart is ready in
+half the time, and its first chunk does not copy it again.
 """
 
 from __future__ import annotations
@@ -203,15 +204,23 @@ def join_blocks(blocks: list[KVBlock]) -> KVBlock:
     return KVBlock(sum(b.n_tokens for b in blocks), layers)
 
 
-def _join_layer(blocks: list[KVBlock], i: int) -> tuple[mx.array, ...]:
-    """Layer ``i`` of ``blocks`` joined (lazily: the caller evaluates)."""
-    if len(blocks) == 1:
+def _join_layer(blocks: list[KVBlock], i: int, room: int = 0) -> tuple[mx.array, ...]:
+    """Layer ``i`` of ``blocks`` joined (lazily: the caller evaluates), and ``room`` zero
+    tokens after them in every array along time (they dequantize to zeros; per-channel
+    keys take the room in their float16 part)."""
+    if len(blocks) == 1 and not room:
         return blocks[0].layers[i]
     if any(b.n_grouped != b.n_tokens for b in blocks[:-1]):
         raise ValueError("only the last block may hold float16 keys")
     first = blocks[0]
-    return tuple(mx.concatenate([b.layers[i][a] for b in blocks], axis=first._axis(name))
-                 for a, name in enumerate(first.names))
+    joined = []
+    for a, name in enumerate(first.names):
+        parts = [b.layers[i][a] for b in blocks]
+        axis = first._axis(name)
+        if room and axis == 2:
+            parts.append(mx.zeros((*parts[-1].shape[:2], room, parts[-1].shape[3]), dtype=parts[-1].dtype))
+        joined.append(mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0])
+    return tuple(joined)
 
 
 def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
@@ -310,33 +319,41 @@ def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype:
     """
     if n_tokens == 0:
         return [KVCache() for _ in range(n_layers)]
-    return working_cache(n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i), kv_format, dtype), n_tokens)
+    stored = sum(b.n_tokens for b in blocks)
+    room = capacity(stored) - stored  # joined before dequantizing: no float copy to make room
+    return working_cache(n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i, room), kv_format, dtype),
+                         n_tokens)
+
+
+def capacity(n_tokens: int) -> int:
+    """Tokens a working cache's buffers hold for ``n_tokens``: room for a prefill step after them.
+
+    mlx-lm's ``KVCache`` grows its buffers in steps of 256 tokens by copying the whole
+    cache; a buffer cut to the tokens it holds would be copied (into memory the
+    process touches for the first time) by the next turn's first chunk, ~0.1-0.5 s at
+    6K tokens here.
+    """
+    return (n_tokens // KVCache.step + 2) * KVCache.step
 
 
 def working_cache(n_layers: int, layer: Callable[[int], tuple[mx.array, mx.array]], n_tokens: int) -> list[KVCache]:
-    """Float caches of their own holding the first ``n_tokens`` of each ``layer(i)``'s keys
-    and values, evaluated, in buffers with room for a prefill step after them.
-
-    mlx-lm's ``KVCache`` grows its buffers in steps of 256 tokens by copying the whole
-    cache; a buffer cut to the tokens it holds would be copied again by the next turn's
-    first chunk (~0.1-0.25 s at 6K tokens here). Layers alternate between two streams,
-    so the work runs on both cores.
-    """
-    capacity = (n_tokens // KVCache.step + 2) * KVCache.step
+    """Caches holding the first ``n_tokens`` of each ``layer(i)``'s keys and values, evaluated
+    (what follows them in the arrays is room for the next tokens). Layers alternate between
+    two streams: MLX's CPU backend runs each stream's elementwise work on one thread."""
     streams = (mx.default_stream(mx.cpu), _second_stream())
     cache = []
     for i in range(n_layers):
         with mx.stream(streams[i % 2]):
             keys, values = layer(i)
-            cache.append(KVCache())
-            cache[-1].state = (_with_room(keys, n_tokens, capacity), _with_room(values, n_tokens, capacity), n_tokens)
+        cache.append(KVCache())
+        cache[-1].state = (keys, values, n_tokens)
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
     return cache
 
 
-def _with_room(x: mx.array, n_tokens: int, capacity: int) -> mx.array:
-    """The first ``n_tokens`` of ``x`` along the token axis, in a new buffer of ``capacity`` tokens."""
-    room = mx.zeros((*x.shape[:2], capacity - n_tokens, x.shape[3]), dtype=x.dtype)
+def with_room(x: mx.array, n_tokens: int) -> mx.array:
+    """The first ``n_tokens`` of ``x`` along the token axis, in a new buffer of ``capacity(n_tokens)`` tokens."""
+    room = mx.zeros((*x.shape[:2], capacity(n_tokens) - n_tokens, x.shape[3]), dtype=x.dtype)
     return mx.concatenate([x[..., :n_tokens, :], room], axis=2)
 
 

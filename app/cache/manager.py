@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
                               quantize_span, requantize_start, slice_block, to_working_cache,
-                              working_cache)
+                              with_room, working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
@@ -499,7 +499,8 @@ def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
     left as it was: writes to either never reach the other)."""
     if n_tokens == 0:
         return [KVCache() for _ in cache]
-    return working_cache(len(cache), lambda i: (cache[i].keys, cache[i].values), n_tokens)
+    return working_cache(len(cache), lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
+                         n_tokens)
 
 
 def _nbytes(cache: list[KVCache]) -> int:
