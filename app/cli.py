@@ -19,6 +19,20 @@ def _configure_logging(settings: Settings) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _keep_private(home: Path) -> None:
+    """What Semantic writes is its user's alone: every message is in the history database
+    and every conversation's text in its cache record files. New files are 0600 and
+    directories 0700 (umask); the home and the database files an earlier version left
+    readable to others are closed too (only if this user owns them)."""
+    os.umask(0o077)
+    for path in (home, *(home / f"semantic.db{suffix}" for suffix in ("", "-wal", "-shm"))):
+        try:
+            if path.stat().st_uid == os.geteuid() and path.stat().st_mode & 0o077:
+                path.chmod(0o700 if path.is_dir() else 0o600)
+        except FileNotFoundError:
+            continue
+
+
 def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     from app.main import serve
 
@@ -90,12 +104,14 @@ def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
 
 def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
     from app.catalog.gguf_import import ImportOptions, import_gguf
+    from app.catalog.registry import model_destination
 
     source = Path(args.file)
     name = args.name or source.name.removesuffix(".gguf").lower()
+    destination = model_destination(settings.models_dir, name)
     options = ImportOptions(dtype=args.dtype, quantize_bits=args.quantize, group_size=args.group_size,
                             max_shard_bytes=int(args.shard_gb * (1 << 30)))
-    result = import_gguf(source, settings.models_dir / name, options)
+    result = import_gguf(source, destination, options)
     weights = f"{result.quantize_bits}-bit + {result.dtype}" if result.quantize_bits else result.dtype
     print(f"imported {result.architecture} model {name!r}: {result.n_tensors} tensors, "
           f"{result.n_params / 1e6:.1f}M parameters, {weights}, {result.n_shards} shard(s) -> {result.path}")
@@ -217,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  model=getattr(args, "model", None), worker=getattr(args, "worker", None),
                                  insecure_no_auth=getattr(args, "insecure_no_auth", None))
         _configure_logging(settings)
+        _keep_private(settings.home)
         return int(args.handler(settings, args))
     except SemanticError as exc:
         print(f"semantic: error: {exc}", file=sys.stderr)

@@ -213,6 +213,27 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
 
 _KINDS: dict[str, Any] = get_type_hints(Settings)
 
+_YEAR_S = 365 * 24 * 3600
+# The range each numeric setting must fall in (inclusive): a zero or negative count, or a
+# duration no clock can add, is a configuration mistake to name at start, not later.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "port": (1, 65535),
+    "default_temperature": (0.0, 2.0),
+    "repetition_penalty": (0.5, 2.0),
+    "max_output_tokens": (1, 1 << 24),
+    "default_max_tokens": (1, 1 << 24),
+    "prefill_step_size": (8, 1 << 16),
+    "max_batch": (1, 256),
+    "max_queue": (1, 1 << 16),
+    "threads": (2, 1024),
+    "cache_memory_bytes": (1 << 20, 1 << 50),
+    "max_conversations": (1, 1 << 16),
+    "cache_ttl_seconds": (1, 100 * _YEAR_S),
+    "disk_budget_bytes": (0, 1 << 60),
+    "db_busy_timeout_s": (0.001, 3600.0),
+    "max_body_bytes": (1024, 1 << 31),
+}
+
 
 def config_file(env: Mapping[str, str]) -> Path | None:
     """The TOML file that applies, if any."""
@@ -252,6 +273,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Set
     for where, kv_format in requested.items():
         if kv_format not in ("auto", *KV_FORMAT_NAMES):
             raise ConfigError(f"{where}: {kv_format!r} is not auto or one of {', '.join(KV_FORMAT_NAMES)}")
-    if not 0 < settings.port < 65536:
-        raise ConfigError(f"port: {settings.port} is not a valid TCP port")
+    for name, (low, high) in BOUNDS.items():
+        value = getattr(settings, name)
+        if not low <= value <= high:
+            raise ConfigError(f"{name}: {value} is outside {low:g}..{high:g}")
     return dataclasses.replace(settings, home=settings.home.expanduser())

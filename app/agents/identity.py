@@ -78,7 +78,7 @@ def responses_agent(headers: Mapping[str, str]) -> AgentKey | None:
 
 def _checked(session_id: str, where: str) -> str:
     """A session id is a lookup key: letters, digits and ``._:-``, at most 128 characters."""
-    if not _SESSION_ID.match(session_id):
+    if not _SESSION_ID.fullmatch(session_id):  # match() would let "$" pass a trailing newline
         raise InvalidRequest(f"{where}: a session id is 1 to 128 letters, digits or ._:- characters", where)
     return session_id
 

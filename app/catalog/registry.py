@@ -70,6 +70,18 @@ def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Pa
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def model_destination(models_dir: Path, name: str) -> Path:
+    """The directory a model called ``name`` is imported into: always inside ``models_dir``.
+
+    Raises:
+        ConfigError: ``name`` is not a model name (letters, digits and ``._-``, starting
+            with a letter or digit), e.g. ``..`` or a path.
+    """
+    if not _NAME.fullmatch(name) or len(name) > 128:
+        raise ConfigError(f"model name {name!r}: use letters, digits and ._- (starting with a letter or digit)")
+    return models_dir / name
 _install_lock = threading.Lock()  # one import of an embedded model at a time
 
 

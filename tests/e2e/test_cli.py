@@ -175,3 +175,30 @@ def test_sql_prints_a_table_and_refuses_writes(tmp_path: Path) -> None:
     refused = semantic(tmp_path, "sql", "DELETE FROM job_runs")
     assert refused.returncode == 2 and "refused" in refused.stderr
     assert "(1 row)" in semantic(tmp_path, "sql", "SELECT * FROM job_runs").stdout
+
+
+def test_an_import_name_that_leaves_the_models_directory_is_refused(tmp_path: Path) -> None:
+    """`--name ..` once resolved to the home itself, and a successful import replaced it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "keep.txt").write_text("mine")
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    for name in ("..", "../elsewhere", "/tmp/x", ".hidden", "a/b"):
+        result = semantic(home, "models", "import", str(fake), "--name", name)
+        assert result.returncode == 2 and "use letters, digits and ._-" in result.stderr, (name, result.stderr)
+    assert (home / "keep.txt").read_text() == "mine" and not (tmp_path / "elsewhere").exists()
+
+
+def test_the_home_and_the_history_are_private_to_their_user(tmp_path: Path) -> None:
+    """Created by the CLI: the home 0700, the database 0600; one an earlier version left
+    open (0755 / 0644) is closed at the next start."""
+    fresh = tmp_path / "fresh"
+    assert semantic(fresh, "jobs", "run", "expire").returncode == 0
+    assert (fresh.stat().st_mode & 0o777, (fresh / "semantic.db").stat().st_mode & 0o777) == (0o700, 0o600)
+    open_home = tmp_path / "open"
+    assert semantic(open_home, "jobs", "run", "expire").returncode == 0
+    open_home.chmod(0o755)
+    (open_home / "semantic.db").chmod(0o644)
+    assert semantic(open_home, "config").returncode == 0
+    assert (open_home.stat().st_mode & 0o777, (open_home / "semantic.db").stat().st_mode & 0o777) == (0o700, 0o600)

@@ -1,9 +1,10 @@
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
 from app.errors import ConfigError
-from app.settings import Settings, load_settings
+from app.settings import BOUNDS, Settings, load_settings
 
 
 def test_defaults_bind_localhost_port_8000(tmp_path: Path) -> None:
@@ -28,7 +29,13 @@ def test_explicit_config_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("env, message", [
     ({"SEMANTIC_PORT": "eighty"}, "port: expected an integer"),
-    ({"SEMANTIC_PORT": "70000"}, "not a valid TCP port"),
+    ({"SEMANTIC_PORT": "70000"}, "port: 70000 is outside 1..65535"),
+    ({"SEMANTIC_THREADS": "0"}, "threads: 0 is outside 2..1024"),
+    ({"SEMANTIC_MAX_QUEUE": "-1"}, "max_queue: -1 is outside"),
+    ({"SEMANTIC_MAX_BATCH": "0"}, "max_batch: 0 is outside"),
+    ({"SEMANTIC_MAX_BODY_BYTES": "0"}, "max_body_bytes: 0 is outside"),
+    ({"SEMANTIC_CACHE_TTL_SECONDS": "100000000000000"}, "cache_ttl_seconds: 100000000000000 is outside"),
+    ({"SEMANTIC_DB_BUSY_TIMEOUT_S": "-2"}, "db_busy_timeout_s: -2.0 is outside"),
     ({"SEMANTIC_CACHE_REUSE": "maybe"}, "cache_reuse: expected a boolean"),
     ({"SEMANTIC_KV_FORMAT": "q2"}, "kv_format: 'q2' is not auto or one of q4r, q4c, k5c, k6v4, k8v4, q8, f16"),
     ({"SEMANTIC_KV_FORMATS": "gemma3-270m=q8,smol=q3"}, "kv_formats: smol: 'q3' is not auto or one of"),
@@ -37,6 +44,13 @@ def test_explicit_config_file(tmp_path: Path) -> None:
 def test_bad_values_are_named(tmp_path: Path, env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings({"SEMANTIC_HOME": str(tmp_path), **env})
+
+
+def test_every_numeric_setting_has_bounds_its_default_meets() -> None:
+    numeric = {name for name, kind in get_type_hints(Settings).items() if kind in (int, float)}
+    assert numeric == set(BOUNDS)
+    for name, (low, high) in BOUNDS.items():
+        assert low <= getattr(Settings(), name) <= high, name
 
 
 def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
