@@ -74,8 +74,8 @@ class Settings:
     split_cores: bool = True
     # Reuse KV caches across turns (0 = every prompt is prefilled cold).
     cache_reuse: bool = True
-    # Bytes of KV cache kept in memory (the hot tier): 4-bit blocks, plus the float
-    # working copy of the most recently used agent; the rest waits on disk.
+    # Bytes of KV cache kept in memory (the hot tier): the stored blocks, plus the float
+    # working copies of the 4 most recent conversations; the rest waits on disk.
     cache_memory_bytes: int = 2 * 1024**3
     # How stored KV caches are kept: "auto" = per model, the fewest bytes that keep its
     # answers faithful (top-1 agreement with float KV >= 98%, perplexity within 1%),
