@@ -78,10 +78,7 @@ def serve(settings: Settings) -> None:
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
-        # channel_request_lookahead keeps reading each socket during a request, so a
-        # client that hangs up is noticed (waitress.client_disconnected) and its work cancelled.
-        server = waitress.create_server(app, host=settings.host, port=settings.port, threads=settings.threads,
-                                        ident="semantic", channel_timeout=600, channel_request_lookahead=1)
+        server = waitress.create_server(app, **waitress_options(settings))
     except OSError as exc:
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
     engine.start_loading()
@@ -99,6 +96,21 @@ def serve(settings: Settings) -> None:
             stop_worker(worker)
         engine.stop()
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
+
+
+def waitress_options(settings: Settings) -> dict[str, object]:
+    """How waitress serves: its limits hold before the app, the key check or a 413 runs."""
+    return {
+        "host": settings.host, "port": settings.port, "threads": settings.threads, "ident": "semantic",
+        # Keeps reading each socket during a request, so a client that hangs up is noticed
+        # (waitress.client_disconnected) and its work cancelled.
+        "channel_request_lookahead": 1,
+        # A body announced beyond this is refused unread (bodies up to it get the app's own 413).
+        "max_request_body_size": settings.max_body_bytes + (1 << 20),
+        "channel_timeout": settings.idle_timeout_s,
+        "cleanup_interval": max(1, min(30, settings.idle_timeout_s // 2)),  # how often idle sockets are looked for
+        "connection_limit": settings.max_connections,
+    }
 
 
 def _report_loaded(engine: Engine, settings: Settings) -> None:

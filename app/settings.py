@@ -113,8 +113,15 @@ class Settings:
     # Seconds a database write waits for another writer's lock (SQLite busy timeout)
     # before it is retried (a turn's history: 4 attempts) or answered with 503.
     db_busy_timeout_s: float = 10.0
-    # Largest accepted request body.
+    # Largest accepted request body: larger ones get 413 in the protocol's shape; one that
+    # announces more than this plus 1 MiB is refused by waitress before it is read.
     max_body_bytes: int = 32 * 1024 * 1024
+    # Seconds a connection may sit idle (no request in progress, nothing received) before
+    # it is closed: a client that opens sockets and sends nothing holds none for long.
+    idle_timeout_s: int = 60
+    # Connections open at once (waitress stops accepting beyond it). Expose the server
+    # through a reverse proxy with its own limits (README, "Auth and limits").
+    max_connections: int = 100
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"
@@ -232,6 +239,8 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "disk_budget_bytes": (0, 1 << 60),
     "db_busy_timeout_s": (0.001, 3600.0),
     "max_body_bytes": (1024, 1 << 31),
+    "idle_timeout_s": (1, 24 * 3600),
+    "max_connections": (4, 1 << 16),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +19,8 @@ BODY = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
     server = start_server(tmp_path_factory.mktemp("locked"), smollm2_dir,
-                          {"SEMANTIC_API_KEY": KEY, "SEMANTIC_MAX_BODY_BYTES": "4096"})
+                          {"SEMANTIC_API_KEY": KEY, "SEMANTIC_MAX_BODY_BYTES": "4096",
+                           "SEMANTIC_IDLE_TIMEOUT_S": "2"})
     yield server
     stop_server(server)
 
@@ -48,3 +50,27 @@ def test_oversized_body_gets_413(locked: ServerProcess) -> None:
     response = httpx.post(f"{locked.url}/v1/messages", json=big, headers={"x-api-key": KEY})
     assert response.status_code == 413
     assert response.json()["error"]["type"] == "request_too_large"
+
+
+def _connect(server: ServerProcess) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_a_huge_announced_body_is_refused_before_it_is_read(locked: ServerProcess) -> None:
+    """100 MiB announced, nothing sent: waitress answers 413 at once (its own limit is
+    1 GiB: it would wait for the body and buffer it to a temporary file before the app,
+    the key check or the app's 413 ran)."""
+    with _connect(locked) as sock:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 104857600\r\n\r\n")
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head
+
+
+def test_an_idle_connection_is_closed(locked: ServerProcess) -> None:
+    """Half a request line, then silence: closed after idle_timeout_s (2 s here; it
+    used to be 600 s, so sockets that send nothing could hold every slot)."""
+    with _connect(locked) as sock:
+        sock.sendall(b"GET /health HT")
+        assert sock.recv(4096) == b""  # closed by the server, well before the 30 s socket timeout
