@@ -79,8 +79,7 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     from app.store.readonly import format_table, run_readonly
 
-    columns, rows = run_readonly(settings.db_path, args.query)
-    print(format_table(columns, rows))
+    print(format_table(*run_readonly(settings.db_path, args.query)))
     return 0
 
 

@@ -53,3 +53,32 @@ def test_writes_and_side_doors_are_refused(db: Path, statement: str) -> None:
 def test_table_output() -> None:
     text = format_table(["a", "bb"], [(1, None), (22, "x")])
     assert text.splitlines() == ["a   bb", "--  --", "1", "22  x", "(2 rows)"]
+
+
+def test_a_runaway_statement_stops_at_its_deadline(db: Path) -> None:
+    forever = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT count(*) FROM n"
+    with pytest.raises(InvalidRequest, match="ran past its deadline of 0.5 s"):
+        run_readonly(db, forever, deadline_s=0.5)
+
+
+def test_json_table_functions_work(db: Path) -> None:
+    assert run_readonly(db, "SELECT value FROM json_each('[1, 2, 3]')").rows == [(1,), (2,), (3,)]
+    assert run_readonly(db, "SELECT count(*) FROM json_tree('{\"a\": {\"b\": 1}}')").rows == [(3,)]
+    assert run_readonly(db, "SELECT '{\"a\": 7}' ->> 'a', json_extract('[5]', '$[0]')").rows == [(7, 5)]
+
+
+@pytest.mark.parametrize("call", ["fts3_tokenizer('simple')", "randomblob(200000000)", "zeroblob(2000)",
+                                  "load_extension('x')"])
+def test_functions_off_the_list_are_refused(db: Path, call: str) -> None:
+    with pytest.raises(InvalidRequest, match="refused or invalid SQL"):
+        run_readonly(db, f"SELECT {call}")
+
+
+def test_huge_values_and_long_results_are_capped(db: Path) -> None:
+    with pytest.raises(InvalidRequest, match="too big"):
+        run_readonly(db, "SELECT replace(printf('%.*c', 1000, 'x'), 'x', printf('%.*c', 100000, 'y'))")
+    many = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 50) SELECT i FROM n"
+    result = run_readonly(db, many, max_rows=20)
+    assert len(result.rows) == 20 and result.truncated
+    assert format_table(*result).endswith("(20 rows, more not shown: narrow the query or add LIMIT)")
+    assert not run_readonly(db, many).truncated
