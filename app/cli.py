@@ -97,6 +97,8 @@ def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     source = config_file(os.environ)
     print(f"# effective settings (file: {source or 'none'}; SEMANTIC_* variables override it)")
     for name, value in settings.as_dict().items():
+        if name == "api_key" and value:
+            value = "(set, not shown)"  # the output ends up in terminals, logs and bug reports
         print(f"{name} = {json.dumps(str(value) if isinstance(value, Path) else value)}")
     return 0
 

@@ -30,6 +30,12 @@ def test_config_prints_effective_settings(tmp_path: Path) -> None:
     assert str(tmp_path / "config.toml") in result.stdout
 
 
+def test_config_does_not_print_the_api_key(tmp_path: Path) -> None:
+    result = semantic(tmp_path, "config", env={"SEMANTIC_API_KEY": "sk-very-secret"})
+    assert result.returncode == 0 and "sk-very-secret" not in result.stdout
+    assert 'api_key = "(set, not shown)"' in result.stdout
+
+
 def test_bad_configuration_is_a_clear_error(tmp_path: Path) -> None:
     result = semantic(tmp_path, "config", env={"SEMANTIC_PORT": "http"})
     assert result.returncode == 2 and "port: expected an integer" in result.stderr
