@@ -26,6 +26,7 @@ import logging
 import platform
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,16 +117,44 @@ class ImportResult:
     quantize_bits: int | None
 
 
+# The fewest bytes one metadata entry (key length, a 1-byte key, type, a 1-byte value) and
+# one tensor description (name length, a 1-byte name, dims, one dim, type, offset) take.
+_MIN_KV_BYTES = 8 + 1 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+
+
+def _check_counts(path: Path) -> None:
+    """Refuse a header whose tensor and metadata counts cannot fit in the file (a hostile
+    2^40 would have the reader loop and allocate on its word), in either byte order."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            head = file.read(24)
+    except OSError as exc:
+        raise InvalidModelFile(f"{path}: not a readable GGUF file ({exc})") from None
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise InvalidModelFile(f"{path}: not a GGUF file (no GGUF magic)")
+    counts = [struct.unpack(f"{order}QQ", head[8:24]) for order in "<>"]
+    if any(n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES <= size for n_tensors, n_kv in counts):
+        return
+    n_tensors, n_kv = counts[0]
+    raise InvalidModelFile(f"{path}: the header claims {n_tensors} tensors and {n_kv} metadata entries, "
+                           f"more than a {size}-byte file holds")
+
+
 class GgufFile:
     """Typed access to one GGUF file's metadata and tensors."""
 
     def __init__(self, path: Path) -> None:
+        _check_counts(path)
         try:
             self.reader = GGUFReader(path)
-        except (ValueError, OSError) as exc:  # gguf raises ValueError on bad magic
-            raise InvalidModelFile(f"{path}: not a readable GGUF file ({exc})") from exc
+            self.architecture = str(self.get("general.architecture"))
+        except (ValueError, OSError, IndexError, KeyError, OverflowError, MemoryError, struct.error) as exc:
+            # gguf raises ValueError on a bad magic, and whatever numpy raises when a length
+            # or count in the file points past its end
+            raise InvalidModelFile(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.path = path
-        self.architecture = str(self.get("general.architecture"))
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
