@@ -30,6 +30,12 @@ class DamagedFile(Exception):
     """A cache file is missing, truncated, malformed or fails its checksum."""
 
 
+class FileMissing(DamagedFile):
+    """A cache file is not there: damage to whoever needs it, but to a scan that listed it
+    a moment ago it may only have been replaced (a turn writes a new record, then deletes
+    the old one)."""
+
+
 class FileUnavailable(Exception):
     """A cache file could not be read just now (an I/O error, too many open files): a miss,
     but nothing says the file is damaged."""
@@ -80,7 +86,7 @@ def read_metadata(path: Path) -> dict[str, str]:
             metadata = header.get("__metadata__") if isinstance(header, dict) else None
             return {str(k): str(v) for k, v in (metadata or {}).items()}
     except FileNotFoundError as exc:
-        raise DamagedFile(f"{path}: missing") from exc
+        raise FileMissing(f"{path}: missing") from exc
     except OSError as exc:
         raise FileUnavailable(f"{path}: {exc}") from exc
     except (ValueError, AttributeError, RecursionError) as exc:
@@ -97,7 +103,7 @@ def read(path: Path, expected_checksum: str | None = None) -> tuple[dict[str, np
     try:
         arrays = load_file(str(path))
     except FileNotFoundError as exc:
-        raise DamagedFile(f"{path}: missing") from exc
+        raise FileMissing(f"{path}: missing") from exc
     except OSError as exc:
         raise FileUnavailable(f"{path}: {exc}") from exc
     except (ValueError, SafetensorError, OverflowError, MemoryError, TypeError) as exc:

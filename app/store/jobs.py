@@ -112,11 +112,20 @@ def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, A
     return result
 
 
+def _older_than_grace(path: Path, now_s: float) -> bool:
+    """Whether ``path`` was last written over the grace period ago (False if it is gone:
+    files vanish during a scan, and that must not abort the job)."""
+    try:
+        return now_s - path.stat().st_mtime > GRACE_S
+    except FileNotFoundError:
+        return False
+
+
 def remove_stale_temp_files(root: Path, now_s: float) -> list[str]:
     """Delete ``*.tmp`` files under ``root`` older than the grace period (left by crashes)."""
     removed = []
     for path in root.rglob(f"*{blockfiles.TEMP_SUFFIX}") if root.exists() else ():
-        if now_s - path.stat().st_mtime > GRACE_S:
+        if _older_than_grace(path, now_s):
             path.unlink(missing_ok=True)
             removed.append(str(path))
     return removed
@@ -146,37 +155,45 @@ def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
     known |= set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
     quarantine = root / "quarantine"
     return [path for path in (root.rglob("*.safetensors") if root.exists() else ())
-            if str(path) not in known and quarantine not in path.parents and now_s - path.stat().st_mtime > GRACE_S]
+            if str(path) not in known and quarantine not in path.parents and _older_than_grace(path, now_s)]
 
 
-def _damaged_sample(session: Session, root: Path, sample: int) -> tuple[int, list[str], list[int]]:
+def _damaged_sample(session: Session, root: Path, sample: int) -> tuple[int, list[tuple[str, str]],
+                                                                         list[tuple[int, str]]]:
     """Check the checksums of a random sample of block and record files; quarantine the
-    damaged ones. Reads only: the caller retires what needs them in a short write.
+    damaged ones. Reads only: the caller retires what needs them in a short write. A file
+    that is gone is not damage: a turn may have replaced it since the rows were read.
 
-    Returns (files checked, hashes of damaged blocks, ids of caches with a damaged record).
+    Returns (files checked, (hash, path) of damaged blocks, (cache id, path) of damaged records).
     """
     blocks = list(session.execute(select(Block.hash, Block.path, Block.checksum).where(Block.path.is_not(None))))
     records = list(session.execute(select(Cache.id, Cache.record_path).where(Cache.record_path.is_not(None))))
     picked_blocks = random.sample(blocks, min(sample, len(blocks)))
     picked_records = random.sample(records, min(sample, len(records)))
-    damaged_blocks, damaged_records = [], []
+    damaged_blocks: list[tuple[str, str]] = []
+    damaged_records: list[tuple[int, str]] = []
     for path, expected, damaged, key in ([(p, c or None, damaged_blocks, h) for h, p, c in picked_blocks]
                                          + [(p, None, damaged_records, i) for i, p in picked_records]):
         try:
             blockfiles.read(Path(path), expected)
-        except blockfiles.FileUnavailable:  # not readable just now: checked again another time
+        except (blockfiles.FileMissing, blockfiles.FileUnavailable):  # checked again another time
             continue
         except blockfiles.DamagedFile:
             blockfiles.quarantine(Path(path), root)
-            damaged.append(key)
+            damaged.append((key, path))
     return len(picked_blocks) + len(picked_records), damaged_blocks, damaged_records
 
 
-def _retire_damaged(session: Session, block_hashes: list[str], cache_ids: list[int]) -> tuple[int, list[str]]:
-    """Make cold every cache that needs a damaged file. Returns (caches made cold, files to delete)."""
+def _retire_damaged(session: Session, damaged_blocks: list[tuple[str, str]],
+                    damaged_records: list[tuple[int, str]]) -> tuple[int, list[str]]:
+    """Make cold every cache that still needs a damaged file (its row still points at the
+    file that failed: a turn that wrote new files since keeps them). Returns (caches made
+    cold, files to delete)."""
+    hashes = [h for h, path in damaged_blocks if session.scalar(select(Block.path).where(Block.hash == h)) == path]
     users = set(session.scalars(select(Cache).join(CacheBlock, CacheBlock.cache_id == Cache.id)
-                                .where(CacheBlock.block_hash.in_(block_hashes)))) if block_hashes else set()
-    users |= set(session.scalars(select(Cache).where(Cache.id.in_(cache_ids)))) if cache_ids else set()
+                                .where(CacheBlock.block_hash.in_(hashes)))) if hashes else set()
+    for cache_id, path in damaged_records:
+        users |= set(session.scalars(select(Cache).where(Cache.id == cache_id, Cache.record_path == path)))
     files: list[str] = []
     for cache in users:
         files += cache_index.retire_cache(session, cache)

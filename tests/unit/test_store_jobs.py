@@ -25,3 +25,72 @@ def test_vacuum_only_when_a_quarter_of_the_file_is_free(tmp_path: Path) -> None:
         assert not _worth_vacuuming(engine)
     finally:
         engine.dispose()
+
+
+def _store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from app.store.db import make_session_factory, upgrade
+
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    return make_session_factory(make_engine(url))
+
+
+def _file(path: Path) -> str:
+    import numpy as np
+
+    from app.store import blockfiles
+
+    blockfiles.write(path, {"x": np.arange(8, dtype=np.float32)}, {"kind": "test"})
+    return str(path)
+
+
+def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path) -> None:
+    """A turn that replaced its record between compact's snapshot and its checksum read
+    keeps its new files: the missing old record is not damage, and a damaged old record
+    retires nothing once the row points elsewhere. A damaged current record still does."""
+    from sqlalchemy import select
+
+    from app.store import cache_index
+    from app.store.history import ensure_conversation, utcnow
+    from app.store.jobs import _damaged_sample, _retire_damaged
+    from app.store.models import Cache
+
+    sessions = _store(tmp_path)
+    root = tmp_path / "blocks"
+    old, new = _file(root / "r-old.safetensors"), _file(root / "r-new.safetensors")
+    with sessions.begin() as session:
+        ensure_conversation(session, "c", "a", "direct", utcnow())
+        cache_index.save_cache(session, "a", "c", "fp", 10, old, [], utcnow())
+        cache_id = session.scalar(select(Cache.id))
+    with sessions() as session:  # compact's snapshot lists the old record ...
+        Path(old).unlink()  # ... then the turn's new record replaced it
+        checked, blocks, records = _damaged_sample(session, root, sample=10)
+    assert (checked, blocks, records) == (1, [], [])
+
+    with sessions.begin() as session:
+        cache_index.save_cache(session, "a", "c", "fp", 20, new, [], utcnow())
+        assert _retire_damaged(session, [], [(cache_id, old)]) == (0, [])
+    assert Path(new).exists()
+
+    Path(new).write_bytes(b"\0" * 64)  # the current record really damaged
+    with sessions() as session:
+        _, _, records = _damaged_sample(session, root, sample=10)
+    assert records == [(cache_id, new)]
+    with sessions.begin() as session:
+        assert _retire_damaged(session, [], records)[0] == 1
+        assert session.scalar(select(Cache.tier)) == "cold"
+
+
+def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path) -> None:
+    """A dangling link is a file rglob lists and stat() cannot find, as one deleted
+    between the listing and the stat."""
+    from app.store.jobs import _orphan_files, remove_stale_temp_files
+
+    sessions = _store(tmp_path)
+    root = tmp_path / "blocks"
+    root.mkdir()
+    (root / "gone.safetensors.tmp").symlink_to(root / "nowhere")
+    (root / "gone.safetensors").symlink_to(root / "nowhere")
+    assert remove_stale_temp_files(root, now_s=1e12) == []
+    with sessions() as session:
+        assert _orphan_files(session, root, now_s=1e12) == []
