@@ -182,14 +182,15 @@ class AgentService:
         def write() -> None:
             with self._sessions.begin() as session:
                 history.touch_agent(session, agent_id, target.agent.origin, now)
+                stored_in = conversation_id
                 if finished.stop_reason != "cancelled":
-                    history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
+                    stored_in = history.append_messages(session, agent_id, conversation_id, messages, request_id, now)
                     if response is not None:
                         responses.save(session, response.response_id, request_id=request_id, agent_id=agent_id,
-                                       conversation_id=conversation_id, previous_response_id=response.previous_id,
+                                       conversation_id=stored_in, previous_response_id=response.previous_id,
                                        body=response.body, now=now)
                 history.finish_request(session, request_id, finished, now, agent_id=agent_id,
-                                       conversation_id=conversation_id, reuse=reuse)
+                                       conversation_id=stored_in, reuse=reuse)
 
         with_retries(write, attempts=COMPLETE_ATTEMPTS)  # the reply exists: keep trying to store it
 

@@ -12,17 +12,20 @@ only, so side conversations sent under one identity never mix.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.orm import Session
 
 from app.store.models import Agent, Conversation, Message, Request
 from app.types import Finished, ReuseReport
+
+log = logging.getLogger(__name__)
 
 # Conversations looked at when a request names no agent and is recognised by content.
 CONTENT_CANDIDATES = 50
@@ -179,17 +182,34 @@ class StoredMessage:
 
 
 def append_messages(session: Session, agent_id: str, conversation_id: str, messages: Sequence[StoredMessage],
-                    request_id: str, now: datetime) -> int:
-    """Append to a conversation the messages it does not hold yet.
+                    request_id: str, now: datetime) -> str:
+    """Append to a conversation the messages it does not hold yet; returns the conversation
+    they are in.
 
-    ``messages`` is the whole conversation as the request resent it, plus the
-    reply: the stored messages are a prefix of it (that is how the conversation
-    was chosen), so only what follows them is written. Returns the number written.
+    ``messages`` is the whole conversation as the request resent it, plus the reply. The
+    stored messages were a prefix of it when the conversation was chosen; if another turn
+    of the same conversation finished first with other messages (two racing turns), they
+    are no longer, and this turn's messages go into a new conversation forked from it, so
+    neither turn's history is lost.
     """
-    n_stored = session.scalar(select(func.count()).where(Message.conversation_id == conversation_id)) or 0
-    for offset, message in enumerate(messages[n_stored:]):
-        session.add(Message(agent_id=agent_id, conversation_id=conversation_id, position=n_stored + offset,
+    stored = list(session.scalars(select(Message.digest).where(Message.conversation_id == conversation_id)
+                                  .order_by(Message.position)))
+    if any(digest is not None and digest != message.digest for digest, message in zip(stored, messages)):
+        conversation_id, stored = _fork(session, conversation_id, now), []  # rows from before digests match any
+    for offset, message in enumerate(messages[len(stored):]):
+        session.add(Message(agent_id=agent_id, conversation_id=conversation_id, position=len(stored) + offset,
                             role=message.role, content=message.content, digest=message.digest,
                             created_at=now, request_id=request_id))
     session.get_one(Conversation, conversation_id).last_access_at = now
-    return max(len(messages) - n_stored, 0)
+    return conversation_id
+
+
+def _fork(session: Session, conversation_id: str, now: datetime) -> str:
+    """A new conversation of the same agent, system prompt, snapshot and thread."""
+    source = session.get_one(Conversation, conversation_id)
+    fork = Conversation(id=new_conversation_id(), agent_id=source.agent_id, system_digest=source.system_digest,
+                        snapshot=source.snapshot, thread=source.thread, created_at=now, last_access_at=now)
+    session.add(fork)
+    session.flush()
+    log.info("conversation %s: a racing turn's history went to a fork, %s", conversation_id, fork.id)
+    return fork.id

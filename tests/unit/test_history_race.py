@@ -1,0 +1,45 @@
+"""Two racing turns of one conversation: both turns' history is kept (real SQLite store)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request, utcnow
+from app.store.models import Conversation, Message
+
+
+def _messages(*texts: str) -> list[StoredMessage]:
+    return [StoredMessage("user" if i % 2 == 0 else "assistant", text, f"d-{text}") for i, text in enumerate(texts)]
+
+
+def test_the_turn_that_finishes_second_forks_instead_of_vanishing(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        ensure_conversation(session, "c", "a", "direct", utcnow(), system_digest="s", thread="t")
+        for request in ("r0", "rA", "rB", "rC"):
+            start_request(session, request, protocol="direct", model=None, served_model=None, stream=False,
+                          n_input_tokens=None, now=utcnow())
+        assert append_messages(session, "a", "c", _messages("hi", "hello"), "r0", utcnow()) == "c"
+    # Both turns resolved to "c" (two messages stored); A finishes first, then B.
+    with sessions.begin() as session:
+        assert append_messages(session, "a", "c", _messages("hi", "hello", "a?", "A!"), "rA", utcnow()) == "c"
+    with sessions.begin() as session:
+        fork = append_messages(session, "a", "c", _messages("hi", "hello", "b?", "B!"), "rB", utcnow())
+    with sessions() as session:
+        def contents(conversation: str) -> list[str]:
+            return list(session.scalars(select(Message.content).where(Message.conversation_id == conversation)
+                                        .order_by(Message.position)))
+
+        assert fork != "c"
+        assert contents("c") == ["hi", "hello", "a?", "A!"]
+        assert contents(fork) == ["hi", "hello", "b?", "B!"]
+        copy = session.get_one(Conversation, fork)
+        assert (copy.agent_id, copy.system_digest, copy.thread) == ("a", "s", "t")
+    with sessions.begin() as session:  # a turn that continues A's version stays in "c"
+        assert append_messages(session, "a", "c", _messages("hi", "hello", "a?", "A!", "more", "ok"),
+                               "rC", utcnow()) == "c"
