@@ -7,6 +7,8 @@ it), so the text and the ids always describe the same prompt.
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from typing import Any, Sequence
 
 from jinja2 import TemplateError
@@ -15,10 +17,37 @@ from app.errors import ContextTooLong, InvalidRequest
 from app.types import ChatMessage, Prompt
 
 
+# Whose text is data, not structure: a user or a tool result that writes "<|im_end|>" must not
+# end its turn (llama.cpp tokenizes such content with special tokens off).
+UNTRUSTED_ROLES = frozenset({"user", "tool"})
+# Put after a special token's first character in untrusted text, so the tokenizer reads it
+# as the plain text it looks like (a zero-width joiner: invisible, and rare in real text).
+BREAK = "\u2060"
+
+
+@lru_cache(maxsize=8)
+def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """One pattern for every special-token string of a (Hugging Face) tokenizer, longest first."""
+    specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                if t.special and len(t.content) > 1}
+    if not specials:
+        return None
+    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+
+
+def neutralize(tokenizer: Any, text: str) -> str:
+    """``text`` with every special-token string the tokenizer knows broken by ``BREAK``."""
+    pattern = _special_pattern(getattr(tokenizer, "_tokenizer", tokenizer))
+    if pattern is None:
+        return text
+    return pattern.sub(lambda m: m.group(0)[0] + BREAK + m.group(0)[1:], text)
+
+
 def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [{"role": m.role, "content": neutralize(tokenizer, m.content) if m.role in UNTRUSTED_ROLES
+                     else m.content} for m in messages]
     try:
         return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except TemplateError as exc:
