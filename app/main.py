@@ -68,7 +68,7 @@ def serve(settings: Settings) -> None:
     from app.store.db import make_engine, make_session_factory, upgrade
 
     catalog = Catalog.configure(settings.models_dir, settings.model, settings.model_aliases,
-                                settings.map_unknown_models)
+                                settings.map_unknown_models, settings.serve_installed_models)
     upgrade(settings.db_url)
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,

@@ -36,9 +36,13 @@ class Settings:
     # environment `SEMANTIC_MODEL_ALIASES="fast=smollm2-4bit,big=gemma3-270m"`. A request
     # naming another model than the loaded one makes the engine swap models.
     model_aliases: dict[str, str] = field(default_factory=dict)
-    # Request model names (e.g. "claude-sonnet-5") that are neither aliases nor installed
+    # Request model names (e.g. "claude-sonnet-5") that are neither aliases nor served
     # models are served by `model`; set false to answer them with 404 instead.
     map_unknown_models: bool = True
+    # Let requests name any model installed under $SEMANTIC_HOME/models, not only `model`
+    # and the aliases' targets. Each swap reloads the model and sends every conversation's
+    # cache to disk: on a shared server, clients alternating two names would thrash them all.
+    serve_installed_models: bool = False
     # Compute dtype: "auto" = float32 on CPU (fast BLAS path), model's own elsewhere.
     dtype: str = "auto"
     # Temperature for requests that name none (Anthropic and OpenAI default to 1.0;

@@ -94,7 +94,7 @@ class ModelsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         served, catalog = self._engine.model, self._engine.catalog
-        created = {m.name: m.created_at for m in list_models(self._settings.models_dir)}
+        created = {m.name: m.created_at for m in list_models(self._settings.models_dir) if catalog.servable(m.name)}
         for name, path in catalog.paths.items():
             if path.exists():
                 created.setdefault(name, path.stat().st_mtime)

@@ -94,11 +94,13 @@ class Catalog:
     """Which model directory a request's ``model`` means.
 
     A name resolves, in order, as: empty or "default" -> the default model; an alias ->
-    its target; the default's or an alias target's own name; an installed model under
-    ``models_dir`` or an embedded one (imported on first use). Anything else is the
-    default model when ``map_unknown`` (Claude Code asks for "claude-sonnet-...") and a
-    404 otherwise. Requests name models, never paths: only the configuration may point
-    at a directory outside ``models_dir``.
+    its target; the default's or an alias target's own name; with ``any_installed``, a
+    model installed under ``models_dir``. Anything else is the default model when
+    ``map_unknown`` (Claude Code asks for "claude-sonnet-...") and a 404 otherwise.
+    Requests name models, never paths: only the configuration may point at a directory
+    outside ``models_dir``, and only the configuration imports an embedded model. Each
+    swap reloads the model and sends every conversation's cache to disk, so by default a
+    client can choose only among the models the operator configured.
     """
 
     models_dir: Path
@@ -106,10 +108,11 @@ class Catalog:
     paths: Mapping[str, Path]  # models the configuration names: the default and alias targets
     aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> model name
     map_unknown: bool = True
+    any_installed: bool = False  # requests may name any installed model (settings.serve_installed_models)
 
     @classmethod
     def configure(cls, models_dir: Path, default: str, aliases: Mapping[str, str] | None = None,
-                  map_unknown: bool = True) -> Catalog:
+                  map_unknown: bool = True, any_installed: bool = False) -> Catalog:
         """From the settings: ``default`` and each alias target is a name or a directory.
 
         Raises:
@@ -129,7 +132,7 @@ class Catalog:
             if alias in paths or _installed(models_dir / alias):
                 raise ConfigError(f"model_aliases: {alias!r} is already a model's name")
         return cls(models_dir, names[default], paths, {a: names[t] for a, t in (aliases or {}).items()},
-                   map_unknown)
+                   map_unknown, any_installed)
 
     @classmethod
     def single(cls, name: str, path: Path) -> Catalog:
@@ -148,12 +151,16 @@ class Catalog:
             return self.aliases[requested]
         if requested in self.paths:
             return requested
-        if _NAME.fullmatch(requested) and (_installed(self.models_dir / requested) or requested in EMBEDDED):
+        if self.any_installed and _NAME.fullmatch(requested) and _installed(self.models_dir / requested):
             return requested
         if self.map_unknown:
             return self.default
-        raise NotFound(f"model: {requested!r} is not an installed model or an alias (serving {self.default!r} "
+        raise NotFound(f"model: {requested!r} is not a model this server serves (serving {self.default!r} "
                        "by default; GET /v1/models lists them)")
+
+    def servable(self, name: str) -> bool:
+        """Whether a request may name installed model ``name`` (listed by ``/v1/models``)."""
+        return name in self.paths or self.any_installed
 
     def path(self, name: str) -> Path:
         return self.paths.get(name) or self.models_dir / name

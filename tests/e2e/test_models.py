@@ -64,9 +64,9 @@ def test_each_request_is_served_by_the_model_it_names(two_models: ServerProcess,
 
 
 def test_an_unknown_model_is_a_404_in_each_protocol(two_models: ServerProcess) -> None:
-    with pytest.raises(openai.NotFoundError, match="not an installed model"):
+    with pytest.raises(openai.NotFoundError, match="not a model this server serves"):
         openai.OpenAI(base_url=f"{two_models.url}/v1", api_key="k", max_retries=0).chat.completions.create(
             model="gpt-nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(anthropic.NotFoundError, match="not an installed model"):
+    with pytest.raises(anthropic.NotFoundError, match="not a model this server serves"):
         anthropic.Anthropic(base_url=two_models.url, api_key="k", max_retries=0).messages.create(
             model="../../etc", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

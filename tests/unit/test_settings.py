@@ -106,8 +106,17 @@ def test_catalog_resolves_aliases_installed_names_and_unknown_names(tmp_path: Pa
         ["small", "small", "small", "other", "big", "big", "other", "small"]
     assert catalog.path("big") == elsewhere and catalog.path("other") == models / "other"
     for unknown in ("claude-sonnet-5", "../elsewhere/big", str(elsewhere), "big/../small"):
-        with pytest.raises(NotFound, match="not an installed model"):
+        with pytest.raises(NotFound, match="not a model this server serves"):
             catalog.resolve(unknown)
+    _installed(models, "third")  # installed, but configured nowhere: no client may swap it in
+    for name in ("third", "gemma3-270m"):  # nor import an embedded model
+        with pytest.raises(NotFound, match="not a model this server serves"):
+            catalog.resolve(name)
+    assert [m.name for m in (models / "third", models / "other") if catalog.servable(m.name)] == ["other"]
+    anything = Catalog.configure(models, "small", {}, map_unknown=False, any_installed=True)
+    assert anything.resolve("third") == "third" and anything.servable("third")
+    with pytest.raises(NotFound):
+        anything.resolve("gemma3-270m")  # embedded, not installed: only the configuration imports it
     mapping = Catalog.configure(models, "small", {}, map_unknown=True)
     assert mapping.resolve("claude-sonnet-5") == "small" and mapping.resolve("/etc") == "small"
     with pytest.raises(ConfigError, match="'missing' is not installed"):
