@@ -41,7 +41,9 @@ def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any)
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        # FULL: a commit (a turn's history) is on disk when it returns, power loss included;
+        # NORMAL in WAL mode leaves the last commits in the page cache. ~0.3 ms a commit here.
+        cursor.execute("PRAGMA synchronous=FULL")
         cursor.close()
 
     return engine
