@@ -9,7 +9,7 @@ from __future__ import annotations
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import pool
+from sqlalchemy import event, pool
 
 from app.settings import load_settings
 from app.store.db import make_engine
@@ -37,23 +37,34 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    """Foreign keys are off while migrating: a batch rebuild drops and recreates a
-    table, and with them on, dropping it would cascade into every table that
-    references it (messages, caches). They are checked once all steps ran."""
+    """Every step and the foreign-key check in one transaction, so rows that would break a
+    foreign key roll the whole migration back.
+
+    Foreign keys are off while migrating: a batch rebuild drops and recreates a table,
+    and with them on, dropping it would cascade into every table that references it
+    (messages, caches). pysqlite would commit each DDL statement as it runs; with its
+    own transaction handling off, the BEGIN is ours and SQLite's DDL is transactional.
+    """
     engine = make_engine(_url(), poolclass=pool.NullPool)
+
+    @event.listens_for(engine, "connect")
+    def _migrating(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # before any transaction: inside one it is ignored
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection) -> None:  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN")
+
     with engine.connect() as connection:
-        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")  # no transaction is open yet
-        connection.commit()
         context.configure(connection=connection, target_metadata=target_metadata,
-                          render_as_batch=True)
+                          render_as_batch=True, transactional_ddl=True)
         with context.begin_transaction():
             context.run_migrations()
-        problems = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
-        connection.commit()
+            problems = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            if problems:
+                raise RuntimeError(f"migration left rows that break foreign keys: {problems[:10]}")
     engine.dispose()
-    if problems:
-        raise RuntimeError(f"migration left rows that break foreign keys: {problems[:10]}")
 
 
 if context.is_offline_mode():

@@ -104,3 +104,67 @@ def test_populated_database_keeps_history_and_caches_across_0004_up_and_down(tmp
     command.downgrade(alembic_config(url), "0002")  # 0003's rebuild of agents cascades nothing either
     assert _count(url, "SELECT count(*) FROM messages") == 4
     assert _count(url, "SELECT count(*) FROM caches") == 1
+
+
+def _populate_at_head_with_two_conversations_per_agent(url: str) -> None:
+    """Agent a1: conversations c1 (older) and c2 (newer), each with a cache; both caches list
+    the shared block b0, c2's also b2. Agent a2: two caches used at the same instant (a tie)."""
+    upgrade(url)
+    engine = make_engine(url)
+    old, new = "2026-11-01 10:00:00", "2026-11-02 10:00:00"
+    with engine.begin() as c:
+        def run(sql: str, **values: object) -> None:
+            c.execute(text(sql), values)
+
+        for agent in ("a1", "a2"):
+            run("INSERT INTO agents (id, origin, created_at, last_access_at, status, metadata_json) "
+                "VALUES (:a, 'anthropic', :t, :t, 'active', '{}')", a=agent, t=old)
+        for conv, agent, at in (("c1", "a1", old), ("c2", "a1", new), ("c3", "a2", old), ("c4", "a2", old)):
+            run("INSERT INTO conversations (id, agent_id, created_at, last_access_at) VALUES (:c, :a, :t, :t)",
+                c=conv, a=agent, t=at)
+            run("INSERT INTO caches (agent_id, conversation_id, model_fingerprint, n_tokens, tier, record_path, "
+                "created_at, updated_at, last_access_at) VALUES (:a, :c, 'fp', 300, 'warm', :r, :t, :t, :t)",
+                a=agent, c=conv, r=f"/{conv}", t=at)
+        for block in ("b0", "b2"):
+            run("INSERT INTO blocks (hash, model_fingerprint, n_tokens, path, nbytes, ref_count, tier, created_at, "
+                "last_access_at) VALUES (:b, 'fp', 256, :p, 10, 0, 'warm', :t, :t)", b=block, p=f"/{block}", t=old)
+        for cache_id, position, block in ((1, 0, "b0"), (2, 0, "b0"), (2, 1, "b2"), (3, 0, "b0"), (4, 0, "b0")):
+            run("INSERT INTO cache_blocks (cache_id, position, block_hash) VALUES (:c, :p, :b)",
+                c=cache_id, p=position, b=block)
+        run("UPDATE blocks SET ref_count = (SELECT count(*) FROM cache_blocks WHERE block_hash = blocks.hash)")
+    engine.dispose()
+
+
+def test_0004_downgrade_keeps_one_cache_per_agent_and_its_blocks_consistent(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _populate_at_head_with_two_conversations_per_agent(url)
+    command.downgrade(alembic_config(url), "0003")
+    engine = make_engine(url)
+    try:
+        with engine.connect() as c:
+            kept = c.execute(text("SELECT agent_id, record_path FROM caches ORDER BY agent_id")).fetchall()
+            lists = c.execute(text("SELECT cache_id, block_hash FROM cache_blocks ORDER BY cache_id, position"))
+            counts = dict(c.execute(text("SELECT hash, ref_count FROM blocks")).fetchall())
+            broken = c.execute(text("PRAGMA foreign_key_check")).fetchall()
+            ids = {row[0] for row in c.execute(text("SELECT id FROM caches"))}
+            listed = lists.fetchall()
+    finally:
+        engine.dispose()
+    assert kept == [("a1", "/c2"), ("a2", "/c4")]  # the newer one; a tie goes to the newer row
+    assert {cache for cache, _ in listed} <= ids and len(listed) == 3
+    assert counts == {"b0": 2, "b2": 1} and broken == []
+
+
+def test_a_migration_that_breaks_a_foreign_key_is_rolled_back(tmp_path: Path) -> None:
+    """The check runs inside the migration's transaction: a failure keeps the old version."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.connect() as c:
+        c.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        c.execute(text("INSERT INTO cache_blocks (cache_id, position, block_hash) VALUES (99, 0, 'nowhere')"))
+        c.commit()
+    engine.dispose()
+    with pytest.raises(RuntimeError, match="break foreign keys"):
+        command.downgrade(alembic_config(url), "0004")
+    assert _count(url, "SELECT count(*) FROM responses") == 0  # 0005's table is still there

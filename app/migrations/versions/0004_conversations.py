@@ -127,13 +127,16 @@ def downgrade() -> None:
         for column in ("diverge_new", "diverge_stored", "diverge_part", "diverge_offset", "n_reused_chars",
                        "reuse_reason", "conversation_id"):
             batch.drop_column(column)
-    # Keep each agent's most recently used cache (the old schema holds one per agent and model).
-    op.execute("""
-        DELETE FROM caches WHERE id NOT IN (
-            SELECT c.id FROM caches c WHERE c.last_access_at = (
-                SELECT max(c2.last_access_at) FROM caches c2
-                WHERE c2.agent_id = c.agent_id AND c2.model_fingerprint = c.model_fingerprint)
-            GROUP BY c.agent_id, c.model_fingerprint)""")
+    # Keep each agent's most recently used cache (the old schema holds one per agent and model;
+    # a tie goes to the newest row), with the block lists of the others and the reference counts
+    # they held (foreign keys are off while migrating: nothing cascades by itself).
+    keep = """SELECT (SELECT c2.id FROM caches c2
+                      WHERE c2.agent_id = c.agent_id AND c2.model_fingerprint = c.model_fingerprint
+                      ORDER BY c2.last_access_at DESC, c2.id DESC LIMIT 1)
+              FROM caches c GROUP BY c.agent_id, c.model_fingerprint"""
+    op.execute(f"DELETE FROM cache_blocks WHERE cache_id NOT IN ({keep})")
+    op.execute(f"DELETE FROM caches WHERE id NOT IN ({keep})")
+    op.execute("UPDATE blocks SET ref_count = (SELECT count(*) FROM cache_blocks cb WHERE cb.block_hash = blocks.hash)")
     with op.batch_alter_table("caches") as batch:
         batch.drop_index("ix_caches_agent_id")
         batch.drop_constraint("fk_caches_conversation_id_conversations", type_="foreignkey")
