@@ -133,7 +133,7 @@ def _check_counts(path: Path) -> None:
     except OSError as exc:
         raise InvalidModelFile(f"{path}: not a readable GGUF file ({exc})") from None
     if len(head) < 24 or head[:4] != b"GGUF":
-        raise InvalidModelFile(f"{path}: not a GGUF file (no GGUF magic)")
+        raise InvalidModelFile(f"{path}: not a readable GGUF file (no GGUF magic)")
     counts = [struct.unpack(f"{order}QQ", head[8:24]) for order in "<>"]
     if any(n_tensors * _MIN_TENSOR_BYTES + n_kv * _MIN_KV_BYTES <= size for n_tensors, n_kv in counts):
         return
