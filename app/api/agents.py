@@ -6,6 +6,7 @@ POST /v1/agents/{id}/generate, GET /v1/agents/{id}/history.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -158,8 +159,8 @@ class AgentGenerateResource:
             new = _object(read_json(req))
             if not isinstance(new.get("messages"), list) or not new["messages"]:
                 raise InvalidRequest("messages: a non-empty list of the new messages is required", "messages")
-            history = [{"role": m["role"], "content": m["content"]}
-                       for m in self._agents.history(agent_id, latest_only=True)]
+            history = [shaped for m in self._agents.history(agent_id, latest_only=True)
+                       if (shaped := _direct_shape(m["role"], m["content"])) is not None]
             body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
             body.setdefault("model", "default")
             body.setdefault("max_tokens", self._default_max_tokens)
@@ -169,3 +170,24 @@ class AgentGenerateResource:
             return body
 
         self._generation.respond(req, resp, full_body, AgentKey(agent_id, "direct"))
+
+
+_BLOCK_TYPES = {"text", "tool_use", "tool_result"}
+
+
+def _direct_shape(role: str, content: Any) -> dict[str, Any] | None:
+    """A stored message in the shape the direct API's messages take (Anthropic's), or None
+    to leave it out. Each protocol stores what it received: an OpenAI tool result becomes
+    text of the user's, an assistant turn that only called tools (no text) and system text
+    (the agent's system prompt applies) are left out."""
+    if isinstance(content, dict):  # an OpenAI message stored with more than its text (tool calls, a call id)
+        content = content.get("content")
+    if isinstance(content, list):
+        content = [part for part in content if isinstance(part, dict) and part.get("type") in _BLOCK_TYPES]
+    if role not in ("user", "assistant", "tool") or not content:
+        return None
+    if role == "tool":
+        text = content if isinstance(content, str) else json.dumps(content)
+        return {"role": "user", "content": f"Tool result: {text}"}
+    return {"role": role, "content": content}
+

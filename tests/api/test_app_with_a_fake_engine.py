@@ -245,3 +245,22 @@ def test_a_cors_preflight_with_a_key_set(keyed: falcon.testing.TestClient) -> No
     assert "x-api-key" in allowed.headers["access-control-allow-headers"]
     assert keyed.simulate_options("/v1/messages", headers={**preflight, "origin": "https://evil.example"}).status_code == 403
     assert keyed.simulate_post("/v1/messages", json=MESSAGES, headers={"origin": "http://localhost:3000"}).status_code == 401
+
+
+def test_a_direct_turn_continues_an_agent_whose_history_has_openai_tool_calls(app) -> None:  # type: ignore[no-untyped-def]
+    """An OpenAI turn with an assistant tool call and a tool result is stored as it came;
+    the direct API replays history in its own shape, so a later /generate is not a 400."""
+    client, _, db = app
+    chat = client.simulate_post("/v1/chat/completions", headers={"x-session-id": "mixed"}, json={
+        "model": "gpt-x", "max_tokens": 8, "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+        ]})
+    assert chat.status_code == 200, chat.text
+    generated = client.simulate_post("/v1/agents/mixed/generate", json={"messages": [{"role": "user", "content": "And tomorrow?"}]})
+    assert generated.status_code == 200, generated.text
+    history = client.simulate_get("/v1/agents/mixed/history").json["messages"]
+    assert history[-2]["content"] == "And tomorrow?" and history[-1]["role"] == "assistant"
