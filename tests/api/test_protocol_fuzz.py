@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import falcon.testing
 import pytest
@@ -100,21 +101,29 @@ def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.
     yield client, db
 
 
-def stored(db: Path) -> tuple[int, ...]:
-    return tuple(query(db, f"SELECT count(*) FROM {t}")[0][0] for t in ("agents", "conversations", "messages"))
+def stored(db: Path) -> dict[str, set[tuple[Any, ...]]]:
+    """Every row of the tables a turn writes (an agent's TTLs and access times included)."""
+    return {t: set(query(db, f"SELECT * FROM {t}")) for t in ("agents", "conversations", "messages")}
 
 
 def check(client: falcon.testing.TestClient, db: Path, route: str, **request: Any) -> None:
+    """Refused: no row changed. Accepted: the history of every agent it wrote reads back."""
     before = stored(db)
     response = client.simulate_post(route, **request)
     assert response.status_code < 500, (route, request, response.text)
+    after = stored(db)
     if response.status_code >= 400:
         error = response.json
         if route in ("/v1/chat/completions", "/v1/responses"):  # OpenAI's shape
             assert set(error["error"]) >= {"message", "type", "param", "code"}, response.text
         else:  # Anthropic's, which the direct API shares
             assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, response.text
-        assert stored(db) == before, (route, request)
+        assert after == before, (route, request)
+        return
+    for agent_id in {row[0] for row in after["agents"] - before["agents"]}:
+        history = client.simulate_get(f"/v1/agents/{quote(agent_id, safe='')}/history")
+        assert history.status_code == 200 and isinstance(history.json["messages"], list), (route, history.text)
+        json.dumps(history.json, ensure_ascii=False).encode("utf-8")  # text a client can decode: no lone surrogate
 
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -136,3 +145,29 @@ def test_mutated_requests_are_answered_or_refused_cleanly(fuzz_app, route: str, 
 def test_random_bytes_are_a_400(fuzz_app, route: str, body: bytes) -> None:  # type: ignore[no-untyped-def]
     client, db = fuzz_app
     check(client, db, route, body=body, headers={"content-type": "application/json"})
+
+
+def _string_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(node, str):
+        yield path
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _string_paths(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _string_paths(value, (*path, index))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_lone_surrogate_in_any_string_is_refused_or_reads_back(fuzz_app, route: str) -> None:  # type: ignore[no-untyped-def]
+    """Every string of the valid body in turn given an unpaired surrogate (as its JSON
+    escape): whatever the answer, ``check`` holds (a refusal writes nothing; what was
+    accepted reads back from /history)."""
+    client, db = fuzz_app
+    for path in _string_paths(VALID[route]):
+        body = json.loads(json.dumps(VALID[route]))
+        node = body
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = node[path[-1]] + "\ud800"
+        check(client, db, route, body=json.dumps(body), headers={"content-type": "application/json"})
