@@ -97,6 +97,9 @@ class Settings:
     # Seconds an agent's cache stays on disk after its last access, for agents that
     # set no TTL of their own (the worker's expire job makes it cold after that).
     cache_ttl_seconds: int = 24 * 3600
+    # Days the requests and job_runs tables keep a row (the worker's prune job). A request
+    # row that a stored message or response points to stays: history is never pruned.
+    log_retention_days: int = 30
     # Bytes of cache files on disk (the warm tier); the worker's evict job makes the
     # least recently used caches cold until they fit.
     disk_budget_bytes: int = 20 * 1024**3
@@ -245,6 +248,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_body_bytes": (1024, 1 << 31),
     "idle_timeout_s": (1, 24 * 3600),
     "max_connections": (4, 1 << 16),
+    "log_retention_days": (1, 36500),
 }
 
 

@@ -91,4 +91,12 @@ def compact() -> dict[str, Any]:
         return jobs.run_compact(engine, sessions, settings.blocks_dir)
 
 
-JOBS = {"expire": expire, "evict": evict, "compact": compact}
+@huey.periodic_task(crontab(hour="3", minute="41"))
+@_recorded
+def prune() -> dict[str, Any]:
+    """Daily: job runs and request rows older than log_retention_days (history stays)."""
+    with _store() as (_, sessions):
+        return jobs.run_prune(sessions, settings.log_retention_days)
+
+
+JOBS = {"expire": expire, "evict": evict, "compact": compact, "prune": prune}

@@ -18,14 +18,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Iterable
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, delete, func, select, text, union
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import blockfiles, cache_index
 from app.errors import StoreBusy
 from app.store.db import with_retries, write_locked
 from app.store.history import utcnow
-from app.store.models import Agent, Block, Cache, CacheBlock, JobRun
+from app.store.models import Agent, Block, Cache, CacheBlock, JobRun, Message, Request, StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,22 @@ def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Pat
               "orphan_files": len(orphans), "verified_files": checked, "damaged_caches": damaged,
               "files_deleted": deleted, "bytes_freed": freed, "vacuumed": vacuumed}
     record_run(sessions, "compact", started, utcnow(), result)
+    return result
+
+
+def run_prune(sessions: sessionmaker[Session], retention_days: int) -> dict[str, Any]:
+    """Delete job runs and request rows older than ``retention_days``; a request that a
+    stored message or response points to stays (it is part of the history)."""
+    started = utcnow()
+    cutoff = started - timedelta(days=retention_days)
+    with write_locked(sessions) as session:
+        runs = session.execute(delete(JobRun).where(JobRun.started_at < cutoff)).rowcount
+        kept = union(select(Message.request_id).where(Message.request_id.is_not(None)),
+                     select(StoredResponse.request_id).where(StoredResponse.request_id.is_not(None)))
+        requests = session.execute(delete(Request).where(Request.created_at < cutoff,
+                                                         Request.id.not_in(kept))).rowcount
+    result = {"job_runs_deleted": runs, "requests_deleted": requests, "retention_days": retention_days}
+    record_run(sessions, "prune", started, utcnow(), result)
     return result
 
 

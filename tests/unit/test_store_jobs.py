@@ -94,3 +94,30 @@ def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path) -> None
     assert remove_stale_temp_files(root, now_s=1e12) == []
     with sessions() as session:
         assert _orphan_files(session, root, now_s=1e12) == []
+
+
+def test_prune_keeps_history_and_recent_rows(tmp_path: Path) -> None:
+    """Old job runs and old request rows go; a request that a stored message points to stays."""
+    from datetime import timedelta
+
+    from sqlalchemy import select
+
+    from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request, utcnow
+    from app.store.jobs import record_run, run_prune
+    from app.store.models import JobRun, Request
+
+    sessions = _store(tmp_path)
+    now, old = utcnow(), utcnow() - timedelta(days=40)
+    with sessions.begin() as session:
+        ensure_conversation(session, "c", "a", "direct", now)
+        for request, at in (("old-with-history", old), ("old-refused", old), ("recent", now)):
+            start_request(session, request, protocol="direct", model=None, served_model=None, stream=False,
+                          n_input_tokens=None, now=at)
+        append_messages(session, "a", "c", [StoredMessage("user", "hi", "d")], "old-with-history", old)
+    record_run(sessions, "expire", old, old, {})
+    record_run(sessions, "expire", now, now, {})
+    result = run_prune(sessions, retention_days=30)
+    assert (result["job_runs_deleted"], result["requests_deleted"]) == (1, 1)
+    with sessions() as session:
+        assert set(session.scalars(select(Request.id))) == {"old-with-history", "recent"}
+        assert len(session.scalars(select(JobRun.id)).all()) == 2  # the recent run and prune's own
