@@ -85,13 +85,17 @@ def find_conversation(session: Session, agent_id: str, system_digest: str,
 
 
 def find_by_content(session: Session, system_digest: str, digests: Sequence[str]) -> ConversationMatch | None:
-    """For a request that names no agent: the stored conversation (of any agent) it resends
-    and extends; at least its first message must match."""
+    """For a request that names no agent: the stored conversation it resends and extends,
+    among those of agents that were themselves recognised by content (never a named agent's:
+    a client without a session id must not reach, or probe for, another's history); at least
+    its first message must match."""
     if not digests:
         return None
     first = select(Message.conversation_id).where(Message.position == 0, Message.digest == digests[0])
+    anonymous = select(Agent.id).where(Agent.origin == "content")
     candidates = list(session.scalars(
-        select(Conversation).where(Conversation.id.in_(first), Conversation.system_digest == system_digest)
+        select(Conversation).where(Conversation.id.in_(first), Conversation.system_digest == system_digest,
+                                   Conversation.agent_id.in_(anonymous))
         .order_by(Conversation.last_access_at.desc()).limit(CONTENT_CANDIDATES)))
     return _longest_prefix(candidates, _digests(session, [c.id for c in candidates]), digests, minimum=1)
 

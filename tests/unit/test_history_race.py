@@ -43,3 +43,22 @@ def test_the_turn_that_finishes_second_forks_instead_of_vanishing(tmp_path: Path
     with sessions.begin() as session:  # a turn that continues A's version stays in "c"
         assert append_messages(session, "a", "c", _messages("hi", "hello", "a?", "A!", "more", "ok"),
                                "rC", utcnow()) == "c"
+
+
+def test_a_request_without_a_session_never_reaches_a_named_agents_history(tmp_path: Path) -> None:
+    from app.store.history import find_by_content
+
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        for agent, origin in (("alice", "anthropic"), ("anon", "content")):
+            ensure_conversation(session, f"{agent}-c", agent, origin, utcnow(), system_digest=f"s-{agent}")
+            start_request(session, f"r-{agent}", protocol="direct", model=None, served_model=None, stream=False,
+                          n_input_tokens=None, now=utcnow())
+            append_messages(session, agent, f"{agent}-c", _messages("secret plan", "ok"), f"r-{agent}", utcnow())
+    with sessions() as session:
+        continuing = [m.digest for m in _messages("secret plan", "ok", "and?")]
+        assert find_by_content(session, "s-alice", continuing) is None
+        found = find_by_content(session, "s-anon", continuing)
+        assert found is not None and (found.agent_id, found.n_messages) == ("anon", 2)
