@@ -77,9 +77,11 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
-    from app.store.readonly import format_table, run_readonly
+    from app.store.readonly import format_table, run_readonly, run_readonly_postgres
 
-    print(format_table(*run_readonly(settings.db_path, args.query)))
+    result = (run_readonly_postgres(settings.database_url, args.query) if settings.database_url
+              else run_readonly(settings.db_path, args.query))
+    print(format_table(*result))
     return 0
 
 

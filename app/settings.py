@@ -117,6 +117,9 @@ class Settings:
     # machine's own names and addresses, private addresses and *.local / *.internal
     # names are accepted too.
     allowed_hosts: str = ""
+    # The store: "" = SQLite in $SEMANTIC_HOME/semantic.db (one server); a PostgreSQL URL
+    # (postgresql://user:password@host:port/database) for a pool of servers sharing it.
+    database_url: str = ""
     # Seconds a database write waits for another writer's lock (SQLite busy timeout)
     # before it is retried (a turn's history: 4 attempts) or answered with 503.
     db_busy_timeout_s: float = 10.0
@@ -142,7 +145,7 @@ class Settings:
 
     @property
     def db_url(self) -> str:
-        return f"sqlite:///{self.db_path}"
+        return self.database_url or f"sqlite:///{self.db_path}"
 
     @property
     def huey_path(self) -> Path:

@@ -41,7 +41,7 @@ def collect(settings: Settings) -> StatusReport:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     url = f"http://{host}:{settings.port}"
     tiers, disk, runs = {}, 0, []
-    if settings.db_path.exists():  # the server or the worker created and migrated it
+    if settings.database_url or settings.db_path.exists():  # the server or the worker created and migrated it
         engine = make_engine(settings.db_url)
         try:
             with make_session_factory(engine)() as session:

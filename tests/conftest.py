@@ -9,15 +9,19 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import httpx
 import pytest
 
 from app.engine.blas import blas_in_use, load_fast_blas
 from app.settings import load_settings
+
+if TYPE_CHECKING:
+    from app.pool.postgres import LocalPostgres
 
 # MLX must bind to OpenBLAS: load it before any test module imports mlx.
 load_fast_blas()
@@ -75,6 +79,31 @@ def npm_cli(package: str, binary: str) -> Path:
         subprocess.run([npm, "install", "--prefix", str(install_dir), package], check=True, capture_output=True,
                        timeout=600)
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator["LocalPostgres"]:
+    """A throwaway PostgreSQL cluster for the session (initdb + start: about 1 s)."""
+    import tempfile
+
+    from app.pool.postgres import LocalPostgres
+
+    root = Path(tempfile.mkdtemp(prefix="semantic-pg-"))
+    root.chmod(0o755)  # as root the cluster belongs to the postgres user, who must reach it
+    cluster = LocalPostgres(root / "pg", free_port())
+    cluster.start(durable=False)
+    yield cluster
+    cluster.stop("immediate")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database on each store the server supports: a SQLite file, a PostgreSQL
+    database of its own (not migrated: tests call ``upgrade``)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'semantic.db'}"
+    return request.getfixturevalue("postgres").create_database(f"t_{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from alembic import context
 from sqlalchemy import event, pool
 
 from app.settings import load_settings
-from app.store.db import make_engine
+from app.store.db import is_postgres, make_engine
 from app.store.models import Base
 
 target_metadata = Base.metadata
@@ -40,28 +40,31 @@ def run_migrations_online() -> None:
     """Every step and the foreign-key check in one transaction, so rows that would break a
     foreign key roll the whole migration back.
 
-    Foreign keys are off while migrating: a batch rebuild drops and recreates a table,
-    and with them on, dropping it would cascade into every table that references it
-    (messages, caches). pysqlite would commit each DDL statement as it runs; with its
-    own transaction handling off, the BEGIN is ours and SQLite's DDL is transactional.
+    PostgreSQL's DDL is transactional and checks foreign keys as it goes. SQLite needs
+    help: foreign keys are off while migrating, because a batch rebuild drops and
+    recreates a table, and with them on, dropping it would cascade into every table that
+    references it (messages, caches); they are checked at the end instead. pysqlite would
+    commit each DDL statement as it runs; with its own transaction handling off, the
+    BEGIN is ours and SQLite's DDL is transactional.
     """
     engine = make_engine(_url(), poolclass=pool.NullPool)
+    sqlite = not is_postgres(engine)
+    if sqlite:
+        @event.listens_for(engine, "connect")
+        def _migrating(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+            dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # before any transaction: inside one it is ignored
+            dbapi_connection.isolation_level = None
 
-    @event.listens_for(engine, "connect")
-    def _migrating(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-        dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # before any transaction: inside one it is ignored
-        dbapi_connection.isolation_level = None
-
-    @event.listens_for(engine, "begin")
-    def _begin(connection) -> None:  # type: ignore[no-untyped-def]
-        connection.exec_driver_sql("BEGIN")
+        @event.listens_for(engine, "begin")
+        def _begin(connection) -> None:  # type: ignore[no-untyped-def]
+            connection.exec_driver_sql("BEGIN")
 
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata,
-                          render_as_batch=True, transactional_ddl=True)
+                          render_as_batch=sqlite, transactional_ddl=True)
         with context.begin_transaction():
             context.run_migrations()
-            problems = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+            problems = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall() if sqlite else []
             if problems:
                 raise RuntimeError(f"migration left rows that break foreign keys: {problems[:10]}")
     engine.dispose()

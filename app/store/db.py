@@ -1,4 +1,5 @@
-"""Database engine, sessions and schema migration (SQLite in WAL mode)."""
+"""Database engine, sessions and schema migration: SQLite in WAL mode (one server, the
+default) or PostgreSQL (a pool of servers sharing one store), one schema for both."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from alembic.config import Config
 from alembic.util import CommandError
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,17 +25,52 @@ from app.errors import ConfigError, StoreBusy
 log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_S = 10.0
+# PostgreSQL: the advisory lock every write_locked transaction takes (any constant that
+# nothing else in the database uses), and the SQLSTATEs a retry can cure.
+WRITE_LOCK_KEY = 0x53454D41  # "SEMA"
+PG_RETRYABLE = {"55P03", "40001", "40P01"}  # lock_not_available, serialization_failure, deadlock_detected
 T = TypeVar("T")
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 
+def database_url(url: str) -> str:
+    """``url`` with the driver SQLAlchemy should use: psycopg 3 for PostgreSQL.
+
+    Raises:
+        ConfigError: neither SQLite nor PostgreSQL.
+    """
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url.removeprefix(prefix)
+    if url.startswith(("sqlite:///", "postgresql+psycopg://")):
+        return url
+    raise ConfigError(f"database_url: {url!r} is neither sqlite:///PATH nor postgresql://...")
+
+
+def libpq_dsn(url: str) -> str:
+    """A PostgreSQL URL as libpq connection parameters (for psycopg and Huey's ``PostgresHuey``)."""
+    from psycopg.conninfo import make_conninfo
+
+    target = make_url(database_url(url))
+    given = {"host": target.host, "port": target.port, "user": target.username, "password": target.password,
+             "dbname": target.database, **dict(target.query)}
+    return make_conninfo(**{k: v for k, v in given.items() if v is not None})
+
+
 def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any) -> Engine:
-    """An engine whose every connection uses WAL, foreign keys and a busy timeout.
+    """An engine whose connections wait at most ``busy_timeout_s`` for another writer's
+    lock. SQLite: WAL, foreign keys and full synchronous commits on every connection.
 
     ``kwargs`` go to ``sqlalchemy.create_engine`` (e.g. ``poolclass``).
     """
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    url = database_url(url)
+    if is_postgres_url(url):
+        timeout_ms = int(busy_timeout_s * 1000)
+        return create_engine(url, pool_pre_ping=True, connect_args={
+            "connect_timeout": max(1, round(busy_timeout_s)),
+            "options": f"-c lock_timeout={timeout_ms} -c idle_in_transaction_session_timeout=600000"},
+            **kwargs)
+    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"timeout": busy_timeout_s}, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -49,24 +87,45 @@ def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any)
     return engine
 
 
+def is_postgres_url(url: str) -> bool:
+    return database_url(url).startswith("postgresql")
+
+
+def is_postgres(bind: Engine | Connection | Session) -> bool:
+    engine = bind.get_bind() if isinstance(bind, Session) else bind
+    return engine.dialect.name == "postgresql"
+
+
+def insert_or_ignore(session: Session, model: type[Any], **values: Any) -> None:
+    """INSERT a row unless one with its key exists (another writer may insert it first)."""
+    insert = postgresql_insert if is_postgres(session) else sqlite_insert
+    session.execute(insert(model).values(**values).on_conflict_do_nothing())
+
+
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
 @contextmanager
 def write_locked(sessions: sessionmaker[Session]) -> Iterator[Session]:
-    """A transaction that holds SQLite's write lock from its start (BEGIN IMMEDIATE), so
-    nothing it reads can change before it commits. Cache files are created and deleted
-    by different processes (server, worker); each checks the rows and the files under
-    this lock (``Persister``, ``jobs.delete_unreferenced``)."""
+    """A transaction that holds the store's write lock from its start, so nothing it reads
+    can change before it commits. Cache files are created and deleted by different
+    processes (servers, worker); each checks the rows and the files under this lock
+    (``Persister``, ``jobs.delete_unreferenced``). SQLite: BEGIN IMMEDIATE (its one write
+    lock); PostgreSQL: a transaction-level advisory lock that every such writer takes."""
     with sessions.begin() as session:
-        session.connection().exec_driver_sql("BEGIN IMMEDIATE")
+        if is_postgres(session):
+            session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": WRITE_LOCK_KEY})
+        else:
+            session.connection().exec_driver_sql("BEGIN IMMEDIATE")
         yield session
 
 
 def is_locked(exc: OperationalError) -> bool:
-    """SQLite's "database is locked" / "database is busy": another connection held the
-    write lock past the busy timeout."""
+    """Another connection held a lock past the busy timeout: SQLite's "database is
+    locked" / "busy", PostgreSQL's lock timeout, serialization failure or deadlock."""
+    if getattr(exc.orig, "sqlstate", None) in PG_RETRYABLE:
+        return True
     return "locked" in str(exc.orig) or "busy" in str(exc.orig)
 
 

@@ -19,9 +19,9 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from sqlalchemy import select
-from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.orm import Session
 
+from app.store.db import insert_or_ignore
 from app.store.models import Agent, Conversation, Message, Request
 from app.types import Finished, ReuseReport
 
@@ -104,8 +104,8 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
                 ttl_seconds: int | None = None, hot_ttl_seconds: int | None = None) -> Agent:
     """Get the agent, creating it on first sight; record the access and any TTL the request sets.
     (The cache persister may create the row at the same moment: the insert yields to it.)"""
-    session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
-                                         status="active", metadata_json={}).on_conflict_do_nothing())
+    insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
+                     status="active", metadata_json={})
     agent = session.get_one(Agent, agent_id)
     agent.last_access_at = now
     if ttl_seconds is not None:
@@ -120,12 +120,10 @@ def ensure_conversation(session: Session, conversation_id: str, agent_id: str, o
                         thread: str | None = None) -> None:
     """Create the agent and the conversation rows if missing (the server's request path and
     its cache persister both may be first; neither fails on the other's insert)."""
-    session.execute(insert(Agent).values(id=agent_id, origin=origin, created_at=now, last_access_at=now,
-                                         status="active", metadata_json={}).on_conflict_do_nothing())
-    session.execute(insert(Conversation).values(id=conversation_id, agent_id=agent_id, system_digest=system_digest,
-                                                snapshot=snapshot or None, thread=thread, created_at=now,
-                                                last_access_at=now)
-                    .on_conflict_do_nothing())
+    insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
+                     status="active", metadata_json={})
+    insert_or_ignore(session, Conversation, id=conversation_id, agent_id=agent_id, system_digest=system_digest,
+                     snapshot=snapshot or None, thread=thread, created_at=now, last_access_at=now)
     if system_digest is not None:  # the persister may have created it without one
         conversation = session.get_one(Conversation, conversation_id)
         conversation.system_digest = conversation.system_digest or system_digest

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import blockfiles, cache_index
 from app.errors import StoreBusy
-from app.store.db import with_retries, write_locked
+from app.store.db import is_postgres, with_retries, write_locked
 from app.store.history import utcnow
 from app.store.models import Agent, Block, Cache, CacheBlock, JobRun, Message, Request, StoredResponse
 
@@ -245,8 +245,10 @@ def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Pat
         dropped = _drop_blocks(session, unreferenced, before)
         damaged, damaged_files = _retire_damaged(session, damaged_blocks, damaged_records)
     deleted, freed = delete_unreferenced(sessions, [*dropped, *orphans, *damaged_files])
-    vacuumed = _worth_vacuuming(engine) and _maintain(engine, "VACUUM")
-    _maintain(engine, "PRAGMA optimize")
+    vacuumed = False
+    if not is_postgres(engine):  # PostgreSQL's autovacuum does this for itself
+        vacuumed = _worth_vacuuming(engine) and _maintain(engine, "VACUUM")
+        _maintain(engine, "PRAGMA optimize")
     result = {"removed_temp_files": len(temp), "unreferenced_blocks": len(dropped),
               "orphan_files": len(orphans), "verified_files": checked, "damaged_caches": damaged,
               "files_deleted": deleted, "bytes_freed": freed, "vacuumed": vacuumed}

@@ -7,6 +7,11 @@ allow-list: ``fts3_tokenizer`` (its one-argument form returns a heap address) an
 ``randomblob`` / ``zeroblob`` (gigabytes on request) are not on it. A statement
 stops at a deadline (a recursive CTE runs until killed otherwise), no value may
 exceed ``MAX_VALUE_BYTES``, and the rows returned are capped.
+
+On PostgreSQL (pool mode) the statement runs alone (sent as one prepared statement:
+no ``;``-chained second one) in a read-only transaction under a statement
+timeout, with the privileges of the configured database user: give operators a role
+that may only SELECT where that matters.
 """
 
 from __future__ import annotations
@@ -73,16 +78,7 @@ def run_readonly(db_path: Path, sql: str, *, deadline_s: float = DEADLINE_S, max
         connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
         connection.set_authorizer(_authorize)
         connection.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
-        cursor = connection.execute(sql)
-        columns = [d[0] for d in cursor.description or []]
-        rows: list[tuple[Any, ...]] = []
-        size = 0
-        for row in cursor:
-            size += sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in row)
-            if len(rows) == max_rows or size > max_bytes:
-                return Result(columns, rows, True)
-            rows.append(row)
-        return Result(columns, rows, False)
+        return _capped(connection.execute(sql), max_rows, max_bytes)
     except sqlite3.OperationalError as exc:
         if str(exc) == "interrupted":
             raise InvalidRequest(f"the statement ran past its deadline of {deadline_s:g} s") from None
@@ -91,6 +87,46 @@ def run_readonly(db_path: Path, sql: str, *, deadline_s: float = DEADLINE_S, max
         raise InvalidRequest(f"refused: {exc} (values are capped at {MAX_VALUE_BYTES >> 20} MiB)") from None
     except sqlite3.Error as exc:
         raise InvalidRequest(f"refused or invalid SQL: {exc}") from None
+    finally:
+        connection.close()
+
+
+def _capped(cursor: Any, max_rows: int, max_bytes: int) -> Result:
+    columns = [d[0] for d in cursor.description or []]
+    rows: list[tuple[Any, ...]] = []
+    size = 0
+    for row in cursor:
+        size += sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in row)
+        if len(rows) == max_rows or size > max_bytes:
+            return Result(columns, rows, True)
+        rows.append(tuple(row))
+    return Result(columns, rows, False)
+
+
+def run_readonly_postgres(url: str, sql: str, *, deadline_s: float = DEADLINE_S, max_rows: int = MAX_ROWS,
+                          max_bytes: int = MAX_RESULT_BYTES) -> Result:
+    """``run_readonly`` on a PostgreSQL store.
+
+    Raises:
+        InvalidRequest: the statement writes, runs past ``deadline_s``, or is invalid.
+    """
+    import psycopg
+
+    from app.store.db import libpq_dsn
+
+    try:
+        connection = psycopg.connect(libpq_dsn(url), connect_timeout=10, options=(
+            f"-c default_transaction_read_only=on -c statement_timeout={int(deadline_s * 1000)}"))
+    except psycopg.OperationalError as exc:
+        raise InvalidRequest(f"cannot reach the database: {exc}".strip()) from None
+    try:
+        with connection.transaction():
+            # Prepared: PostgreSQL itself refuses a second statement (a COMMIT and a write after it).
+            return _capped(connection.execute(sql.encode(), prepare=True), max_rows, max_bytes)
+    except psycopg.errors.QueryCanceled:
+        raise InvalidRequest(f"the statement ran past its deadline of {deadline_s:g} s") from None
+    except psycopg.Error as exc:
+        raise InvalidRequest(f"refused or invalid SQL: {str(exc).strip()}") from None
     finally:
         connection.close()
 

@@ -8,28 +8,35 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections import Counter
 from pathlib import Path
 
+from sqlalchemy import text
+from sqlalchemy.pool import NullPool
+
 from app.store import blockfiles
+from app.store.db import make_engine
 
 
-def store_problems(home: Path) -> list[str]:
-    """What is wrong with the store at ``home`` (empty when every invariant holds)."""
-    connection = sqlite3.connect(f"file:{home / 'semantic.db'}?mode=ro", uri=True, timeout=10)
+def store_problems(home: Path, url: str | None = None) -> list[str]:
+    """What is wrong with the store at ``home`` (empty when every invariant holds); ``url``
+    names the database when it is not ``home``'s SQLite file (PostgreSQL)."""
+    engine = make_engine(url or f"sqlite:///{home / 'semantic.db'}", poolclass=NullPool)
     try:
-        caches = connection.execute("SELECT id, conversation_id, record_path FROM caches WHERE tier != 'cold'").fetchall()
-        listed = connection.execute(
-            "SELECT cb.cache_id, b.hash, b.path, b.checksum FROM cache_blocks cb "
-            "LEFT JOIN blocks b ON b.hash = cb.block_hash").fetchall()
-        counts = connection.execute("SELECT hash, ref_count FROM blocks").fetchall()
-        positions = connection.execute(
-            "SELECT conversation_id, group_concat(position) FROM "
-            "(SELECT conversation_id, position FROM messages ORDER BY conversation_id, position) "
-            "GROUP BY conversation_id").fetchall()
+        with engine.connect() as connection:
+            caches = connection.execute(text(
+                "SELECT id, conversation_id, record_path FROM caches WHERE tier != 'cold'")).all()
+            listed = connection.execute(text(
+                "SELECT cb.cache_id, b.hash, b.path, b.checksum FROM cache_blocks cb "
+                "LEFT JOIN blocks b ON b.hash = cb.block_hash")).all()
+            counts = connection.execute(text("SELECT hash, ref_count FROM blocks")).all()
+            rows = connection.execute(text(
+                "SELECT conversation_id, position FROM messages ORDER BY conversation_id, position")).all()
     finally:
-        connection.close()
+        engine.dispose()
+    positions: dict[str, list[int]] = {}
+    for conversation, position in rows:
+        positions.setdefault(conversation, []).append(int(position))
     problems = []
     for cache_id, conversation, record_path in caches:
         problems += _unreadable(f"cache {cache_id} ({conversation}) record", record_path, None)
@@ -42,8 +49,7 @@ def store_problems(home: Path) -> list[str]:
         problems += _unreadable(f"block {block[:12]} of cache {cache_id}", path, checksum)
     problems += [f"block {block[:12]}: ref_count {count}, referenced {references[block]} times"
                  for block, count in counts if count != references[block]]
-    for conversation, joined in positions:
-        found = [int(p) for p in joined.split(",")]
+    for conversation, found in positions.items():
         if found != list(range(len(found))):
             problems.append(f"conversation {conversation}: message positions {found}")
     return problems

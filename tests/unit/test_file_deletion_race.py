@@ -1,6 +1,6 @@
 """The worker deletes cache files by path while the server may be taking the same
 content-addressed block back for another conversation. Both interleavings, forced
-deterministically on real files and a real SQLite store: no row ever points to a
+deterministically on real files and real SQLite and PostgreSQL stores: no row ever points to a
 missing file."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def snapshot(conversation: str) -> Snapshot:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> tuple[Any, CacheFiles, Persister]:
-    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+def store(tmp_path: Path, store_url: str) -> tuple[Any, CacheFiles, Persister]:
+    url = store_url
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     files = CacheFiles(tmp_path / "blocks", "f" * 64, n_layers=1)
@@ -49,7 +49,7 @@ def retire(sessions: Any, conversation: str) -> list[str]:
         return cache_index.retire_cache(session, cache)
 
 
-def test_a_block_taken_back_before_the_worker_deletes_it_is_kept(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_block_taken_back_before_the_worker_deletes_it_is_kept(store, tmp_path: Path, store_url: str) -> None:  # type: ignore[no-untyped-def]
     sessions, files, persister = store
     persister._write(snapshot("c1"))
     doomed = retire(sessions, "c1")  # the worker commits: block row gone, file still there
@@ -57,10 +57,10 @@ def test_a_block_taken_back_before_the_worker_deletes_it_is_kept(store, tmp_path
     persister._write(snapshot("c2"))  # the server finds the file and takes the block back
     delete_unreferenced(sessions, doomed)  # the worker's deletion comes after
     assert files.block_path(BLOCK).exists()
-    assert store_problems(tmp_path) == []
+    assert store_problems(tmp_path, store_url) == []
 
 
-def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(store, tmp_path: Path, store_url: str) -> None:  # type: ignore[no-untyped-def]
     sessions, files, persister = store
     persister._write(snapshot("c1"))
     doomed = retire(sessions, "c1")
@@ -77,4 +77,4 @@ def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(s
     files.write_block = then_the_worker_deletes  # type: ignore[method-assign]
     persister._write(snapshot("c2"))
     assert files.block_path(BLOCK).exists()
-    assert store_problems(tmp_path) == []
+    assert store_problems(tmp_path, store_url) == []

@@ -1,4 +1,4 @@
-"""Two racing turns of one conversation: both turns' history is kept (real SQLite store)."""
+"""Two racing turns of one conversation: both turns' history is kept (real SQLite and PostgreSQL stores)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def _messages(*texts: str) -> list[StoredMessage]:
     return [StoredMessage("user" if i % 2 == 0 else "assistant", text, f"d-{text}") for i, text in enumerate(texts)]
 
 
-def test_the_turn_that_finishes_second_forks_instead_of_vanishing(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+def test_the_turn_that_finishes_second_forks_instead_of_vanishing(store_url: str) -> None:
+    url = store_url
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:
@@ -45,10 +45,10 @@ def test_the_turn_that_finishes_second_forks_instead_of_vanishing(tmp_path: Path
                                "rC", utcnow()) == "c"
 
 
-def test_a_request_without_a_session_never_reaches_a_named_agents_history(tmp_path: Path) -> None:
+def test_a_request_without_a_session_never_reaches_a_named_agents_history(store_url: str) -> None:
     from app.store.history import find_by_content
 
-    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    url = store_url
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:

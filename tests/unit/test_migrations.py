@@ -1,4 +1,4 @@
-"""Alembic migrations on a real SQLite file: upgrade, compare, downgrade."""
+"""Alembic migrations on a real SQLite file and a real PostgreSQL database: upgrade, compare, downgrade."""
 
 from pathlib import Path
 
@@ -14,14 +14,15 @@ from app.store.models import Base
 import pytest
 
 
-def test_upgrade_matches_models_and_downgrade_round_trips(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+def test_upgrade_matches_models_and_downgrade_round_trips(store_url: str) -> None:
+    url = store_url
     upgrade(url)
     engine = make_engine(url)
     with engine.connect() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
-        assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert connection.execute(text("PRAGMA foreign_keys")).scalar() == 1
+        if url.startswith("sqlite"):
+            assert connection.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+            assert connection.execute(text("PRAGMA foreign_keys")).scalar() == 1
     tables = set(inspect(engine).get_table_names())
     assert {"agents", "messages", "requests", "caches", "blocks", "cache_blocks", "job_runs"} <= tables
     engine.dispose()
@@ -33,14 +34,14 @@ def test_upgrade_matches_models_and_downgrade_round_trips(tmp_path: Path) -> Non
     upgrade(url)  # and back up again
 
 
-def test_upgrade_is_idempotent(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+def test_upgrade_is_idempotent(store_url: str) -> None:
+    url = store_url
     upgrade(url)
     upgrade(url)
 
 
-def test_database_from_a_newer_version_is_refused(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+def test_database_from_a_newer_version_is_refused(store_url: str) -> None:
+    url = store_url
     upgrade(url)
     engine = make_engine(url)
     with engine.begin() as connection:
@@ -60,7 +61,7 @@ def _populate_at_0003(url: str) -> None:
             c.execute(text("INSERT INTO agents (id, origin, created_at, last_access_at, status, metadata_json) "
                            "VALUES (:a, 'anthropic', :t, :t, 'active', '{}')"), {"a": agent, "t": now})
             c.execute(text("INSERT INTO requests (id, agent_id, protocol, stream, status, created_at, "
-                           "n_input_tokens, n_cached_tokens) VALUES (:r, :a, 'anthropic', 0, 'ok', :t, 10, 5)"),
+                           "n_input_tokens, n_cached_tokens) VALUES (:r, :a, 'anthropic', false, 'ok', :t, 10, 5)"),
                       {"r": f"req-{agent}", "a": agent, "t": now})
             for position, role in enumerate(("user", "assistant")):
                 c.execute(text("INSERT INTO messages (agent_id, position, role, content, created_at, request_id) "
@@ -83,8 +84,8 @@ def _count(url: str, sql: str) -> int:
         engine.dispose()
 
 
-def test_populated_database_keeps_history_and_caches_across_0004_up_and_down(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+def test_populated_database_keeps_history_and_caches_across_0004_up_and_down(store_url: str) -> None:
+    url = store_url
     _populate_at_0003(url)
     upgrade(url)
     assert _count(url, "SELECT count(*) FROM messages") == 4
@@ -108,7 +109,7 @@ def test_populated_database_keeps_history_and_caches_across_0004_up_and_down(tmp
 
 def _populate_at_head_with_two_conversations_per_agent(url: str) -> None:
     """Agent a1: conversations c1 (older) and c2 (newer), each with a cache; both caches list
-    the shared block b0, c2's also b2. Agent a2: two caches used at the same instant (a tie)."""
+    the shared block b0, c2's also b2; c1 holds two messages, c2 three. Agent a2: two caches used at the same instant (a tie)."""
     upgrade(url)
     engine = make_engine(url)
     old, new = "2026-11-01 10:00:00", "2026-11-02 10:00:00"
@@ -125,6 +126,10 @@ def _populate_at_head_with_two_conversations_per_agent(url: str) -> None:
             run("INSERT INTO caches (agent_id, conversation_id, model_fingerprint, n_tokens, tier, record_path, "
                 "created_at, updated_at, last_access_at) VALUES (:a, :c, 'fp', 300, 'warm', :r, :t, :t, :t)",
                 a=agent, c=conv, r=f"/{conv}", t=at)
+        for conv, n in (("c1", 2), ("c2", 3)):  # positions shift on the way down: c2's become 2..4
+            for position in range(n):
+                run("INSERT INTO messages (agent_id, conversation_id, position, role, content, created_at) "
+                    "VALUES ('a1', :c, :p, 'user', '\"hi\"', :t)", c=conv, p=position, t=old)
         for block in ("b0", "b2"):
             run("INSERT INTO blocks (hash, model_fingerprint, n_tokens, path, nbytes, ref_count, tier, created_at, "
                 "last_access_at) VALUES (:b, 'fp', 256, :p, 10, 0, 'warm', :t, :t)", b=block, p=f"/{block}", t=old)
@@ -135,8 +140,8 @@ def _populate_at_head_with_two_conversations_per_agent(url: str) -> None:
     engine.dispose()
 
 
-def test_0004_downgrade_keeps_one_cache_per_agent_and_its_blocks_consistent(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+def test_0004_downgrade_keeps_one_cache_per_agent_and_its_blocks_consistent(store_url: str) -> None:
+    url = store_url
     _populate_at_head_with_two_conversations_per_agent(url)
     command.downgrade(alembic_config(url), "0003")
     engine = make_engine(url)
@@ -145,14 +150,16 @@ def test_0004_downgrade_keeps_one_cache_per_agent_and_its_blocks_consistent(tmp_
             kept = c.execute(text("SELECT agent_id, record_path FROM caches ORDER BY agent_id")).fetchall()
             lists = c.execute(text("SELECT cache_id, block_hash FROM cache_blocks ORDER BY cache_id, position"))
             counts = dict(c.execute(text("SELECT hash, ref_count FROM blocks")).fetchall())
-            broken = c.execute(text("PRAGMA foreign_key_check")).fetchall()
+            broken = c.execute(text("PRAGMA foreign_key_check")).fetchall() if url.startswith("sqlite") else []
             ids = {row[0] for row in c.execute(text("SELECT id FROM caches"))}
             listed = lists.fetchall()
+            positions = [row[0] for row in c.execute(text("SELECT position FROM messages ORDER BY position"))]
     finally:
         engine.dispose()
     assert kept == [("a1", "/c2"), ("a2", "/c4")]  # the newer one; a tie goes to the newer row
     assert {cache for cache, _ in listed} <= ids and len(listed) == 3
     assert counts == {"b0": 2, "b2": 1} and broken == []
+    assert positions == [0, 1, 2, 3, 4]
 
 
 def test_a_migration_that_breaks_a_foreign_key_is_rolled_back(tmp_path: Path) -> None:

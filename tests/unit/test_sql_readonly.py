@@ -82,3 +82,35 @@ def test_huge_values_and_long_results_are_capped(db: Path) -> None:
     assert len(result.rows) == 20 and result.truncated
     assert format_table(*result).endswith("(20 rows, more not shown: narrow the query or add LIMIT)")
     assert not run_readonly(db, many).truncated
+
+
+@pytest.fixture()
+def pg_db(postgres) -> str:  # type: ignore[no-untyped-def]
+    import uuid
+
+    url = postgres.create_database(f"sql_{uuid.uuid4().hex[:10]}")
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    now = datetime(2026, 11, 21, 12, 0)
+    with sessions.begin() as session:
+        session.add(Agent(id="a", origin="direct", created_at=now, last_access_at=now, status="active", metadata_json={}))
+        session.add(Request(id="r0", agent_id="a", protocol="anthropic", status="ok", created_at=now,
+                            n_input_tokens=120, n_cached_tokens=90, n_output_tokens=10))
+    return url
+
+
+def test_postgres_console_reads_views_and_refuses_every_write(pg_db: str) -> None:
+    from app.store.readonly import run_readonly_postgres
+
+    assert run_readonly_postgres(pg_db, "SELECT agent_id, turns, input_tokens FROM agent_turns")[1] == [("a", 1, 120)]
+    assert run_readonly_postgres(pg_db, "SELECT '100%' AS x")[1] == [("100%",)]
+    for statement in ("DELETE FROM requests", "UPDATE agents SET status = 'x'", "CREATE TABLE t (a int)",
+                      # a second statement after COMMIT would run outside the read-only transaction
+                      "COMMIT; SET default_transaction_read_only = off; COMMIT; DELETE FROM requests"):
+        with pytest.raises(InvalidRequest, match="refused or invalid"):
+            run_readonly_postgres(pg_db, statement)
+    with pytest.raises(InvalidRequest, match="deadline"):
+        run_readonly_postgres(pg_db, "SELECT pg_sleep(5)", deadline_s=0.5)
+    assert run_readonly_postgres(pg_db, "SELECT count(*) FROM requests")[1] == [(1,)]
+    result = run_readonly_postgres(pg_db, "SELECT generate_series(1, 50)", max_rows=10)
+    assert len(result.rows) == 10 and result.truncated

@@ -27,10 +27,9 @@ def test_vacuum_only_when_a_quarter_of_the_file_is_free(tmp_path: Path) -> None:
         engine.dispose()
 
 
-def _store(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _store(url: str):  # type: ignore[no-untyped-def]
     from app.store.db import make_session_factory, upgrade
 
-    url = f"sqlite:///{tmp_path / 'semantic.db'}"
     upgrade(url)
     return make_session_factory(make_engine(url))
 
@@ -44,7 +43,7 @@ def _file(path: Path) -> str:
     return str(path)
 
 
-def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path) -> None:
+def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path, store_url: str) -> None:
     """A turn that replaced its record between compact's snapshot and its checksum read
     keeps its new files: the missing old record is not damage, and a damaged old record
     retires nothing once the row points elsewhere. A damaged current record still does."""
@@ -55,7 +54,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path)
     from app.store.jobs import _damaged_sample, _retire_damaged
     from app.store.models import Cache
 
-    sessions = _store(tmp_path)
+    sessions = _store(store_url)
     root = tmp_path / "blocks"
     old, new = _file(root / "r-old.safetensors"), _file(root / "r-new.safetensors")
     with sessions.begin() as session:
@@ -81,12 +80,12 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path)
         assert session.scalar(select(Cache.tier)) == "cold"
 
 
-def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path) -> None:
+def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path, store_url: str) -> None:
     """A dangling link is a file rglob lists and stat() cannot find, as one deleted
     between the listing and the stat."""
     from app.store.jobs import _orphan_files, remove_stale_temp_files
 
-    sessions = _store(tmp_path)
+    sessions = _store(store_url)
     root = tmp_path / "blocks"
     root.mkdir()
     (root / "gone.safetensors.tmp").symlink_to(root / "nowhere")
@@ -96,7 +95,7 @@ def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path) -> None
         assert _orphan_files(session, root, now_s=1e12) == []
 
 
-def test_prune_keeps_history_and_recent_rows(tmp_path: Path) -> None:
+def test_prune_keeps_history_and_recent_rows(tmp_path: Path, store_url: str) -> None:
     """Old job runs and old request rows go; a request that a stored message points to stays."""
     from datetime import timedelta
 
@@ -106,7 +105,7 @@ def test_prune_keeps_history_and_recent_rows(tmp_path: Path) -> None:
     from app.store.jobs import record_run, run_prune
     from app.store.models import JobRun, Request
 
-    sessions = _store(tmp_path)
+    sessions = _store(store_url)
     now, old = utcnow(), utcnow() - timedelta(days=40)
     with sessions.begin() as session:
         ensure_conversation(session, "c", "a", "direct", now)

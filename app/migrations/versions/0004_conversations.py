@@ -68,9 +68,11 @@ def upgrade() -> None:
     op.create_index("ix_conversations_agent_id", "conversations", ["agent_id"])
     op.create_index("ix_conversations_last_access_at", "conversations", ["last_access_at"])
     # One conversation per agent that has history or a cache.
-    op.execute("""
+    random_hex = ("substr(md5(random()::text || a.id), 1, 20)" if op.get_bind().dialect.name == "postgresql"
+                  else "lower(hex(randomblob(10)))")
+    op.execute(f"""
         INSERT INTO conversations (id, agent_id, system_digest, created_at, last_access_at)
-        SELECT 'conv_' || lower(hex(randomblob(10))), a.id, NULL, a.created_at, a.last_access_at
+        SELECT 'conv_' || {random_hex}, a.id, NULL, a.created_at, a.last_access_at
         FROM agents a
         WHERE EXISTS (SELECT 1 FROM messages m WHERE m.agent_id = a.id)
            OR EXISTS (SELECT 1 FROM caches c WHERE c.agent_id = a.id)""")
@@ -143,18 +145,20 @@ def downgrade() -> None:
         batch.drop_constraint("uq_caches_conversation_id_model_fingerprint", type_="unique")
         batch.create_unique_constraint("uq_caches_agent_id_model_fingerprint", ["agent_id", "model_fingerprint"])
         batch.drop_column("conversation_id")
+    with op.batch_alter_table("messages") as batch:  # PostgreSQL checks it row by row while positions shift
+        batch.drop_constraint("uq_messages_conversation_id_position", type_="unique")
+    # Each conversation's messages follow those of the agent's earlier conversations. The
+    # shift reads no position (the rows change under the statement as it runs).
     op.execute("""
-        UPDATE messages SET position = (
+        UPDATE messages SET position = position + (
             SELECT count(*) FROM messages m2 JOIN conversations c2 ON c2.id = m2.conversation_id
             JOIN conversations c ON c.id = messages.conversation_id
             WHERE m2.agent_id = messages.agent_id
-              AND (c2.created_at < c.created_at OR (c2.created_at = c.created_at AND c2.id < c.id)
-                   OR (c2.id = c.id AND m2.position < messages.position)))""")
+              AND (c2.created_at < c.created_at OR (c2.created_at = c.created_at AND c2.id < c.id)))""")
     with op.batch_alter_table("messages") as batch:
         batch.drop_index("ix_messages_digest")
         batch.drop_index("ix_messages_agent_id")
         batch.drop_constraint("fk_messages_conversation_id_conversations", type_="foreignkey")
-        batch.drop_constraint("uq_messages_conversation_id_position", type_="unique")
         batch.create_unique_constraint("uq_messages_agent_id_position", ["agent_id", "position"])
         batch.drop_column("digest")
         batch.drop_column("conversation_id")
