@@ -20,7 +20,7 @@ from app.errors import InvalidRequest
 from app.protocol import claude_code, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
-from app.protocol.validation import validate
+from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, RequestOptions,
                        SamplingParams, Started, TextDelta)
 
@@ -106,7 +106,7 @@ class ThinkingConfig(_Strict):
 
 
 class MessagesBody(_Strict):
-    model: str = Field(min_length=1)
+    model: ModelName
     messages: list[MessageIn] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: Union[str, list[TextBlock], None] = None

@@ -26,7 +26,7 @@ from app.errors import InvalidRequest
 from app.protocol import tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
-from app.protocol.validation import validate
+from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, ChatMessage, Finished, Heartbeat,
                        RequestOptions, SamplingParams, Started, TextDelta)
 
@@ -114,7 +114,7 @@ class StreamOptions(_Strict):
 
 
 class ChatBody(_Strict):
-    model: str = Field(min_length=1)
+    model: ModelName
     messages: list[Annotated[MessageIn, Field(discriminator="role")]] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from app.errors import InvalidRequest
 from app.protocol import codex, tools
 from app.protocol.turn import ParsedTurn, content_digest
-from app.protocol.validation import validate
+from app.protocol.validation import ModelName, validate
 from app.types import ChatMessage, RequestOptions, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class PromptCacheOptions(_Strict):
 
 
 class ResponsesBody(_Strict):
-    model: str = Field(min_length=1)
+    model: ModelName
     input: Union[str, list[Item]] = ""
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

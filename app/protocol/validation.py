@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TypeVar
+from typing import Annotated, Any, Sequence, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from app.errors import InvalidRequest
 
 Model = TypeVar("Model", bound=BaseModel)
+
+# A request's ``model``: a name, kept in ``requests.model`` (256 characters; PostgreSQL
+# refuses longer values and NUL), so no control characters.
+ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 def _field_path(loc: Sequence[str | int], data: Any) -> list[str]:

@@ -131,6 +131,12 @@ def ensure_conversation(session: Session, conversation_id: str, agent_id: str, o
         conversation.thread = conversation.thread or thread
 
 
+def _text(value: str | None) -> str | None:
+    """Text a client sent, quoted into a diagnostic column: PostgreSQL's text holds no NUL
+    (JSON columns keep it, escaped), so it becomes U+FFFD there on every store."""
+    return None if value is None else value.replace("\x00", "\ufffd")
+
+
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,
                   served_model: str | None, stream: bool, n_input_tokens: int | None, now: datetime) -> None:
     """The request's row, before the engine runs it (its agent is written when it ends)."""
@@ -156,7 +162,7 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
     if reuse is not None:
         row.reuse_reason, row.n_reused_chars = reuse.reason, reuse.n_chars
         row.diverge_offset, row.diverge_part = reuse.offset, reuse.part
-        row.diverge_stored, row.diverge_new = reuse.stored, reuse.new
+        row.diverge_stored, row.diverge_new = _text(reuse.stored), _text(reuse.new)
 
 
 def fail_request(session: Session, request_id: str, *, status: str, error_type: str, message: str, now: datetime,
@@ -172,7 +178,7 @@ def fail_request(session: Session, request_id: str, *, status: str, error_type: 
     if status == "cancelled":
         row.stop_reason = "cancelled"
     row.error_type = error_type
-    row.error_message = message[:2000]
+    row.error_message = _text(message[:2000])
     row.finished_at = now
 
 

@@ -69,7 +69,7 @@ class Conversation(Base):
     # ``x-openai-subagent`` for a side request; Claude Code's ``x-claude-code-agent-id`` for a
     # subagent): a request naming a thread continues only that thread's conversations.
     # NULL: recognised by content alone.
-    thread: Mapped[str | None] = mapped_column(String(260))
+    thread: Mapped[str | None] = mapped_column(String(300))  # child-of:<128>/<128> at most
     created_at: Mapped[datetime]
     last_access_at: Mapped[datetime] = mapped_column(index=True)
 

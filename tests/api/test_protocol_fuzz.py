@@ -6,6 +6,7 @@ random JSON or removed, random JSON documents and random bytes. Every answer is 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote
@@ -14,13 +15,14 @@ import falcon.testing
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import text
+from sqlalchemy.pool import NullPool
 
 from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from support.dbcheck import query
 
 from test_app_with_a_fake_engine import FakeEngine
 
@@ -88,25 +90,41 @@ def mutated(draw: st.DrawFn, route: str) -> Any:
     return body
 
 
-@pytest.fixture(scope="module")
-def fuzz_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, Path]]:
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def fuzz_app(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, str]]:
+    """The app on each store: PostgreSQL refuses what SQLite keeps (NUL in text, values
+    longer than a column's declared length)."""
     home = tmp_path_factory.mktemp("fuzz")
-    db = home / "semantic.db"
-    upgrade(f"sqlite:///{db}")
-    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    url = (f"sqlite:///{home / 'semantic.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres").create_database(f"fuzz_{uuid.uuid4().hex[:10]}"))
+    upgrade(url)
+    engine = make_engine(url)
+    sessions = make_session_factory(engine)
     app = create_app(Deps(Settings(home=home, allowed_hosts="falconframework.org"), FakeEngine(home),
                           AgentService(sessions), sessions))
     client = falcon.testing.TestClient(app)
     assert client.simulate_post("/v1/agents", json={"id": "fuzz-direct", "prefill": False}).status_code == 201
-    yield client, db
+    yield client, url
+    engine.dispose()
 
 
-def stored(db: Path) -> dict[str, set[tuple[Any, ...]]]:
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+
+
+def stored(url: str) -> dict[str, set[tuple[Any, ...]]]:
     """Every row of the tables a turn writes (an agent's TTLs and access times included)."""
-    return {t: set(query(db, f"SELECT * FROM {t}")) for t in ("agents", "conversations", "messages")}
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            return {t: {tuple(map(_hashable, row)) for row in connection.execute(text(f"SELECT * FROM {t}"))}
+                    for t in ("agents", "conversations", "messages")}
+    finally:
+        engine.dispose()
 
 
-def check(client: falcon.testing.TestClient, db: Path, route: str, **request: Any) -> None:
+def check(client: falcon.testing.TestClient, db: str, route: str, **request: Any) -> None:
     """Refused: no row changed. Accepted: the history of every agent it wrote reads back."""
     before = stored(db)
     response = client.simulate_post(route, **request)
@@ -159,15 +177,17 @@ def _string_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, 
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_a_lone_surrogate_in_any_string_is_refused_or_reads_back(fuzz_app, route: str) -> None:  # type: ignore[no-untyped-def]
-    """Every string of the valid body in turn given an unpaired surrogate (as its JSON
-    escape): whatever the answer, ``check`` holds (a refusal writes nothing; what was
-    accepted reads back from /history)."""
+@pytest.mark.parametrize("suffix", ["\ud800", "\x00", "x" * 300], ids=["lone-surrogate", "nul", "long"])
+def test_an_odd_character_or_length_in_any_string_is_refused_or_reads_back(fuzz_app, route: str,
+                                                                         suffix: str) -> None:  # type: ignore[no-untyped-def]
+    """Every string of the valid body in turn given an unpaired surrogate, a NUL (as JSON
+    escapes) or 300 more characters: whatever the answer, ``check`` holds (a refusal
+    writes nothing; what was accepted reads back from /history)."""
     client, db = fuzz_app
     for path in _string_paths(VALID[route]):
         body = json.loads(json.dumps(VALID[route]))
         node = body
         for key in path[:-1]:
             node = node[key]
-        node[path[-1]] = node[path[-1]] + "\ud800"
+        node[path[-1]] = node[path[-1]] + suffix
         check(client, db, route, body=json.dumps(body), headers={"content-type": "application/json"})

@@ -18,7 +18,7 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("conversations") as batch:
-        batch.add_column(sa.Column("thread", sa.String(260), nullable=True))
+        batch.add_column(sa.Column("thread", sa.String(300), nullable=True))
     op.create_table(
         "responses",
         sa.Column("id", sa.String(64), nullable=False),
