@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable
 
 import falcon
+from sqlalchemy.exc import OperationalError
 
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
                         MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
@@ -28,6 +29,8 @@ STATUS: dict[type[SemanticError], int] = {
     EngineUnavailable: 503,
     InvalidModelFile: 500,
 }
+
+STORE_RETRY_AFTER_S = 5
 
 ErrorRenderer = Callable[[int, str, SemanticError | None], dict[str, Any]]  # status, message, the error if ours
 RENDERERS: dict[str, ErrorRenderer] = {"anthropic": lambda status, message, _: anthropic.render_error(status, message),
@@ -75,8 +78,19 @@ def handle_unexpected(req: falcon.Request, resp: falcon.Response, exc: Exception
     _respond(req, resp, 500, "internal server error")
 
 
+def handle_store_down(req: falcon.Request, resp: falcon.Response, exc: OperationalError, _params: Any) -> None:
+    """The database is unreachable (PostgreSQL down or restarting, a network cut): nothing
+    was written; the client retries. Pooled connections are checked before use, so the
+    first request after the database returns succeeds."""
+    log.error("request %s: the database is unavailable: %s", getattr(req.context, "request_id", "-"),
+              str(exc.orig).strip().splitlines()[0] if exc.orig else exc)
+    resp.set_header("retry-after", str(STORE_RETRY_AFTER_S))
+    _respond(req, resp, 503, "the database is unavailable; retry shortly")
+
+
 def add_error_handlers(app: falcon.App) -> None:
     """Most specific handler wins (Falcon picks by exception class)."""
     app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(OperationalError, handle_store_down)
     app.add_error_handler(falcon.HTTPError, handle_http)
     app.add_error_handler(SemanticError, handle_semantic)

@@ -1,23 +1,28 @@
 """A real server whose store is PostgreSQL (pool mode's shared store): history, the cache
-index, a SIGKILL and a restart, and the worker's queue in the same database."""
+index, a SIGKILL and a restart, the worker's queue in the same database, and an outage of
+the database itself."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import pytest
 from sqlalchemy import text
 from sqlalchemy.pool import NullPool
 
+from app.pool.postgres import LocalPostgres
 from app.store.db import make_engine
-from conftest import ROOT, ServerProcess, start_server, stop_server
+from conftest import ROOT, ServerProcess, free_port, start_server, stop_server
 from support.store_check import store_problems
 
 SYSTEM = "You are a terse assistant for a hardware store. " + "Always answer in one short sentence. " * 50
@@ -104,3 +109,34 @@ def test_the_worker_queue_lives_in_postgres(tmp_path: Path, smollm2_dir: Path,
         assert pg(url, "SELECT count(*) FROM huey_task") == [(0,)]  # taken off the queue
     finally:
         stop_server(server)
+
+
+def test_a_database_outage_is_a_503_with_retry_after_and_service_resumes(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A cluster of the test's own, stopped and started under a running server."""
+    root = Path(tempfile.mkdtemp(prefix="semantic-pg-outage-"))
+    root.chmod(0o755)
+    cluster = LocalPostgres(root / "pg", free_port())
+    cluster.start(durable=False)
+    url = cluster.create_database("outage")
+    server = start_server(tmp_path / "home", smollm2_dir, {"SEMANTIC_DATABASE_URL": url})
+    client = anthropic.Anthropic(base_url=server.url, api_key="dummy-key", max_retries=0)
+    body = {"model": "claude-sonnet-5", "max_tokens": 4, "system": SYSTEM, "extra_body": {"temperature": 0},
+            "extra_headers": {"X-Claude-Code-Session-Id": "o"}}
+    try:
+        client.messages.create(messages=[{"role": "user", "content": "Hi"}], **body)
+        cluster.stop("immediate")
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            client.messages.create(messages=[{"role": "user", "content": "Hi again"}], **body)
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"] == "5"
+        assert refused.value.body["error"]["message"] == "the database is unavailable; retry shortly"
+        cluster.start(durable=False)
+        answer = client.messages.create(messages=[{"role": "user", "content": "Hi"},
+                                                  {"role": "assistant", "content": "Hello"},
+                                                  {"role": "user", "content": "Back?"}], **body)
+        assert answer.content
+        assert len(pg(url, "SELECT id FROM messages WHERE agent_id = 'o'")) >= 4
+    finally:
+        stop_server(server)
+        cluster.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
