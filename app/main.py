@@ -30,7 +30,7 @@ def create_app(deps: Deps) -> falcon.App:
     """The WSGI application. Tests build it with their own dependencies."""
     settings = deps.settings
     app = falcon.App(middleware=[
-        RequestContextMiddleware(),
+        RequestContextMiddleware(settings.effective_server_id),
         LocalOnlyMiddleware(settings.host, settings.allowed_origins, settings.allowed_hosts),
         AuthMiddleware(settings.api_key),
         BodyLimitMiddleware(settings.max_body_bytes),

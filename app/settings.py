@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -117,6 +118,9 @@ class Settings:
     # machine's own names and addresses, private addresses and *.local / *.internal
     # names are accepted too.
     allowed_hosts: str = ""
+    # This server's name in a pool: every response carries it as `x-semantic-server`, and
+    # the store records it as the owner of the caches it holds. "" = "<hostname>-<port>".
+    server_id: str = ""
     # The store: "" = SQLite in $SEMANTIC_HOME/semantic.db (one server); a PostgreSQL URL
     # (postgresql://user:password@host:port/database) for a pool of servers sharing it.
     database_url: str = ""
@@ -138,6 +142,10 @@ class Settings:
     # `semantic serve` runs the Huey worker (expire, evict, compact) as its child;
     # false (`--no-worker`) when the worker is supervised on its own.
     worker: bool = True
+
+    @property
+    def effective_server_id(self) -> str:
+        return self.server_id or f"{socket.gethostname()}-{self.port}"
 
     @property
     def db_path(self) -> Path:

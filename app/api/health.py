@@ -30,15 +30,17 @@ class RootResource:
 
 
 class HealthResource:
-    def __init__(self, engine: Engine, agents: AgentService) -> None:
+    def __init__(self, engine: Engine, agents: AgentService, server_id: str) -> None:
         self._engine = engine
         self._agents = agents
+        self._server_id = server_id
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         status = self._engine.status()
         resp.status = falcon.HTTP_200 if status.healthy else falcon.HTTP_503
         resp.media = {
             "status": "ok" if status.healthy else "loading" if status.loading else "unavailable",
+            "server_id": self._server_id,
             "model": status.model,
             "model_swaps": status.swaps,
             "backend": status.backend,

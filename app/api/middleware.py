@@ -22,10 +22,17 @@ def protocol_of(path: str) -> str:
 
 
 class RequestContextMiddleware:
+    """A request id, the protocol, and the server's name on every response (``x-semantic-server``:
+    which server of a pool answered)."""
+
+    def __init__(self, server_id: str) -> None:
+        self._server_id = server_id
+
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = f"req_{uuid.uuid4().hex[:24]}"
         req.context.protocol = protocol_of(req.path)
         resp.set_header("request-id", req.context.request_id)
+        resp.set_header("x-semantic-server", self._server_id)
 
 
 class AuthMiddleware:

@@ -34,7 +34,7 @@ class Deps:
 
 def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
-    app.add_route("/health", HealthResource(deps.engine, deps.agents))
+    app.add_route("/health", HealthResource(deps.engine, deps.agents, deps.settings.effective_server_id))
     app.add_route("/status", StatusPageResource(deps.engine, deps.sessions, deps.settings))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))

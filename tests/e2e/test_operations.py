@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 
@@ -37,6 +38,19 @@ def test_health_reports_model_backend_blas_uptime(server: ServerProcess, smollm2
     assert health["context_length"] == 8192 and health["uptime_s"] >= 0
     if platform.system() == "Linux":
         assert health["blas"].startswith("openblas")
+
+
+def test_every_response_names_the_server_that_answered(server: ServerProcess) -> None:
+    """``x-semantic-server``: "<hostname>-<port>" unless server_id is set (pool mode)."""
+    port = server.url.rsplit(":", 1)[1]
+    health = httpx.get(f"{server.url}/health")
+    assert health.json()["server_id"] == f"{socket.gethostname()}-{port}"
+    answered = [health, httpx.get(f"{server.url}/nowhere"),
+                httpx.post(f"{server.url}/v1/messages", json={"model": "m"}),  # a 400
+                httpx.post(f"{server.url}/v1/messages/count_tokens",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})]
+    assert [r.headers.get("x-semantic-server") for r in answered] == [health.json()["server_id"]] * 4
+    assert [r.status_code for r in answered] == [200, 404, 400, 200]
 
 
 def test_models_list_for_both_sdks(server: ServerProcess) -> None:

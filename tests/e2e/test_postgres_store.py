@@ -57,11 +57,14 @@ def test_history_and_caches_live_in_postgres_and_survive_a_kill(tmp_path: Path, 
                                                                  postgres) -> None:  # type: ignore[no-untyped-def]
     url = postgres.create_database(f"e2e_{uuid.uuid4().hex[:10]}")
     home = tmp_path / "home"
-    env = {"SEMANTIC_DATABASE_URL": url.replace("postgresql+psycopg://", "postgresql://")}
+    env = {"SEMANTIC_DATABASE_URL": url.replace("postgresql+psycopg://", "postgresql://"), "SEMANTIC_SERVER_ID": "pg-a"}
     server = start_server(home, smollm2_dir, env)
     history = [{"role": "user", "content": "Do you sell hammers?"}]
     try:
         first = ask(server, history, "s")
+        raw = anthropic.Anthropic(base_url=server.url, api_key="k").messages.with_raw_response.count_tokens(
+            model="m", messages=history)
+        assert raw.headers["x-semantic-server"] == "pg-a"
         history += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "And nails?"}]
         second = ask(server, history, "s")
         assert second.usage.cache_read_input_tokens > 0
