@@ -176,6 +176,32 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_up(settings: Settings, args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_up
+
+    return pool_up(settings, args.servers, args.port or settings.port)
+
+
+def cmd_pool_status(settings: Settings, args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_status
+
+    rows = pool_status(settings)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            state = "healthy" if row["healthy"] else "DOWN"
+            print(f"{row['id']}\t{row['url']}\tpid {row['pid']}\t{state}\t{row['agents_hot']} agents in memory")
+    return 0 if all(row["healthy"] for row in rows) else 1
+
+
+def cmd_pool_down(settings: Settings, _args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_down
+
+    pool_down(settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("config", help="print the effective settings").set_defaults(handler=cmd_config)
     commands.add_parser("status", help="the running server's health, pool, caches, disk use and last job runs"
                         ).set_defaults(handler=cmd_status)
+
+    pool = commands.add_parser("pool", help="run several servers on this machine as one (docs/pool.md)")
+    pool_commands = pool.add_subparsers(dest="pool_command", required=True)
+    up = pool_commands.add_parser("up", help="start PostgreSQL, N servers, a worker and the router; "
+                                             "stay in the foreground (Ctrl-C or `pool down` stops all)")
+    up.add_argument("--servers", type=int, default=2, help="servers to run (default 2)")
+    up.add_argument("--port", type=int, help="the router's port (default: the port setting, 8000); "
+                                             "servers take the next ones")
+    up.set_defaults(handler=cmd_pool_up)
+    pool_status = pool_commands.add_parser("status", help="each server of the running pool: id, url, pid, health")
+    pool_status.add_argument("--json", action="store_true", help="as JSON")
+    pool_status.set_defaults(handler=cmd_pool_status)
+    pool_commands.add_parser("down", help="stop the running pool").set_defaults(handler=cmd_pool_down)
 
     models = commands.add_parser("models", help="import and list models")
     model_commands = models.add_subparsers(dest="models_command", required=True)

@@ -65,14 +65,16 @@ def serve(settings: Settings) -> None:
 
     from app.catalog.registry import Catalog
     from app.engine.engine import CacheConfig, Engine
-    from app.store.db import make_engine, make_session_factory, upgrade
+    from app.store.db import is_postgres_url, make_engine, make_session_factory, upgrade
 
     catalog = Catalog.configure(settings.models_dir, settings.model, settings.model_aliases,
                                 settings.map_unknown_models, settings.serve_installed_models)
     upgrade(settings.db_url)
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
+    # A shared (PostgreSQL) store: this server's caches are its own (hashing.scoped_fingerprint).
+    scope = settings.effective_server_id if is_postgres_url(settings.db_url) else ""
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
-                        settings.max_conversations, settings.kv_format_for)
+                        settings.max_conversations, settings.kv_format_for, scope)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)

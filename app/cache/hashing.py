@@ -17,6 +17,14 @@ BlockHash = NewType("BlockHash", str)
 BLOCK_TOKENS = 256
 
 
+def scoped_fingerprint(fingerprint: str, scope: str) -> str:
+    """The fingerprint of caches that belong to ``scope`` alone ("" = no scope: the fingerprint
+    itself). Servers of a pool share one database but, until the shared block tier exists,
+    not their files: each scopes its caches by its server id, so no server reads (or retires)
+    rows that point into another's directory."""
+    return fingerprint if not scope else hashlib.sha256(f"{fingerprint}\0{scope}".encode()).hexdigest()
+
+
 def block_hash(fingerprint: str, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.sha256()
     digest.update(fingerprint.encode())

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.cache.hashing import scoped_fingerprint
 from app.cache.manager import CacheManager, CacheStats
 from app.catalog.registry import Catalog
 from app.engine.model import KVChoice, LoadedModel, ModelSpec, backend_name, load_model, load_spec
@@ -34,9 +35,10 @@ class CacheConfig:
     enabled: bool = True
     max_conversations: int = 8
     kv_format_for: Callable[[str], str] = lambda _model: "auto"  # model name -> stored format's name or "auto"
+    scope: str = ""  # in a pool: this server's id (``hashing.scoped_fingerprint``)
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
-        return CacheManager(fingerprint=loaded.fingerprint, n_layers=loaded.n_layers,
+        return CacheManager(fingerprint=scoped_fingerprint(loaded.fingerprint, self.scope), n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
                             max_conversations=self.max_conversations, kv_format=loaded.kv_format)
@@ -80,6 +82,7 @@ class Engine:
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``."""
         self._catalog = catalog
         self._dtype = dtype
+        self._scope = cache.scope
         self._kv_format_for = cache.kv_format_for
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
@@ -137,7 +140,7 @@ class Engine:
     def model(self) -> ModelInfo:
         """The loaded model, or the one being swapped in. Raises EngineUnavailable at start."""
         loaded = self._runner.loaded
-        return _info(loaded if loaded is not None else self._spec(self._runner.loading or self._catalog.default))
+        return self._info(loaded if loaded is not None else self._spec(self._runner.loading or self._catalog.default))
 
     def resolve(self, requested: str | None) -> ModelInfo:
         """The model a request's ``model`` names (see ``Catalog.resolve``).
@@ -145,7 +148,7 @@ class Engine:
         Raises:
             NotFound; EngineUnavailable: the default model is still loading.
         """
-        return _info(self._spec(self._catalog.resolve(requested)))
+        return self._info(self._spec(self._catalog.resolve(requested)))
 
     def _spec(self, name: str | None) -> ModelSpec:
         """Tokenizer side of model ``name`` (default: the default model), from any thread."""
@@ -237,10 +240,10 @@ class Engine:
             time.sleep(0.01)
         return True
 
+    def _info(self, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(spec.name, spec.path, scoped_fingerprint(spec.fingerprint, self._scope), spec.context_length)
+
     def flush_caches(self, timeout_s: float = 60) -> bool:
         """Wait until the caches of finished turns are committed and on disk."""
         return self.wait_idle(timeout_s) and (self._runner.caches.flush(timeout_s) if self._runner.caches else True)
 
-
-def _info(spec: ModelSpec) -> ModelInfo:
-    return ModelInfo(spec.name, spec.path, spec.fingerprint, spec.context_length)

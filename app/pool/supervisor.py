@@ -1,0 +1,236 @@
+"""``semantic pool up | status | down``: a pool of servers on this machine, as one.
+
+``up`` starts, on loopback: a PostgreSQL cluster of its own (unless ``database_url``
+names one), the servers one after another (each its own home under
+``$SEMANTIC_HOME/pool/servers``, sharing the models directory and the database), one
+worker for all of them, and HAProxy in front; then it stays in the foreground until
+SIGTERM or Ctrl-C, which stop everything. ``pool/state.json`` says what runs where, for
+``status`` and ``down``. Each part is a URL or a setting, so a pool over several
+machines uses the same pieces started by hand (docs/pool.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from app.errors import ConfigError
+from app.pool.haproxy import Backend, haproxy_binary, render_config
+from app.pool.postgres import LocalPostgres
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerEntry:
+    id: str
+    url: str
+    pid: int
+    home: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    pid: int  # the `pool up` process
+    router: str
+    database_url: str
+    postgres_dir: str | None  # the cluster `pool up` runs, if it runs one
+    servers: list[ServerEntry]
+
+
+def pool_dir(settings: Settings) -> Path:
+    return settings.home / "pool"
+
+
+def _state_path(settings: Settings) -> Path:
+    return pool_dir(settings) / "state.json"
+
+
+def read_state(settings: Settings) -> PoolState | None:
+    try:
+        data = json.loads(_state_path(settings).read_text())
+    except (OSError, ValueError):
+        return None
+    return PoolState(**{**data, "servers": [ServerEntry(**s) for s in data["servers"]]})
+
+
+def _postgres_root(settings: Settings) -> Path:
+    """As root the cluster belongs to the ``postgres`` user, who cannot enter a private
+    home: it lives in that user's own directory, named after the home."""
+    if os.geteuid() != 0:
+        return pool_dir(settings) / "postgres"
+    tag = hashlib.sha256(str(settings.home.resolve()).encode()).hexdigest()[:12]
+    return Path(pwd.getpwnam("postgres").pw_dir) / f"semantic-pool-{tag}"
+
+
+def _healthy(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], what: str, log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ConfigError(f"{what} exited with {process.returncode}; see {log_path}")
+        health = _healthy(url)
+        if health is not None and health.get("status") == "ok":
+            return
+        time.sleep(0.3)
+    raise ConfigError(f"{what} was not ready after {READY_TIMEOUT_S:.0f} s; see {log_path}")
+
+
+def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as out:
+        return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def pool_up(settings: Settings, n_servers: int, port: int) -> int:
+    """Start the pool and supervise it until SIGTERM / SIGINT; returns the exit status."""
+    if n_servers < 1:
+        raise ConfigError("--servers: at least 1")
+    running = read_state(settings)
+    if running is not None and _alive(running.pid):
+        raise ConfigError(f"a pool already runs from {settings.home} (pid {running.pid}, router {running.router})")
+    root = pool_dir(settings)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    haproxy = haproxy_binary()
+    children: list[subprocess.Popen[bytes]] = []
+    cluster: LocalPostgres | None = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        database_url = settings.database_url
+        if not database_url:
+            cluster = LocalPostgres(_postgres_root(settings), port + n_servers + 1)
+            print(f"postgres  starting in {cluster.root}", flush=True)
+            cluster.start()
+            database_url = cluster.url("postgres")
+        print(f"database  {database_url}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
+        base = {**os.environ, "SEMANTIC_DATABASE_URL": database_url, "SEMANTIC_MODEL": settings.model}
+        base.pop("SEMANTIC_CONFIG", None)
+        servers: list[ServerEntry] = []
+        for i in range(1, n_servers + 1):  # one after another: the first imports the model for all
+            server_id, server_port = f"s{i}", port + i
+            home = root / "servers" / server_id
+            home.mkdir(parents=True, exist_ok=True)
+            if not (home / "models").exists():
+                settings.models_dir.mkdir(parents=True, exist_ok=True)
+                (home / "models").symlink_to(settings.models_dir.resolve(), target_is_directory=True)
+            url = f"http://127.0.0.1:{server_port}"
+            env = {**base, "SEMANTIC_HOME": str(home), "SEMANTIC_HOST": "127.0.0.1",
+                   "SEMANTIC_PORT": str(server_port), "SEMANTIC_SERVER_ID": server_id, "SEMANTIC_WORKER": "0"}
+            log_path = root / "logs" / f"{server_id}.log"
+            process = _spawn([sys.executable, "-m", "app", "serve"], env, log_path)
+            children.append(process)
+            print(f"server    {server_id} starting on {url} (log {log_path})", flush=True)
+            _wait_ready(url, process, f"server {server_id}", log_path)
+            servers.append(ServerEntry(server_id, url, process.pid, str(home)))
+        children.append(_spawn([sys.executable, "-m", "app", "worker"], {**base, "SEMANTIC_HOME": str(settings.home)},
+                               root / "logs" / "worker.log"))
+        config = root / "haproxy.cfg"
+        config.write_text(render_config(port, [Backend(s.id, "127.0.0.1", int(s.url.rsplit(":", 1)[1]))
+                                               for s in servers], str(root / "haproxy.sock")))
+        router = _spawn([haproxy, "-db", "-f", str(config)], dict(os.environ), root / "logs" / "haproxy.log")
+        children.append(router)
+        router_url = f"http://127.0.0.1:{port}"
+        _wait_ready(router_url, router, "the router (HAProxy)", root / "logs" / "haproxy.log")
+        state = PoolState(os.getpid(), router_url, database_url, str(cluster.root) if cluster else None, servers)
+        _state_path(settings).write_text(json.dumps(asdict(state), indent=2))
+        print(f"pool      {n_servers} server(s) behind {router_url}  (semantic pool status; Ctrl-C stops)", flush=True)
+        _supervise(children)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop(list(reversed(children)))
+        _state_path(settings).unlink(missing_ok=True)
+        if cluster is not None:
+            cluster.stop()
+        print("pool      stopped", flush=True)
+
+
+def _supervise(children: list[subprocess.Popen[bytes]]) -> None:
+    """Report children that exit (a killed server is the router's to route around)."""
+    reported: set[int] = set()
+    while True:
+        for child in children:
+            if child.poll() is not None and child.pid not in reported:
+                reported.add(child.pid)
+                print(f"pool      process {child.pid} ({' '.join(map(str, child.args[-2:]))}) exited with "
+                      f"{child.returncode}", flush=True)
+        time.sleep(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its parent has not reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def pool_status(settings: Settings) -> list[dict[str, Any]]:
+    """Each server: id, url, pid, healthy, and the agents and conversations it holds in memory."""
+    state = read_state(settings)
+    if state is None or not _alive(state.pid):
+        raise ConfigError(f"no pool runs from {settings.home} (semantic pool up)")
+    rows = []
+    for server in state.servers:
+        health = _healthy(server.url) if _alive(server.pid) else None
+        cache = (health or {}).get("cache") or {}
+        rows.append({"id": server.id, "url": server.url, "pid": server.pid,
+                     "healthy": bool(health and health.get("status") == "ok"),
+                     "agents_hot": cache.get("agents", {}).get("hot", 0),
+                     "conversations": cache.get("conversations", {})})
+    return rows
+
+
+def pool_down(settings: Settings) -> None:
+    """Stop the pool that ``up`` runs from this home, and wait for it."""
+    state = read_state(settings)
+    if state is None or not _alive(state.pid):
+        raise ConfigError(f"no pool runs from {settings.home}")
+    os.kill(state.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S * 2
+    while _alive(state.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(state.pid):
+        raise ConfigError(f"the pool (pid {state.pid}) did not stop within {STOP_TIMEOUT_S * 2:.0f} s")
