@@ -179,7 +179,7 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
 def cmd_pool_up(settings: Settings, args: argparse.Namespace) -> int:
     from app.pool.supervisor import pool_up
 
-    return pool_up(settings, args.servers, args.port or settings.port)
+    return pool_up(settings, args.servers, args.port or settings.port, args.routing)
 
 
 def cmd_pool_status(settings: Settings, args: argparse.Namespace) -> int:
@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--servers", type=int, default=2, help="servers to run (default 2)")
     up.add_argument("--port", type=int, help="the router's port (default: the port setting, 8000); "
                                              "servers take the next ones")
+    up.add_argument("--routing", default="affinity", choices=["affinity", "round-robin"],
+                    help="affinity (default): each agent to the server holding its cache; round-robin: "
+                         "ignore the agent, as a generic load balancer does (a benchmark baseline)")
     up.set_defaults(handler=cmd_pool_up)
     pool_status = pool_commands.add_parser("status", help="each server of the running pool: id, url, pid, health")
     pool_status.add_argument("--json", action="store_true", help="as JSON")

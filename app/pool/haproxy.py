@@ -7,8 +7,8 @@ the direct API's agent id in the path, else ``metadata.user_id`` or ``session_id
 JSON body small enough to be buffered. Keyed requests are placed by consistent hashing
 (stateless: any router instance agrees; a server that joins or leaves moves only its
 share), bounded at 1.5x the mean load; unkeyed ones go to the least busy server. A
-server that fails its health check (every 0.5 s) is out at once; a request that finds
-its server gone is retried on another.
+server that fails its health check (every 0.5 s), or refuses a request's connection, is
+out at once, and that request is retried on another.
 """
 
 from __future__ import annotations
@@ -36,13 +36,20 @@ def haproxy_binary() -> str:
     return found
 
 
-def render_config(port: int, backends: list[Backend], admin_socket: str, host: str = "127.0.0.1") -> str:
-    """HAProxy's configuration for a pool listening on ``host:port``."""
+ROUTINGS = ("affinity", "round-robin")
+
+
+def render_config(port: int, backends: list[Backend], admin_socket: str, host: str = "127.0.0.1",
+                  routing: str = "affinity") -> str:
+    """HAProxy's configuration for a pool listening on ``host:port``. ``routing``
+    "round-robin" ignores the agent (what a generic load balancer does: the baseline
+    of benchmarks/pool.py)."""
     keys = ["    http-request set-var(txn.key) req.body,json_query('$.session_id') if { req.body_size lt 16000 }",
             "    http-request set-var(txn.key) req.body,json_query('$.metadata.user_id') if { req.body_size lt 16000 }",
             "    http-request set-var(txn.key) path,field(4,/) if { path_beg /v1/agents/ }"]
     keys += [f"    http-request set-var(txn.key) req.hdr({name}) if {{ req.hdr({name}) -m found }}"
              for name in reversed(KEY_HEADERS)]  # the last one set wins: the first header present
+    keyed = "" if routing == "round-robin" else "    use_backend keyed if { var(txn.key) -m found }"
     servers = "\n".join(f"    server {b.server_id} {b.host}:{b.port}" for b in backends)
     tracked = "\n".join(f"    server {b.server_id} {b.host}:{b.port} no-check track keyed/{b.server_id}"
                         for b in backends)
@@ -50,21 +57,24 @@ def render_config(port: int, backends: list[Backend], admin_socket: str, host: s
 global
     stats socket "{admin_socket}" mode 600 level admin
     tune.bufsize 32768
+    log stdout format raw local0 info
 defaults
     mode http
+    log global
+    option httplog
     timeout connect 2s
     timeout client 600s
     timeout server 600s
     timeout http-request 30s
-    retries 2
+    retries 3
     option redispatch 1
     retry-on conn-failure empty-response 503
-    default-server inter 500ms fall 1 rise 2 check
+    default-server inter 500ms fall 1 rise 2 check observe layer4 error-limit 1 on-error mark-down
 frontend pool
     bind {host}:{port}
     option http-buffer-request
 {chr(10).join(keys)}
-    use_backend keyed if {{ var(txn.key) -m found }}
+{keyed}
     default_backend unkeyed
 backend keyed
     balance hash var(txn.key)
@@ -73,6 +83,6 @@ backend keyed
     option httpchk GET /health
 {servers}
 backend unkeyed
-    balance leastconn
+    balance {"roundrobin" if routing == "round-robin" else "leastconn"}
 {tracked}
 """

@@ -117,7 +117,7 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-def pool_up(settings: Settings, n_servers: int, port: int) -> int:
+def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affinity") -> int:
     """Start the pool and supervise it until SIGTERM / SIGINT; returns the exit status."""
     if n_servers < 1:
         raise ConfigError("--servers: at least 1")
@@ -161,14 +161,15 @@ def pool_up(settings: Settings, n_servers: int, port: int) -> int:
                                root / "logs" / "worker.log"))
         config = root / "haproxy.cfg"
         config.write_text(render_config(port, [Backend(s.id, "127.0.0.1", int(s.url.rsplit(":", 1)[1]))
-                                               for s in servers], str(root / "haproxy.sock")))
+                                               for s in servers], str(root / "haproxy.sock"), routing=routing))
         router = _spawn([haproxy, "-db", "-f", str(config)], dict(os.environ), root / "logs" / "haproxy.log")
         children.append(router)
         router_url = f"http://127.0.0.1:{port}"
         _wait_ready(router_url, router, "the router (HAProxy)", root / "logs" / "haproxy.log")
         state = PoolState(os.getpid(), router_url, database_url, str(cluster.root) if cluster else None, servers)
         _state_path(settings).write_text(json.dumps(asdict(state), indent=2))
-        print(f"pool      {n_servers} server(s) behind {router_url}  (semantic pool status; Ctrl-C stops)", flush=True)
+        print(f"pool      {n_servers} server(s) behind {router_url}, {routing} routing  "
+              "(semantic pool status; Ctrl-C stops)", flush=True)
         _supervise(children)
         return 0
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -56,14 +57,28 @@ def test_a_locked_database_is_a_503_with_retry_after_and_nothing_half_written(bu
     assert query(busy_server.db_path, "SELECT count(*) FROM messages WHERE agent_id = 'busy-refused'") == [(2,)]
 
 
+def release_once_a_write_waited(lock: sqlite3.Connection, server: ServerProcess) -> threading.Thread:
+    """Hold ``lock`` until the server logs that a write found the database locked (whenever
+    the turn gets there, however loaded the machine), then let it go."""
+    def wait_then_release() -> None:
+        deadline = time.monotonic() + 60
+        while "database locked (attempt 1 of 4)" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lock.execute("ROLLBACK")
+        lock.close()
+
+    thread = threading.Thread(target=wait_then_release)
+    thread.start()
+    return thread
+
+
 def test_a_finished_turn_waits_out_a_lock_and_keeps_its_history(busy_server: ServerProcess) -> None:
-    """The lock is taken once the request is accepted (its message_start arrived) and
-    held for 1.5 s, three busy timeouts: the turn's cache rows (written before the turn
-    ends) and its history retry until they land."""
+    """The lock is taken once the request is accepted (its message_start arrived) and held
+    until a write of the turn has waited a whole busy timeout for it: the turn's cache rows
+    and its history retry until they land."""
     headers = {"x-claude-code-session-id": "busy-kept"}
     events: list[str] = []
-    lock: sqlite3.Connection | None = None
-    release = threading.Timer(1.5, lambda: None)
+    release: threading.Thread | None = None
     with httpx.stream("POST", f"{busy_server.url}/v1/messages", json={**BODY, "stream": True},
                       headers=headers, timeout=120) as response:
         assert response.status_code == 200
@@ -73,15 +88,16 @@ def test_a_finished_turn_waits_out_a_lock_and_keeps_its_history(busy_server: Ser
             event = json.loads(line.removeprefix("data: "))
             events.append(event["type"])
             if event["type"] == "message_start":
-                lock = hold_write_lock(busy_server.db_path)
-                release = threading.Timer(1.5, lambda: (lock.execute("ROLLBACK"), lock.close()))
-                release.start()
+                release = release_once_a_write_waited(hold_write_lock(busy_server.db_path), busy_server)
+    assert release is not None
     release.join()
-    assert lock is not None
+    assert "database locked (attempt 1 of 4)" in busy_server.log()
     assert events[-1] == "message_stop" and "error" not in events
     rows = query(busy_server.db_path, "SELECT role FROM messages WHERE agent_id = 'busy-kept' ORDER BY position")
     assert rows == [("user",), ("assistant",)]
     assert query(busy_server.db_path, "SELECT status FROM requests WHERE agent_id = 'busy-kept'") == [("ok",)]
-    assert query(busy_server.db_path, "SELECT count(*) FROM caches WHERE agent_id = 'busy-kept'") == [(1,)]
-    assert "database locked (attempt 1 of 4)" in busy_server.log()
+    busy_server_flushed = time.monotonic() + 30  # the cache row is the persister's, after the stream
+    while query(busy_server.db_path, "SELECT count(*) FROM caches WHERE agent_id = 'busy-kept'") != [(1,)]:
+        assert time.monotonic() < busy_server_flushed
+        time.sleep(0.1)
     assert "persisting a cache failed" not in busy_server.log()

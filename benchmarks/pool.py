@@ -1,0 +1,169 @@
+"""A local pool of 2 servers, agents routed by affinity against round-robin.
+
+8 agents (each its own system prompt, so they share no prefix) run 6 turns each,
+concurrently, through `semantic pool up --servers 2`. After turn 3, the server that holds
+agent-0 is killed (-9); turns 4-6 show what a failover costs. Printed: per routing, the
+share of each agent's turns on its usual server, the prompt tokens read from cache, and
+the median seconds to the first token per turn. JSON and a plot in benchmarks/results/.
+
+    python -m benchmarks.pool [--agents 8] [--turns 6] [--kill-after 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.settings import load_settings
+from benchmarks.common import print_table, pyplot, save_plot, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["plumbing", "gardening", "bicycles", "cameras", "tea", "chess", "sailing", "pottery",
+          "astronomy", "baking", "knitting", "climbing"]
+
+
+def system_prompt(agent: int) -> str:
+    topic = TOPICS[agent % len(TOPICS)]
+    return (f"You are agent {agent}, a shop assistant who knows everything about {topic}. "
+            + f"Answer questions about {topic} briefly and politely, in one sentence. " * 40)
+
+
+def stream_turn(router: str, agent: str, system: str, history: list[dict]) -> dict[str, Any]:
+    """One streamed greedy turn: server, seconds to the first token, cached and total prompt tokens, reply."""
+    body = {"model": "claude-sonnet-5", "max_tokens": 12, "temperature": 0, "stream": True, "system": system,
+            "messages": history}
+    start = time.perf_counter()
+    ttft, text, usage, server = None, [], {}, ""
+    with httpx.stream("POST", f"{router}/v1/messages", json=body, timeout=900,
+                      headers={"x-claude-code-session-id": agent}) as response:
+        server = response.headers.get("x-semantic-server", "")
+        if response.status_code != 200:
+            raise RuntimeError(f"{agent}: {response.status_code} from {server or 'the router'}: {response.read()!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "message_start":
+                usage.update(event["message"]["usage"])
+            elif event["type"] == "content_block_delta":
+                ttft = ttft or time.perf_counter() - start
+                text.append(event["delta"].get("text", ""))
+            elif event["type"] == "message_delta":
+                usage.update(event["usage"])
+    prompt = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0) + usage.get(
+        "cache_creation_input_tokens", 0)
+    return {"server": server, "ttft_s": ttft or time.perf_counter() - start,
+            "cached": usage.get("cache_read_input_tokens", 0), "prompt": prompt, "reply": "".join(text)}
+
+
+def run_pool(routing: str, n_agents: int, n_turns: int, kill_after: int, port: int) -> dict[str, Any]:
+    home = Path(tempfile.mkdtemp(prefix=f"semantic-pool-bench-{routing}-"))
+    (home / "models").symlink_to(load_settings().models_dir.resolve(), target_is_directory=True)
+    env = {**os.environ, "SEMANTIC_HOME": str(home)}
+    env.pop("SEMANTIC_DATABASE_URL", None)
+    started = time.perf_counter()
+    pool = subprocess.Popen([sys.executable, "-m", "app", "pool", "up", "--servers", "2", "--port", str(port),
+                             "--routing", routing], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    state_path = home / "pool" / "state.json"
+    try:
+        while not state_path.exists():
+            if pool.poll() is not None:
+                raise RuntimeError(pool.stdout.read().decode() if pool.stdout else "pool up failed")
+            time.sleep(0.3)
+        state = json.loads(state_path.read_text())
+        ready_s = time.perf_counter() - started
+        print(f"[{routing}] pool ready in {ready_s:.1f} s", flush=True)
+        histories: list[list[dict]] = [[] for _ in range(n_agents)]
+        turns: list[list[dict[str, Any]]] = [[] for _ in range(n_agents)]
+        killed: str | None = None
+        for n in range(n_turns):
+            if n == kill_after:
+                killed = turns[0][-1]["server"]
+                pid = next(s["pid"] for s in state["servers"] if s["id"] == killed)
+                os.kill(pid, signal.SIGKILL)
+                print(f"[{routing}] killed {killed} (pid {pid}) after turn {n}", flush=True)
+
+            def one(agent: int) -> None:
+                histories[agent].append({"role": "user", "content": f"Question {n + 1}: what should I buy first?"})
+                result = stream_turn(state["router"], f"agent-{agent}", system_prompt(agent), histories[agent])
+                histories[agent].append({"role": "assistant", "content": result["reply"] or "."})
+                turns[agent].append(result)
+
+            threads = [threading.Thread(target=one, args=(a,)) for a in range(n_agents)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            ttfts = [t[n]["ttft_s"] for t in turns]
+            print(f"[{routing}] turn {n + 1}: median TTFT {statistics.median(ttfts):.2f} s, "
+                  f"cached {sum(t[n]['cached'] for t in turns)}/{sum(t[n]['prompt'] for t in turns)} tokens",
+                  flush=True)
+        return {"routing": routing, "ready_s": ready_s, "killed": killed, "kill_after": kill_after,
+                "turns": [[{k: v for k, v in t.items() if k != "reply"} for t in agent] for agent in turns]}
+    finally:
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=120)
+        postgres_dir = json.loads(state_path.read_text())["postgres_dir"] if state_path.exists() else None
+        subprocess.run(["rm", "-rf", str(home), *([postgres_dir] if postgres_dir else [])], check=False)
+
+
+def summarise(run: dict[str, Any]) -> dict[str, Any]:
+    turns, kill_after = run["turns"], run["kill_after"]
+    before = [agent[:kill_after] for agent in turns]
+    on_usual = sum(Counter(t["server"] for t in agent).most_common(1)[0][1] for agent in before)
+    n_before = sum(len(agent) for agent in before)
+    warm = [t for agent in turns for t in agent[1:kill_after]]  # turns 2..kill_after: the steady state
+    after = [agent[kill_after] for agent in turns if len(agent) > kill_after]
+    by_turn = [statistics.median(agent[n]["ttft_s"] for agent in turns) for n in range(len(turns[0]))]
+    return {"routing": run["routing"], "same_server_share": on_usual / n_before,
+            "steady_hit_rate": sum(t["cached"] for t in warm) / max(1, sum(t["prompt"] for t in warm)),
+            "steady_median_ttft_s": statistics.median(t["ttft_s"] for t in warm),
+            "first_turn_after_kill_hit_rate": sum(t["cached"] for t in after) / max(1, sum(t["prompt"] for t in after)),
+            "median_ttft_by_turn_s": by_turn, "ready_s": run["ready_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--kill-after", type=int, default=3)
+    parser.add_argument("--port", type=int, default=38400)
+    args = parser.parse_args()
+    runs = [run_pool(routing, args.agents, args.turns, args.kill_after, args.port + 10 * i)
+            for i, routing in enumerate(("affinity", "round-robin"))]
+    summaries = [summarise(run) for run in runs]
+    print_table(["routing", "same server (turns 1-%d)" % args.kill_after, "hit rate, turns 2-%d" % args.kill_after,
+                 "median TTFT s, turns 2-%d" % args.kill_after, "hit rate, turn after kill", "pool ready s"],
+                [[s["routing"], f"{s['same_server_share']:.1%}", f"{s['steady_hit_rate']:.1%}",
+                  s["steady_median_ttft_s"], f"{s['first_turn_after_kill_hit_rate']:.1%}", s["ready_s"]]
+                 for s in summaries])
+    path = write_results("pool", {"agents": args.agents, "turns": args.turns, "summaries": summaries, "runs": runs})
+    print(f"wrote {path}")
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for s in summaries:
+            ax.plot(range(1, args.turns + 1), s["median_ttft_by_turn_s"], marker="o", label=s["routing"])
+        ax.axvline(args.kill_after + 0.5, color="grey", linestyle="--", label="kill -9 of one server")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("median seconds to first token")
+        ax.set_title(f"{args.agents} agents on a local pool of 2 servers")
+        ax.legend()
+        save_plot(fig, "pool")
+
+
+if __name__ == "__main__":
+    main()
