@@ -60,12 +60,22 @@ def save_plot(fig, name: str) -> None:  # type: ignore[no-untyped-def]
     print(f"wrote {RESULTS / f'{name}.png'}")
 
 
-def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
+def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                     response_headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
     """POST a streaming Anthropic-shaped request (``/v1/messages``, an agent's
-    ``generate``): (seconds to the first content delta, reply text, final usage)."""
+    ``generate``): (seconds to the first content delta, reply text, final usage).
+    ``response_headers``, if given, receives the response's headers.
+
+    Raises:
+        RuntimeError: the answer is not a 200 (with its body).
+    """
     start = time.perf_counter()
     ttft, text, usage = None, [], {}
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=900, headers=headers) as response:
+        if response_headers is not None:
+            response_headers.update(response.headers)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code}: {response.read()!r}")
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue

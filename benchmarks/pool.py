@@ -25,10 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from app.settings import load_settings
-from benchmarks.common import print_table, pyplot, save_plot, write_results
+from benchmarks.common import anthropic_stream, print_table, pyplot, save_plot, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["plumbing", "gardening", "bicycles", "cameras", "tea", "chess", "sailing", "pottery",
@@ -43,30 +41,13 @@ def system_prompt(agent: int) -> str:
 
 def stream_turn(router: str, agent: str, system: str, history: list[dict]) -> dict[str, Any]:
     """One streamed greedy turn: server, seconds to the first token, cached and total prompt tokens, reply."""
-    body = {"model": "claude-sonnet-5", "max_tokens": 12, "temperature": 0, "stream": True, "system": system,
-            "messages": history}
-    start = time.perf_counter()
-    ttft, text, usage, server = None, [], {}, ""
-    with httpx.stream("POST", f"{router}/v1/messages", json=body, timeout=900,
-                      headers={"x-claude-code-session-id": agent}) as response:
-        server = response.headers.get("x-semantic-server", "")
-        if response.status_code != 200:
-            raise RuntimeError(f"{agent}: {response.status_code} from {server or 'the router'}: {response.read()!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "message_start":
-                usage.update(event["message"]["usage"])
-            elif event["type"] == "content_block_delta":
-                ttft = ttft or time.perf_counter() - start
-                text.append(event["delta"].get("text", ""))
-            elif event["type"] == "message_delta":
-                usage.update(event["usage"])
+    body = {"model": "claude-sonnet-5", "max_tokens": 12, "temperature": 0, "system": system, "messages": history}
+    answered: dict[str, str] = {}
+    ttft, reply, usage = anthropic_stream(f"{router}/v1/messages", body, {"x-claude-code-session-id": agent}, answered)
     prompt = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0) + usage.get(
         "cache_creation_input_tokens", 0)
-    return {"server": server, "ttft_s": ttft or time.perf_counter() - start,
-            "cached": usage.get("cache_read_input_tokens", 0), "prompt": prompt, "reply": "".join(text)}
+    return {"server": answered.get("x-semantic-server", ""), "ttft_s": ttft,
+            "cached": usage.get("cache_read_input_tokens", 0), "prompt": prompt, "reply": reply}
 
 
 def run_pool(routing: str, n_agents: int, n_turns: int, kill_after: int, port: int) -> dict[str, Any]:

@@ -4,11 +4,12 @@ HAProxy passes every header and the body through untouched (SMG drops the sessio
 headers and rewrites model names; docs/pool.md). The routing key is the agent's
 identity as the servers read it: Claude Code's session header, Codex's ``session-id``,
 the direct API's agent id in the path, else ``metadata.user_id`` or ``session_id`` in a
-JSON body small enough to be buffered. Keyed requests are placed by consistent hashing
-(stateless: any router instance agrees; a server that joins or leaves moves only its
-share), bounded at 1.5x the mean load; unkeyed ones go to the least busy server. A
-server that fails its health check (every 0.5 s), or refuses a request's connection, is
-out at once, and that request is retried on another.
+JSON body small enough to be buffered. An agent's first request goes to the server
+with the fewest open requests, and a stick table keeps it there (a bounded-load
+consistent hash, tried first, moved 15% of turns away from their cache with 8 agents
+arriving together: benchmarks/pool.py). A server that fails its health check (every
+0.5 s), or refuses a request's connection, is out at once, that request is retried on
+another, and the agent stays on its new server (no flap-back when the old one returns).
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ frontend pool
 {keyed}
     default_backend unkeyed
 backend keyed
-    balance hash var(txn.key)
-    hash-type consistent
-    hash-balance-factor 150
+    balance leastconn
+    stick-table type string len 300 size 1m expire 7d
+    stick on var(txn.key)
     option httpchk GET /health
 {servers}
 backend unkeyed
