@@ -25,7 +25,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Every setting of Semantic, with its default. See README "Configuration"."""
+    """Every setting of Semantic, with its default. Reference: docs/configuration.md (tests/unit/test_docs.py keeps it in step)."""
 
     home: Path = field(default_factory=lambda: Path.home() / ".semantic")
     host: str = "127.0.0.1"
@@ -134,12 +134,12 @@ class Settings:
     # it is closed: a client that opens sockets and sends nothing holds none for long.
     idle_timeout_s: int = 60
     # Connections open at once (waitress stops accepting beyond it). Expose the server
-    # through a reverse proxy with its own limits (README, "Auth and limits").
+    # through a reverse proxy with its own limits (docs/apis.md, "Auth and limits").
     max_connections: int = 100
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"
-    # `semantic serve` runs the Huey worker (expire, evict, compact) as its child;
+    # `semantic serve` runs the Huey worker (expire, evict, compact, prune) as its child;
     # false (`--no-worker`) when the worker is supervised on its own.
     worker: bool = True
 

@@ -1,4 +1,4 @@
-"""The SQL schema: a public interface (README "SQL schema"), changed only by Alembic.
+"""The SQL schema: a public interface (docs/sql.md), changed only by Alembic.
 
 Times are UTC. JSON columns hold what clients sent, as received.
 """

@@ -1,9 +1,12 @@
-"""The README's copy-paste examples, run as written against a freshly started server.
+"""The copy-paste examples of the README and docs/, run as written against a freshly
+started server.
 
 Every ``sh`` block that talks to ``http://127.0.0.1:8000`` runs with bash
 (``curl`` failing on HTTP errors), every ``python`` block that does runs with
-this interpreter, and the ``semantic sql`` examples run against the server's
-database afterwards. Only the address is changed.
+this interpreter (the README first, then docs/ in name order), and the
+``semantic sql`` examples run against the server's database afterwards. Only the
+address is changed. The pages' mechanical claims (size, links, commands, settings,
+layers) are checked without a server in tests/unit/test_docs.py.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import pytest
 
 from conftest import ROOT, ServerProcess, start_server, stop_server
 
-README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(sh|python)\n(.*?)```", README, re.DOTALL)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_BLOCKS = re.findall(r"```(sh|python)\n(.*?)```", PAGES[0].read_text(), re.DOTALL)
+BLOCKS = [block for page in PAGES for block in re.findall(r"```(sh|python)\n(.*?)```", page.read_text(), re.DOTALL)]
 ADDRESS = "http://127.0.0.1:8000"
 API_BLOCKS = [(lang, code) for lang, code in BLOCKS
-              if ADDRESS in code and "claude " not in code and "./scripts/" not in code]
+              if ADDRESS in code and "claude -" not in code and "./scripts/" not in code]
 SQL_BLOCKS = [code for lang, code in BLOCKS if lang == "sh" and "semantic sql" in code]
 
 
@@ -48,6 +52,10 @@ def test_the_readme_has_examples_for_every_user() -> None:
     for endpoint in ("/v1/messages", "/v1/chat/completions", "/v1/responses", "/v1/agents", "/health", "/metrics"):
         assert endpoint in joined
     assert any(lang == "python" for lang, _ in API_BLOCKS) and SQL_BLOCKS
+    # The front door itself: a request to try, the SDKs, a question to the history.
+    front = "\n".join(code for _, code in README_BLOCKS)
+    assert ADDRESS + "/v1/messages" in front and "semantic sql" in front
+    assert any(lang == "python" and ADDRESS in code for lang, code in README_BLOCKS)
 
 
 def test_api_examples_run_against_a_fresh_server(fresh_server: ServerProcess) -> None:

@@ -1,0 +1,225 @@
+"""The README's and docs' mechanical claims, checked against the code.
+
+The README stays a front door (under 15 KB); every relative link in it and in
+docs/ resolves (files and #anchors); every `semantic ...` command they show exists
+in the CLI with the options shown; docs/configuration.md lists every setting with
+its variable, default and range; docs/layout.md's layers block is the import graph
+of app/; docs/benchmarks.md shows every plot in benchmarks/results/. (The examples
+themselves run against a real server in tests/e2e/test_readme.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+
+from app.cli import build_parser
+from app.settings import BOUNDS, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _code(text: str) -> list[str]:
+    """Fenced blocks, then inline code spans of the text outside them."""
+    blocks = FENCE.findall(text)
+    prose = FENCE.sub("", text)
+    return blocks + re.findall(r"`([^`]+)`", prose)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = FENCE.sub("", path.read_text())
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+def test_the_readme_is_a_front_door() -> None:
+    size = len(README.read_bytes())
+    assert size < 15_000, f"README.md is {size} bytes: move reference material into docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page: Path) -> None:
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked here
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.name}: {target} does not exist"
+        if anchor and resolved.suffix == ".md":
+            assert anchor in _anchors(resolved), f"{page.name}: no heading for #{anchor} in {resolved.name}"
+
+
+def test_the_readme_links_into_every_doc() -> None:
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(README.read_text())}
+    for doc in DOCS:
+        assert doc.resolve() in linked, f"README does not link to docs/{doc.name}"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _shown_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, command words, tokens after) for every `semantic ...` / `./scripts/serve ...` shown."""
+    found = []
+    for page in PAGES:
+        for code in _code(page.read_text()):
+            for line in code.replace("\\\n", " ").splitlines():
+                for match in re.finditer(r"(?:^|[\s/`(])(?:semantic|scripts/(serve))\s+(.*)", line):
+                    rest = [word.strip("`:,.;()") for word in match.group(2).split("#")[0].split("|")[0].split()]
+                    words = ["serve", *rest] if match.group(1) else rest
+                    found.append((page.name, line.strip(), words))
+    return found
+
+
+def test_every_semantic_command_shown_exists_with_its_options() -> None:
+    shown = _shown_commands()
+    assert any(words[:1] == ["sql"] for _, _, words in shown) and any(words[:1] == ["serve"] for _, _, words in shown)
+    for page, line, words in shown:
+        parser = build_parser()
+        if not words or not re.fullmatch(r"[a-z]+", words[0]):
+            continue  # prose: "semantic" followed by no command word
+        commands = _subcommands(parser)
+        assert words[0] in commands, f"{page}: `{line}`: no command `semantic {words[0]}`"
+        parser, rest = commands[words[0]], words[1:]
+        nested = _subcommands(parser)
+        if nested:
+            assert rest and rest[0] in nested, f"{page}: `{line}`: `semantic {words[0]}` needs one of {sorted(nested)}"
+            parser, rest = nested[rest[0]], rest[1:]
+        options = {s for action in parser._actions for s in action.option_strings}
+        for token in rest:
+            if token.startswith("--"):
+                assert token.split("=")[0] in options, f"{page}: `{line}`: no option {token}"
+
+
+# -- the configuration reference -------------------------------------------------------------
+
+def _doc_default(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Path):
+        return str(value).replace(str(Path.home()), "~", 1)
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def _doc_bound(value: float) -> str:
+    if isinstance(value, int) and value >= 1 << 16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
+
+
+def _configuration_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in (ROOT / "docs" / "configuration.md").read_text().splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = [cell.strip("`") for cell in cells]
+    return rows
+
+
+def test_the_configuration_reference_lists_every_setting_as_the_code_defines_it() -> None:
+    rows = _configuration_rows()
+    defaults = Settings()
+    names = [f.name for f in fields(Settings)]
+    assert sorted(rows) == sorted(names), "docs/configuration.md and app/settings.py list different settings"
+    for field in fields(Settings):
+        key, variable, default, bounds, meaning = rows[field.name][:5]
+        assert variable == f"SEMANTIC_{field.name.upper()}", field.name
+        assert field.default is not MISSING or field.default_factory is not MISSING
+        assert default == _doc_default(getattr(defaults, field.name)), f"{field.name}: default {default}"
+        low_high = BOUNDS.get(field.name)
+        expected = f"{_doc_bound(low_high[0])}..{_doc_bound(low_high[1])}" if low_high else "-"
+        assert bounds == expected, f"{field.name}: range {bounds}, settings.py says {expected}"
+        assert meaning, field.name
+
+
+# -- the layers ------------------------------------------------------------------------------
+
+PACKAGES = ("api", "agents", "protocol", "engine", "cache", "catalog", "store")
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Which packages of app/ each package imports (type-only imports included)."""
+    edges: dict[str, set[str]] = {name: set() for name in PACKAGES}
+    for package in PACKAGES:
+        for path in (ROOT / "app" / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "app" and len(parts) > 1 and parts[1] in PACKAGES and parts[1] != package:
+                        edges[package].add(parts[1])
+    return edges
+
+
+def _documented_layers() -> dict[str, set[str]]:
+    text = (ROOT / "docs" / "layout.md").read_text()
+    block = re.search(r"^```layers\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    assert block, "docs/layout.md has no ```layers block"
+    layers = {}
+    for line in block.group(1).strip().splitlines():
+        source, _, targets = line.partition("->")
+        layers[source.strip()] = {t.strip() for t in targets.split(",") if t.strip()}
+    return layers
+
+
+def test_the_documented_layers_are_the_imports() -> None:
+    assert _documented_layers() == _package_imports()
+
+
+def test_no_import_runs_back_up() -> None:
+    edges = _package_imports()
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"import circle: {' -> '.join((*path, node))}"
+        if node in done:
+            return
+        for target in edges[node]:
+            visit(target, (*path, node))
+        done.add(node)
+
+    for package in PACKAGES:
+        visit(package, ())
+
+
+def test_mlx_is_imported_at_module_level_only_where_layout_says() -> None:
+    allowed_cache = {"blocks.py", "persist.py", "manager.py"}
+    for path in (ROOT / "app").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        if any(name.split(".")[0] in ("mlx", "mlx_lm") for name in names):
+            where = path.relative_to(ROOT / "app")
+            assert where.parts[0] == "engine" or (where.parts[0] == "cache" and where.name in allowed_cache), where
+
+
+# -- the benchmarks --------------------------------------------------------------------------
+
+def test_every_benchmark_plot_is_shown() -> None:
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    for png in sorted((ROOT / "benchmarks" / "results").glob("*.png")):
+        assert f"](../benchmarks/results/{png.name})" in text, f"docs/benchmarks.md does not show {png.name}"
