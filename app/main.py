@@ -64,6 +64,7 @@ def serve(settings: Settings) -> None:
     import waitress
 
     from app.catalog.registry import Catalog
+    from app.cache.shared_tier import S3Tier
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import is_postgres_url, make_engine, make_session_factory, upgrade
 
@@ -71,10 +72,12 @@ def serve(settings: Settings) -> None:
                                 settings.map_unknown_models, settings.serve_installed_models)
     upgrade(settings.db_url)
     sessions = make_session_factory(make_engine(settings.db_url, settings.db_busy_timeout_s))
-    # A shared (PostgreSQL) store: this server's caches are its own (hashing.scoped_fingerprint).
-    scope = settings.effective_server_id if is_postgres_url(settings.db_url) else ""
+    # A shared (PostgreSQL) store: with a shared block tier every server may restore every
+    # cache; without one, this server's caches are its own (hashing.scoped_fingerprint).
+    tier = S3Tier(settings.block_store) if settings.block_store else None
+    scope = settings.effective_server_id if is_postgres_url(settings.db_url) and tier is None else ""
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
-                        settings.max_conversations, settings.kv_format_for, scope)
+                        settings.max_conversations, settings.kv_format_for, scope, tier)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)

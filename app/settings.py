@@ -124,6 +124,10 @@ class Settings:
     # The store: "" = SQLite in $SEMANTIC_HOME/semantic.db (one server); a PostgreSQL URL
     # (postgresql://user:password@host:port/database) for a pool of servers sharing it.
     database_url: str = ""
+    # A pool's shared block tier: "" = each server's own disk only; an S3 bucket
+    # ("s3://bucket/prefix?endpoint=http://host:port", credentials from the AWS_* variables)
+    # that every server writes its caches through to and restores them from.
+    block_store: str = ""
     # Seconds a database write waits for another writer's lock (SQLite busy timeout)
     # before it is retried (a turn's history: 4 attempts) or answered with 503.
     db_busy_timeout_s: float = 10.0

@@ -31,6 +31,7 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
+from app.cache.shared_tier import S3Tier
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
@@ -89,14 +90,14 @@ class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
                  max_conversations: int = 8, working_copies: int = 4, kv_format: KVFormat = DEFAULT_KV_FORMAT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier: S3Tier | None = None) -> None:
         self.fingerprint = fingerprint
         self.kv_format = kv_format
         self.enabled = enabled
         self._n_layers = n_layers
         self._dtype = dtype
         self._sessions = sessions
-        self._files = CacheFiles(blocks_dir, fingerprint, n_layers)
+        self._files = CacheFiles(blocks_dir, fingerprint, n_layers, tier)
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
         self._hot: dict[str, ConversationCache] = {}
@@ -191,7 +192,7 @@ class CacheManager:
             if other in self._hot:
                 continue
             try:
-                yield other, CacheFiles.read_text(Path(path))
+                yield other, self._files.read_text(path)
             except (blockfiles.DamagedFile, blockfiles.FileUnavailable):
                 continue
 
@@ -261,7 +262,7 @@ class CacheManager:
         if found is None:
             return False
         try:
-            data = self._files.read_block(block, Path(found[0]), found[1])
+            data = self._files.read_block(block, found[0], found[1])
         except (*UNUSABLE, blockfiles.FileUnavailable) as exc:
             log.warning("shared block %s unusable: %s", block, exc)
             return False
@@ -484,7 +485,7 @@ class CacheManager:
 
     def _discard(self, conversation_id: str, entry: cache_index.CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""
-        for path in [Path(entry.record_path), *(Path(b.path) for b in entry.blocks)]:
+        for path in [self._files.local(p, fetch=False) for p in (entry.record_path, *(b.path for b in entry.blocks))]:
             try:
                 blockfiles.read(path)
             except blockfiles.DamagedFile:

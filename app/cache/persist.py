@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
 from app.cache.records import CacheRecord
+from app.cache.shared_tier import S3Tier, Upload, Uploader
 from app.store import blockfiles, cache_index
 from app.store.db import with_retries, write_locked
 from app.store.history import ensure_conversation, utcnow
@@ -85,11 +86,32 @@ class Forget:
 class CacheFiles:
     """Where a model's cache files live, and their format both ways."""
 
-    def __init__(self, root: Path, fingerprint: str, n_layers: int) -> None:
+    def __init__(self, root: Path, fingerprint: str, n_layers: int, tier: S3Tier | None = None) -> None:
         self.root = root
         self.base = root / fingerprint[:16]
         self.fingerprint = fingerprint
+        self.tier = tier
         self._n_layers = n_layers
+
+    def key(self, path: Path) -> str:
+        """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
+        return path.relative_to(self.root).as_posix()
+
+    def local(self, stored: str | Path, fetch: bool = True) -> Path:
+        """Where this server keeps the file an index row names (the row may have been written by
+        another server of a pool: same layout, another root). Missing here and ``fetch``: copied
+        from the shared tier first, if there is one and it holds the file."""
+        path = Path(stored)
+        parts = path.parts
+        tag = self.fingerprint[:16]
+        local = self.base.joinpath(*parts[parts.index(tag) + 1:]) if tag in parts else path
+        if fetch and self.tier is not None and not local.exists():
+            try:
+                if self.tier.fetch(self.key(local), local):
+                    log.info("restored %s from the shared tier", self.key(local))
+            except Exception as exc:  # the tier is down: the file is missing, a miss
+                log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
+        return local
 
     def block_path(self, block: str) -> Path:
         return self.base / block[:2] / f"{block}.safetensors"
@@ -120,12 +142,13 @@ class CacheFiles:
             "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
         return path
 
-    def read_block(self, block: str, path: Path, checksum: str | None) -> KVBlock:
+    def read_block(self, block: str, path: str | Path, checksum: str | None) -> KVBlock:
         """A stored full block, verified to be this model's and this id's.
 
         Raises:
             One of UNUSABLE.
         """
+        path = self.local(path)
         arrays, meta = blockfiles.read(path, checksum)
         if meta.get("fingerprint") != self.fingerprint or meta.get("hash") != block:
             raise ValueError(f"block file {path} belongs to another model or block")
@@ -142,13 +165,13 @@ class CacheFiles:
         Raises:
             One of UNUSABLE: a file is missing or damaged, or the files disagree.
         """
-        arrays, meta = blockfiles.read(Path(entry.record_path))
+        arrays, meta = blockfiles.read(self.local(entry.record_path))
         record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
                              tuple(int(e) for e in arrays["ends"]))
         chain = tuple(json.loads(meta["chain"]))
         if chain != tuple(b.hash for b in entry.blocks):
             raise ValueError("record file and index disagree on the block chain")
-        loaded = {row.hash: self.read_block(row.hash, Path(row.path), row.checksum or None)
+        loaded = {row.hash: self.read_block(row.hash, row.path, row.checksum or None)
                   for row in entry.blocks if row.hash not in in_memory}
         tail_tokens = int(meta["tail_tokens"])
         tail = None
@@ -159,11 +182,10 @@ class CacheFiles:
             raise ValueError("blocks do not cover the record")
         return ConversationCache(agent_id, conversation_id, record, chain, tail), loaded
 
-    @staticmethod
-    def read_text(record_path: Path) -> str:
+    def read_text(self, record_path: str) -> str:
         """The text a stored record spells (its header only, unverified: for matching;
         the whole file is verified before its KV data is used). Raises DamagedFile."""
-        return blockfiles.read_metadata(record_path).get("text", "")
+        return blockfiles.read_metadata(self.local(record_path)).get("text", "")
 
 
 def _numpy(block: KVBlock, prefix: str = "") -> dict[str, np.ndarray]:
@@ -179,6 +201,9 @@ class Persister(threading.Thread):
         super().__init__(name="semantic-persist", daemon=True)
         self._files = files
         self._sessions = sessions
+        self._uploader = Uploader(files.tier) if files.tier is not None else None
+        if self._uploader is not None:
+            self._uploader.start()
         self._queue: queue.Queue[tuple[Snapshot | Forget, threading.Event] | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Condition()
@@ -192,13 +217,17 @@ class Persister(threading.Thread):
         return done
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until everything submitted so far is done (written or deleted)."""
+        """Wait until everything submitted so far is done (written or deleted, and copied to
+        the shared tier if there is one)."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._pending == 0, timeout_s)
+            written = self._lock.wait_for(lambda: self._pending == 0, timeout_s)
+        return written and (self._uploader is None or self._uploader.flush(timeout_s))
 
     def stop(self, timeout_s: float = 30) -> None:
         self._queue.put(None)
         self.join(timeout_s)
+        if self._uploader is not None:
+            self._uploader.stop(timeout_s)
 
     def run(self) -> None:
         while (queued := self._queue.get()) is not None:
@@ -229,7 +258,10 @@ class Persister(threading.Thread):
             # Only now: a crash before the commit leaves the previous record in force (and the new
             # file an orphan for the worker's compact), never a row without its file.
             if previous is not None and previous.record_path != str(record_path):
-                Path(previous.record_path).unlink(missing_ok=True)
+                self._files.local(previous.record_path, fetch=False).unlink(missing_ok=True)
+            if self._uploader is not None:
+                self._uploader.submit(Upload(tuple((self._files.key(path), path) for path, _ in written),
+                                             (self._files.key(record_path), record_path)))
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.hashing import scoped_fingerprint
+from app.cache.shared_tier import S3Tier
 from app.cache.manager import CacheManager, CacheStats
 from app.catalog.registry import Catalog
 from app.engine.model import KVChoice, LoadedModel, ModelSpec, backend_name, load_model, load_spec
@@ -35,13 +36,14 @@ class CacheConfig:
     enabled: bool = True
     max_conversations: int = 8
     kv_format_for: Callable[[str], str] = lambda _model: "auto"  # model name -> stored format's name or "auto"
-    scope: str = ""  # in a pool: this server's id (``hashing.scoped_fingerprint``)
+    scope: str = ""  # in a pool without a shared tier: this server's id (``hashing.scoped_fingerprint``)
+    tier: S3Tier | None = None  # a pool's shared block tier
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
         return CacheManager(fingerprint=scoped_fingerprint(loaded.fingerprint, self.scope), n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
-                            max_conversations=self.max_conversations, kv_format=loaded.kv_format)
+                            max_conversations=self.max_conversations, kv_format=loaded.kv_format, tier=self.tier)
 
 
 @dataclass(frozen=True, slots=True)

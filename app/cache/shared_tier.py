@@ -1,0 +1,160 @@
+"""The shared block tier of a pool: an S3-compatible object store every server reads.
+
+Cache files keep their local layout as object keys (``<fingerprint[:16]>/<hash[:2]>/<hash>.safetensors``
+for blocks, ``<fingerprint[:16]>/conversations/<name>.safetensors`` for records), under a
+prefix. Blocks are content-addressed and written once (``If-None-Match: *``); a record
+is a new object for every version, uploaded after its blocks, so a record in the store
+means its blocks are there too. Any server restores a conversation from here when its own
+disk lacks the files; what it reads is verified against the checksums in the index.
+
+``block_store = "s3://bucket/prefix?endpoint=http://host:port"``; credentials and region
+come from the usual AWS variables (``AWS_ACCESS_KEY_ID``, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    bucket: str
+    prefix: str
+    endpoint: str | None
+
+
+def parse_block_store(url: str) -> S3Location:
+    """``s3://bucket[/prefix][?endpoint=URL]``.
+
+    Raises:
+        ConfigError: another scheme, or no bucket.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ConfigError(f"block_store: {url!r} is not s3://bucket[/prefix][?endpoint=URL]")
+    endpoint = parse_qs(parsed.query).get("endpoint", [None])[0]
+    return S3Location(parsed.netloc, parsed.path.strip("/"), endpoint)
+
+
+class S3Tier:
+    """Objects in one bucket under one prefix, through boto3."""
+
+    def __init__(self, url: str, timeout_s: float = 10) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.location = parse_block_store(url)
+        self._client = boto3.client(
+            "s3", endpoint_url=self.location.endpoint,
+            region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            config=Config(s3={"addressing_style": "path"}, connect_timeout=timeout_s, read_timeout=timeout_s,
+                          retries={"max_attempts": 2, "mode": "standard"}))
+
+    def _key(self, key: str) -> str:
+        return f"{self.location.prefix}/{key}" if self.location.prefix else key
+
+    def put(self, key: str, path: Path, once: bool = False) -> bool:
+        """Upload ``path`` as ``key``; ``once``: only if no object has the key (content-addressed
+        blocks). Returns whether it was written (False: it was already there)."""
+        from botocore.exceptions import ClientError
+
+        extra = {"IfNoneMatch": "*"} if once else {}
+        try:
+            with path.open("rb") as body:
+                self._client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=body, **extra)
+        except ClientError as exc:
+            if once and exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                return False
+            raise
+        return True
+
+    def fetch(self, key: str, destination: Path) -> bool:
+        """Download ``key`` to ``destination`` (written whole, then renamed into place).
+        Returns False when there is no such object."""
+        from botocore.exceptions import ClientError
+
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        partial = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            self._client.download_file(self.location.bucket, self._key(key), str(partial))
+        except ClientError as exc:
+            partial.unlink(missing_ok=True)
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        os.replace(partial, destination)
+        return True
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (a local pool's own store)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_bucket(Bucket=self.location.bucket)
+        except ClientError:
+            self._client.create_bucket(Bucket=self.location.bucket)
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A conversation's files to copy to the tier: its blocks (written once), then its record."""
+
+    blocks: tuple[tuple[str, Path], ...]
+    record: tuple[str, Path]
+
+
+class Uploader(threading.Thread):
+    """Copies what the persister wrote to the shared tier, in order, off every request's path.
+
+    An upload that fails (the store is down) is dropped with a warning: the conversation's
+    next turn uploads its blocks and record again, so the tier catches up when it returns.
+    """
+
+    def __init__(self, tier: S3Tier) -> None:
+        super().__init__(name="semantic-upload", daemon=True)
+        self._tier = tier
+        self._queue: queue.Queue[Upload | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._uploaded: set[str] = set()  # block keys known to be in the tier (blocks never change)
+        self.n_failed = 0
+
+    def submit(self, upload: Upload) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put(upload)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        self._queue.put(None)
+        self.join(timeout_s)
+
+    def run(self) -> None:
+        while (upload := self._queue.get()) is not None:
+            try:
+                for key, path in upload.blocks:
+                    if key not in self._uploaded:
+                        self._tier.put(key, path, once=True)
+                        self._uploaded.add(key)
+                self._tier.put(*upload.record)  # last: a record in the tier means its blocks are there
+            except Exception as exc:  # the tier is down or refused: the next turn uploads again
+                self.n_failed += 1
+                log.warning("shared tier: upload of %s failed (%s); the next turn retries", upload.record[0], exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()

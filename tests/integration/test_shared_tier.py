@@ -1,0 +1,108 @@
+"""The shared block tier: what one server of a pool stored, another restores from S3 (a
+real moto S3 server on loopback) with exactly the logits the first would have given;
+a tier that is down costs a miss, never a wrong answer, and a tampered object is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.cache.manager import CacheManager
+from app.cache.records import CacheRecord
+from app.cache.shared_tier import S3Tier
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.store.history import touch_agent, utcnow
+from conftest import free_port
+from support.dbcheck import query
+from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward
+
+
+@pytest.fixture
+def s3_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"s3://blocks/pool?endpoint=http://{host}:{port}"
+    S3Tier(url).ensure_bucket()
+    yield url
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testtest")
+
+
+def server(tmp_path: Path, name: str, n_layers: int, tier: S3Tier | None, **options: Any) -> CacheManager:
+    """One server's cache manager: its own directory, the pool's database (one file here)."""
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        touch_agent(session, "a", "direct", utcnow())
+    return CacheManager(fingerprint="fp-pool", n_layers=n_layers, dtype=mx.float32, blocks_dir=tmp_path / name / "blocks",
+                        sessions=sessions, budget_bytes=1 << 30, tier=tier, **options)
+
+
+def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3_url: str) -> None:
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, VOCAB, 600).tolist()  # two full blocks and a tail
+    more = rng.integers(0, VOCAB, 30).tolist()
+
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url))
+    lease = a.lease("a", "c", as_prompt(first))
+    forward(model, lease.cache, first)
+    a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    expected = forward(model, a.lease("a", "c", as_prompt(first + more)).cache, more)
+    assert a.flush(60)  # written, indexed and uploaded
+    a.close()
+
+    b = server(tmp_path, "b", n_layers, S3Tier(s3_url))  # another machine: nothing of a's on its disk
+    assert not (tmp_path / "b" / "blocks").exists()
+    lease = b.lease("a", "c", as_prompt(first + more))
+    assert (lease.n_reused, lease.outcome) == (600, "extend")
+    assert mx.array_equal(forward(model, lease.cache, more), expected)
+    assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
+    b.close()
+
+    unshared = server(tmp_path, "c", n_layers, None)  # the same rows without the tier: a clean miss
+    assert unshared.lease("a", "c", as_prompt(first + more)).n_reused == 0
+    unshared.close()
+
+
+def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -> None:
+    model = build("llama")
+    n_layers = len(model.layers)
+    tokens = np.random.default_rng(4).integers(0, VOCAB, 600).tolist()
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url))
+    lease = a.lease("a", "c", as_prompt(tokens))
+    forward(model, lease.cache, tokens)
+    a.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    assert a.flush(60)
+    a.close()
+
+    down = S3Tier(f"s3://blocks/pool?endpoint=http://127.0.0.1:{free_port()}", timeout_s=1)  # nothing listens
+    b = server(tmp_path, "b", n_layers, down)
+    assert b.lease("a", "c", as_prompt(tokens)).n_reused == 0
+    b.close()
+
+    tier = S3Tier(s3_url)
+    (first_block,), = query(tmp_path / "pool.db", "SELECT hash FROM blocks WHERE parent_hash IS NULL")
+    block = next((tmp_path / "a" / "blocks").rglob(f"{first_block}.safetensors"))
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    tier.put(block.relative_to(tmp_path / "a" / "blocks").as_posix(), damaged)  # the object no longer matches its checksum
+    c = server(tmp_path, "c", n_layers, tier)
+    assert c.lease("a", "c", as_prompt(tokens)).n_reused == 0
+    c.close()
