@@ -1,7 +1,8 @@
 """``semantic pool up | status | down``: a pool of servers on this machine, as one.
 
 ``up`` starts, on loopback: a PostgreSQL cluster of its own (unless ``database_url``
-names one), the servers one after another (each its own home under
+names one), an S3 server for the shared block tier (SeaweedFS, unless ``block_store``
+names a bucket), the servers one after another (each its own home under
 ``$SEMANTIC_HOME/pool/servers``, sharing the models directory and the database), one
 worker for all of them, and HAProxy in front; then it stays in the foreground until
 SIGTERM or Ctrl-C, which stop everything. ``pool/state.json`` says what runs where, for
@@ -29,6 +30,7 @@ from typing import Any
 from app.errors import ConfigError
 from app.pool.haproxy import Backend, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
+from app.pool.seaweed import LocalS3
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class PoolState:
     pid: int  # the `pool up` process
     router: str
     database_url: str
+    block_store: str
     postgres_dir: str | None  # the cluster `pool up` runs, if it runs one
     servers: list[ServerEntry]
 
@@ -128,6 +131,7 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
     (root / "logs").mkdir(parents=True, exist_ok=True)
     haproxy = haproxy_binary()
     children: list[subprocess.Popen[bytes]] = []
+    stores: list[subprocess.Popen[bytes]] = []  # stopped after the servers, which flush to them
     cluster: LocalPostgres | None = None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -140,6 +144,14 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
         print(f"database  {database_url}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
         base = {**os.environ, "SEMANTIC_DATABASE_URL": database_url, "SEMANTIC_MODEL": settings.model}
         base.pop("SEMANTIC_CONFIG", None)
+        block_store = settings.block_store
+        if not block_store:
+            s3 = LocalS3(root / "s3", port + n_servers + 2)
+            stores.append(s3.start(root / "logs" / "s3.log"))
+            block_store = s3.block_store
+            base.update(s3.credentials)
+            print(f"s3        SeaweedFS on {s3.endpoint} (objects in {s3.root})", flush=True)
+        base["SEMANTIC_BLOCK_STORE"] = block_store
         servers: list[ServerEntry] = []
         for i in range(1, n_servers + 1):  # one after another: the first imports the model for all
             server_id, server_port = f"s{i}", port + i
@@ -166,16 +178,18 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
         children.append(router)
         router_url = f"http://127.0.0.1:{port}"
         _wait_ready(router_url, router, "the router (HAProxy)", root / "logs" / "haproxy.log")
-        state = PoolState(os.getpid(), router_url, database_url, str(cluster.root) if cluster else None, servers)
+        state = PoolState(os.getpid(), router_url, database_url, block_store, str(cluster.root) if cluster else None,
+                          servers)
         _state_path(settings).write_text(json.dumps(asdict(state), indent=2))
         print(f"pool      {n_servers} server(s) behind {router_url}, {routing} routing  "
               "(semantic pool status; Ctrl-C stops)", flush=True)
-        _supervise(children)
+        _supervise([*stores, *children])
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
         _stop(list(reversed(children)))
+        _stop(stores)
         _state_path(settings).unlink(missing_ok=True)
         if cluster is not None:
             cluster.stop()

