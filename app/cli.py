@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from app import __version__
 from app.errors import SemanticError
 from app.settings import Settings, config_file, load_settings
 
@@ -176,6 +177,7 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"semantic {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve the HTTP API")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import falcon
 
+from app import __version__
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
 from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopback
@@ -101,7 +102,8 @@ def serve(settings: Settings) -> None:
 def waitress_options(settings: Settings) -> dict[str, object]:
     """How waitress serves: its limits hold before the app, the key check or a 413 runs."""
     return {
-        "host": settings.host, "port": settings.port, "threads": settings.threads, "ident": "semantic",
+        "host": settings.host, "port": settings.port, "threads": settings.threads,
+        "ident": f"semantic/{__version__}",  # the Server header
         # Keeps reading each socket during a request, so a client that hangs up is noticed
         # (waitress.client_disconnected) and its work cancelled.
         "channel_request_lookahead": 1,

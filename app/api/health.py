@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import falcon
 
+from app import __version__
 from app.agents.service import AgentService
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
@@ -39,6 +40,7 @@ class HealthResource:
         resp.status = falcon.HTTP_200 if status.healthy else falcon.HTTP_503
         resp.media = {
             "status": "ok" if status.healthy else "loading" if status.loading else "unavailable",
+            "version": __version__,
             "model": status.model,
             "model_swaps": status.swaps,
             "backend": status.backend,

@@ -208,3 +208,11 @@ def test_the_home_and_the_history_are_private_to_their_user(tmp_path: Path) -> N
     (open_home / "semantic.db").chmod(0o644)
     assert semantic(open_home, "config").returncode == 0
     assert (open_home.stat().st_mode & 0o777, (open_home / "semantic.db").stat().st_mode & 0o777) == (0o700, 0o600)
+
+
+def test_version(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        result = semantic(tmp_path, flag)
+        assert (result.returncode, result.stdout) == (0, f"semantic {version('semantic')}\n"), result.stderr

@@ -64,3 +64,20 @@ def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
     statuses = {s.labels.get("status") for s in families["semantic_requests"].samples if s.value > 0}
     assert {"ok", "rejected"} <= statuses
     assert [s.value for s in families["semantic_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1
+
+
+def test_the_server_says_what_version_it_is(server: ServerProcess) -> None:
+    from importlib.metadata import version
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/health")
+    assert response.json()["version"] == version("semantic")
+    assert response.headers["server"] == f"semantic/{version('semantic')}"
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert [(s.labels, s.value) for s in families["semantic_build_info"].samples] == [
+        ({"version": version("semantic")}, 1.0)]
+    # The standard process and Python series, of the server's own process.
+    assert families["process_resident_memory_bytes"].samples[0].value > 50 * 2**20
+    assert families["process_start_time_seconds"].samples[0].value > 0
+    assert "python_info" in families and "python_gc_objects_collected" in families
