@@ -81,3 +81,16 @@ def test_the_server_says_what_version_it_is(server: ServerProcess) -> None:
     assert families["process_resident_memory_bytes"].samples[0].value > 50 * 2**20
     assert families["process_start_time_seconds"].samples[0].value > 0
     assert "python_info" in families and "python_gc_objects_collected" in families
+
+
+def test_status_of_a_server_named_by_url_as_json(server: ServerProcess) -> None:
+    """The server's port is not in the environment: only --url finds it."""
+    env = {**os.environ, "SEMANTIC_HOME": str(server.home)}
+    env.pop("SEMANTIC_PORT", None)
+    done = subprocess.run([sys.executable, "-m", "app", "status", "--url", f"{server.url}/", "--json"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["url"] == server.url and report["health"]["status"] == "ok"
+    assert report["health"]["model"] == "smollm2-135m-instruct"
+    assert set(report) == {"url", "health", "tiers", "disk_bytes", "disk_budget_bytes", "jobs"}

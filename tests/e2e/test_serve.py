@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -83,3 +84,8 @@ def test_status_without_a_server(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "app", "status"], cwd=ROOT, env=semantic_env(tmp_path, free_port()),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "not running" in done.stdout
+    url = f"http://127.0.0.1:{free_port()}"
+    as_json = subprocess.run([sys.executable, "-m", "app", "status", "--json", "--url", url], cwd=ROOT,
+                             env=semantic_env(tmp_path, free_port()), capture_output=True, text=True, timeout=60)
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["health"] is None
+    assert json.loads(as_json.stdout)["url"] == url
