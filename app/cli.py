@@ -13,12 +13,8 @@ from typing import Sequence
 
 from app import __version__
 from app.errors import SemanticError
+from app.logs import configure_logging
 from app.settings import Settings, config_file, load_settings
-
-
-def _configure_logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _keep_private(home: Path) -> None:
@@ -276,7 +272,7 @@ def _run(argv: Sequence[str] | None) -> int:
         settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
                                  model=getattr(args, "model", None), worker=getattr(args, "worker", None),
                                  insecure_no_auth=getattr(args, "insecure_no_auth", None))
-        _configure_logging(settings)
+        configure_logging(settings.log_level, settings.log_format)
         _keep_private(settings.home)
         return int(args.handler(settings, args))
     except SemanticError as exc:

@@ -1,13 +1,16 @@
-"""Per-request context: a request id and the protocol whose error shape applies."""
+"""Request middleware: each request's id and protocol, the request log, the API key, the body limit."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 
 import falcon
 
 from app.errors import RequestTooLarge, Unauthorized
+
+log = logging.getLogger(__name__)
 
 # Probes that must answer without a key (Claude Code's HEAD /, health checks).
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
@@ -22,10 +25,28 @@ def protocol_of(path: str) -> str:
 
 
 class RequestContextMiddleware:
+    """Each request's id (the ``request-id`` header) and protocol, and one log line a request
+    once its status is known, errors included: method, path, status, request id, agent (where
+    the URL or the body named or matched one) and client (its User-Agent). Probes that
+    succeed (``OPEN_PATHS``: health checkers, scrapers) are logged at DEBUG only."""
+
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = f"req_{uuid.uuid4().hex[:24]}"
         req.context.protocol = protocol_of(req.path)
+        req.context.agent = None  # set by the URL (below) or by identity resolution (generation)
         resp.set_header("request-id", req.context.request_id)
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: object,
+                         params: dict[str, str]) -> None:
+        req.context.agent = params.get("agent_id")
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
+                         req_succeeded: bool) -> None:
+        fields = {"method": req.method, "path": req.path, "status": resp.status_code,
+                  "request_id": req.context.request_id, "agent": req.context.agent, "client": req.user_agent}
+        probe = req.path in OPEN_PATHS and resp.status_code < 400
+        log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d request %s agent %s client %r",
+                *fields.values(), extra=fields)
 
 
 class AuthMiddleware:

@@ -260,3 +260,18 @@ def test_help_lists_every_command_and_choice(tmp_path: Path) -> None:
     assert {*SQL_TABLES, *SQL_VIEWS} == schema - {"alembic_version"}
     sql = " ".join(semantic(tmp_path, "sql", "--help").stdout.split())
     assert all(name in sql for name in schema - {"alembic_version"}) and "example: semantic sql" in sql
+
+
+def test_alembic_is_quiet_unless_debugging_and_json_logs(tmp_path: Path) -> None:
+    """Migrating a new database logs nothing at INFO; at DEBUG Alembic's steps show, and
+    with log_format json every line is one JSON object."""
+    quiet = semantic(tmp_path / "info", "jobs", "run", "expire")
+    assert quiet.returncode == 0 and "alembic" not in quiet.stderr.lower(), quiet.stderr
+    loud = semantic(tmp_path / "debug", "jobs", "run", "expire",
+                    env={"SEMANTIC_LOG_LEVEL": "DEBUG", "SEMANTIC_LOG_FORMAT": "json"})
+    assert loud.returncode == 0, loud.stderr
+    records = [json.loads(line) for line in loud.stderr.splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    assert any(r["logger"].startswith("alembic") and "Running upgrade" in r["message"] for r in records)
+    bad = semantic(tmp_path, "config", env={"SEMANTIC_LOG_FORMAT": "xml"})
+    assert bad.returncode == 2 and "log_format: 'xml' is not text or json" in bad.stderr

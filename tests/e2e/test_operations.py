@@ -94,3 +94,25 @@ def test_status_of_a_server_named_by_url_as_json(server: ServerProcess) -> None:
     assert report["url"] == server.url and report["health"]["status"] == "ok"
     assert report["health"]["model"] == "smollm2-135m-instruct"
     assert set(report) == {"url", "health", "tiers", "disk_bytes", "disk_budget_bytes", "jobs"}
+
+
+def test_every_request_is_logged_with_status_request_id_and_agent(server: ServerProcess) -> None:
+    from support.dbcheck import query
+
+    api = httpx.Client(base_url=server.url, timeout=120, headers={"user-agent": "log-test/1"})
+    answered = api.post("/v1/chat/completions", headers={"x-session-id": "log-session-1"}, json={
+        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    missing = api.get("/v1/nowhere")
+    invalid = api.post("/v1/messages", json={"model": "m"})
+    unknown_agent = api.post("/v1/agents/nobody/generate", json={"messages": [{"role": "user", "content": "x"}]})
+    assert [r.status_code for r in (answered, missing, invalid, unknown_agent)] == [200, 404, 400, 404]
+    [(agent,)] = query(server.db_path, "SELECT agent_id FROM requests WHERE id = ?", answered.headers["request-id"])
+    expected = {answered: ("POST /v1/chat/completions 200", agent), missing: ("GET /v1/nowhere 404", None),
+                invalid: ("POST /v1/messages 400", None),
+                unknown_agent: ("POST /v1/agents/nobody/generate 404", "nobody")}
+    for response, (line_start, agent) in expected.items():
+        [line] = [line for line in server.log().splitlines()
+                  if "app.api.middleware" in line and response.headers["request-id"] in line]
+        assert line.endswith(f"{line_start} request {response.headers['request-id']} agent {agent} "
+                             "client 'log-test/1'"), line
+    assert "GET /health 200" not in server.log()  # succeeding probes are DEBUG lines

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, start_server, stop_server
 
 
 def children(pid: int) -> list[int]:
@@ -89,3 +89,17 @@ def test_status_without_a_server(tmp_path: Path) -> None:
                              env=semantic_env(tmp_path, free_port()), capture_output=True, text=True, timeout=60)
     assert as_json.returncode == 1 and json.loads(as_json.stdout)["health"] is None
     assert json.loads(as_json.stdout)["url"] == url
+
+
+def test_a_json_log_has_one_object_a_line_and_no_alembic(tmp_path: Path, smollm2_dir: Path) -> None:
+    server = start_server(tmp_path, smollm2_dir, {"SEMANTIC_LOG_FORMAT": "json"})
+    try:
+        missing = httpx.get(f"{server.url}/v1/nowhere", headers={"user-agent": "json-test"})
+    finally:
+        stop_server(server)
+    records = [json.loads(line) for line in server.log().splitlines()]
+    assert not [r for r in records if r["logger"].startswith("alembic")]
+    [access] = [r for r in records if r.get("request_id") == missing.headers["request-id"]]
+    assert {k: access[k] for k in ("level", "method", "path", "status", "agent", "client")} == {
+        "level": "INFO", "method": "GET", "path": "/v1/nowhere", "status": 404, "agent": None, "client": "json-test"}
+    assert any("listening on" in r["message"] for r in records)
