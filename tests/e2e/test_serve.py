@@ -103,3 +103,32 @@ def test_a_json_log_has_one_object_a_line_and_no_alembic(tmp_path: Path, smollm2
     assert {k: access[k] for k in ("level", "method", "path", "status", "agent", "client")} == {
         "level": "INFO", "method": "GET", "path": "/v1/nowhere", "status": 404, "agent": None, "client": "json-test"}
     assert any("listening on" in r["message"] for r in records)
+
+
+def test_one_server_per_home_and_readers_beside_it(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A second `semantic serve` on the same home refuses at once, naming the first; the
+    first one's worker and the commands that only read keep working."""
+    first = start_server(tmp_path, smollm2_dir, {"SEMANTIC_WORKER": "1"})
+    env = semantic_env(tmp_path, free_port())
+    try:
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "app", "serve", "--no-worker", "--model", str(smollm2_dir)],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert time.monotonic() - started < 30 and "loaded model" not in second.stderr
+        port = first.url.rsplit(":", 1)[1]
+        assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == (
+            f"semantic: error: {tmp_path} is already served by another semantic serve (pid {first.process.pid}, "
+            f"port {port}); stop it first, or give this one its own SEMANTIC_HOME"), second.stderr
+        for args in (("status", "--url", first.url), ("sql", "SELECT count(*) FROM agents"), ("config",),
+                     ("models", "list")):
+            done = subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, (args, done.stderr)
+        [worker] = [pid for pid in children(first.process.pid) if "app worker" in cmdline(pid)]
+        assert "worker starting" in first.log()
+        assert httpx.get(f"{first.url}/health").json()["status"] == "ok"
+    finally:
+        stop_server(first)
+    assert not (tmp_path / "serve.json").exists()
+    again = start_server(tmp_path, smollm2_dir)  # the lock went with the first server
+    stop_server(again)
