@@ -179,6 +179,9 @@ examples:
 
 Each command has its own --help. Settings: `semantic config` prints them; each is a key of
 $SEMANTIC_HOME/config.toml and a SEMANTIC_* variable (port: SEMANTIC_PORT=8080)."""
+# MLX is a dependency on macOS only: elsewhere it comes with the extra for the machine (pyproject.toml).
+MLX_MISSING = ("MLX is not installed; install Semantic with the extra for this machine: "
+               "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)")
 # worker.tasks.JOBS, named here because importing it takes a second (a test keeps them equal).
 JOBS = ("expire", "evict", "compact", "prune")
 # What `semantic sql` reads besides alembic_version (a test keeps them equal to the migrated schema).
@@ -277,6 +280,11 @@ def _run(argv: Sequence[str] | None) -> int:
         return int(args.handler(settings, args))
     except SemanticError as exc:
         print(f"semantic: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "mlx":
+            raise
+        print(f"semantic: error: {MLX_MISSING}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

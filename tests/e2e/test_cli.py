@@ -275,3 +275,15 @@ def test_alembic_is_quiet_unless_debugging_and_json_logs(tmp_path: Path) -> None
     assert any(r["logger"].startswith("alembic") and "Running upgrade" in r["message"] for r in records)
     bad = semantic(tmp_path, "config", env={"SEMANTIC_LOG_FORMAT": "xml"})
     assert bad.returncode == 2 and "log_format: 'xml' is not text or json" in bad.stderr
+
+
+def test_without_mlx_serve_names_the_extra_to_install(tmp_path: Path) -> None:
+    """As after a plain `pip install .` on Linux: `import mlx` fails (here: blocked)."""
+    for args in (("serve", "--no-worker", "--port", "1"), ("models", "list")):
+        code = f"import sys\nsys.modules['mlx'] = None\nfrom app.cli import main\nsys.exit(main({list(args)!r}))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "SEMANTIC_HOME": str(tmp_path)})
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert done.stderr.splitlines()[-1] == (
+            "semantic: error: MLX is not installed; install Semantic with the extra for this machine: "
+            "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)"), done.stderr
