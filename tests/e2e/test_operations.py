@@ -116,3 +116,15 @@ def test_every_request_is_logged_with_status_request_id_and_agent(server: Server
         assert line.endswith(f"{line_start} request {response.headers['request-id']} agent {agent} "
                              "client 'log-test/1'"), line
     assert "GET /health 200" not in server.log()  # succeeding probes are DEBUG lines
+
+
+def test_root_links_to_the_operator_page_and_the_api_docs(server: ServerProcess) -> None:
+    browser = httpx.get(f"{server.url}/", headers={"accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    assert browser.status_code == 200 and browser.headers["content-type"].startswith("text/html")
+    for href in ("/status", "/health", "/metrics", "https://docs.anthropic.com/en/api/messages",
+                 "https://platform.openai.com/docs/api-reference/chat"):
+        assert f'href="{href}"' in browser.text, href
+    assert httpx.get(f"{server.url}/status").status_code == 200  # the link leads somewhere
+    program = httpx.get(f"{server.url}/").json()  # Accept: */*
+    assert program["status"] == "/status" and program["health"] == "/health"
+    assert set(program["api_docs"]) == {"POST /v1/messages", "POST /v1/chat/completions", "POST /v1/responses"}
