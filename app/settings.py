@@ -143,6 +143,10 @@ class Settings:
     # OpenBLAS library to load before MLX: a path, "" = search, "none" = don't.
     blas_library: str = ""
     log_level: str = "INFO"
+    # How log lines look: "text" (time, level, logger, message) or "json" (one object a
+    # line: time, level, logger, message, and a request's fields: method, path, status,
+    # request_id, agent, client).
+    log_format: str = "text"
     # `semantic serve` runs the Huey worker (expire, evict, compact, prune) as its child;
     # false (`--no-worker`) when the worker is supervised on its own.
     worker: bool = True
@@ -305,6 +309,8 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Set
     for where, kv_format in requested.items():
         if kv_format not in ("auto", *KV_FORMAT_NAMES):
             raise ConfigError(f"{where}: {kv_format!r} is not auto or one of {', '.join(KV_FORMAT_NAMES)}")
+    if settings.log_format not in ("text", "json"):
+        raise ConfigError(f"log_format: {settings.log_format!r} is not text or json")
     for name, (low, high) in BOUNDS.items():
         value = getattr(settings, name)
         if not low <= value <= high:

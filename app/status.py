@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from app.settings import Settings
@@ -37,9 +38,13 @@ def read_health(url: str) -> dict[str, Any] | None:
         return None
 
 
-def collect(settings: Settings) -> StatusReport:
+def server_url(settings: Settings) -> str:
+    """Where the configured server answers on this machine."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    url = f"http://{host}:{settings.port}"
+    return f"http://{host}:{settings.port}"
+
+
+def collect(settings: Settings, url: str) -> StatusReport:
     tiers, disk, runs = {}, 0, []
     if settings.database_url or settings.db_path.exists():  # the server or the worker created and migrated it
         engine = make_engine(settings.db_url)
@@ -55,6 +60,14 @@ def collect(settings: Settings) -> StatusReport:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def _utc(value: datetime) -> str:
+    return value.replace(tzinfo=timezone.utc).isoformat()  # the store keeps naive UTC times
+
+
+def format_json(report: StatusReport) -> str:
+    return json.dumps(asdict(report), default=_utc, indent=2)
 
 
 def format_report(report: StatusReport) -> str:

@@ -143,6 +143,7 @@ class GenerationResource:
         model = self._engine.resolve(parsed.model).name
         target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
                                       parsed.system_digest, parsed.message_digests)
+        req.context.agent = target.agent.agent_id
         parsed = parsed.with_snapshot(target.snapshot)
         try:
             prompt = self._engine.render(parsed.messages, parsed.reply_start, model)

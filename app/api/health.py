@@ -1,4 +1,4 @@
-"""Operational endpoints: HEAD /, GET /health, GET /v1/models."""
+"""Operational endpoints: HEAD and GET /, GET /health, GET /v1/models."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 import falcon
 
+from app import __version__
 from app.agents.service import AgentService
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
@@ -19,14 +20,33 @@ if TYPE_CHECKING:
     from app.engine.model import KVChoice
 
 
+# Where ``GET /`` points: this server's pages, and the references of the APIs it speaks.
+PAGES = {"status": ("/status", "the operator page: model, memory, agents and their caches, misses, jobs"),
+         "health": ("/health", "health, model and version (JSON)"),
+         "metrics": ("/metrics", "Prometheus metrics"),
+         "models": ("/v1/models", "the models a request may name")}
+API_DOCS = {"POST /v1/messages": "https://docs.anthropic.com/en/api/messages",
+            "POST /v1/chat/completions": "https://platform.openai.com/docs/api-reference/chat",
+            "POST /v1/responses": "https://platform.openai.com/docs/api-reference/responses"}
+
+
 class RootResource:
-    """Claude Code probes ``HEAD /`` before its first request."""
+    """``GET /``: links to the pages and the API references, as a page for a browser and as
+    JSON for anything else. Claude Code probes ``HEAD /`` before its first request."""
 
     def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.status = falcon.HTTP_200
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        resp.media = {"name": "semantic", "health": "/health", "models": "/v1/models"}
+        if req.client_prefers(["application/json", "text/html"]) != "text/html":
+            resp.media = {"name": "semantic", "version": __version__, **{k: path for k, (path, _) in PAGES.items()},
+                          "api_docs": API_DOCS}
+            return
+        pages = "".join(f'<li><a href="{path}">{path}</a>: {what}</li>' for path, what in PAGES.values())
+        docs = "".join(f'<li>{route}: <a href="{url}">{url}</a></li>' for route, url in API_DOCS.items())
+        resp.content_type = "text/html; charset=utf-8"
+        resp.text = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Semantic</title></head>'
+                     f"<body><h1>Semantic {__version__}</h1><ul>{pages}</ul><h2>API</h2><ul>{docs}</ul></body></html>")
 
 
 class HealthResource:
@@ -41,6 +61,7 @@ class HealthResource:
         resp.media = {
             "status": "ok" if status.healthy else "loading" if status.loading else "unavailable",
             "server_id": self._server_id,
+            "version": __version__,
             "model": status.model,
             "model_swaps": status.swaps,
             "backend": status.backend,

@@ -1,15 +1,18 @@
-"""GET /metrics: Prometheus text format, from a registry owned by the app (not global)."""
+"""GET /metrics: Prometheus text format, from a registry owned by the app (not global):
+Semantic's own series, its build, and the standard process and Python ones."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import falcon
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from app import __version__
 from app.types import Finished
 
 if TYPE_CHECKING:
@@ -43,6 +46,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(JobRunsCollector(job_counts))
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
+            r.register(standard)
+        Gauge("semantic_build_info", "The running version of Semantic (always 1)", ["version"],
+              registry=r).labels(__version__).set(1)
         self.requests = Counter("semantic_requests", "Generation requests by protocol and outcome",
                                 ["protocol", "status"], registry=r)
         self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)

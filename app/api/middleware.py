@@ -1,13 +1,16 @@
-"""Per-request context: a request id and the protocol whose error shape applies."""
+"""Request middleware: each request's id and protocol, the request log, the API key, the body limit."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 import uuid
 
 import falcon
 
 from app.errors import RequestTooLarge, Unauthorized
+
+log = logging.getLogger(__name__)
 
 # Probes that must answer without a key (Claude Code's HEAD /, health checks).
 OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
@@ -22,8 +25,11 @@ def protocol_of(path: str) -> str:
 
 
 class RequestContextMiddleware:
-    """A request id, the protocol, and the server's name on every response (``x-semantic-server``:
-    which server of a pool answered)."""
+    """Each request's id (the ``request-id`` header) and protocol, the server's name on every
+    response (``x-semantic-server``: which server of a pool answered), and one log line a
+    request once its status is known, errors included: method, path, status, request id,
+    agent (where the URL or the body named or matched one) and client (its User-Agent).
+    Probes that succeed (``OPEN_PATHS``: health checkers, scrapers) are logged at DEBUG only."""
 
     def __init__(self, server_id: str) -> None:
         self._server_id = server_id
@@ -31,8 +37,21 @@ class RequestContextMiddleware:
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.request_id = f"req_{uuid.uuid4().hex[:24]}"
         req.context.protocol = protocol_of(req.path)
+        req.context.agent = None  # set by the URL (below) or by identity resolution (generation)
         resp.set_header("request-id", req.context.request_id)
         resp.set_header("x-semantic-server", self._server_id)
+
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource: object,
+                         params: dict[str, str]) -> None:
+        req.context.agent = params.get("agent_id")
+
+    def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
+                         req_succeeded: bool) -> None:
+        fields = {"method": req.method, "path": req.path, "status": resp.status_code,
+                  "request_id": req.context.request_id, "agent": req.context.agent, "client": req.user_agent}
+        probe = req.path in OPEN_PATHS and resp.status_code < 400
+        log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d request %s agent %s client %r",
+                *fields.values(), extra=fields)
 
 
 class AuthMiddleware:

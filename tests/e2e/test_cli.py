@@ -208,3 +208,82 @@ def test_the_home_and_the_history_are_private_to_their_user(tmp_path: Path) -> N
     (open_home / "semantic.db").chmod(0o644)
     assert semantic(open_home, "config").returncode == 0
     assert (open_home.stat().st_mode & 0o777, (open_home / "semantic.db").stat().st_mode & 0o777) == (0o700, 0o600)
+
+
+def test_version(tmp_path: Path) -> None:
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        result = semantic(tmp_path, flag)
+        assert (result.returncode, result.stdout) == (0, f"semantic {version('semantic')}\n"), result.stderr
+
+
+def test_a_closed_pipe_ends_the_output_quietly(tmp_path: Path) -> None:
+    """`semantic config | head -1`: no BrokenPipeError traceback; the exit status of a tool SIGPIPE ended."""
+    for args, code in ((("config",), 141), (("jobs", "run", "expire"), 141), (("--help",), 0)):  # argparse: 0
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first write: every write fails with EPIPE
+        try:
+            result = subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, stdout=write_end,
+                                    stderr=subprocess.PIPE, text=True, timeout=120,
+                                    env={**os.environ, "SEMANTIC_HOME": str(tmp_path)})
+        finally:
+            os.close(write_end)
+        assert result.returncode == code and "Broken" not in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, (args, result.stderr)
+
+
+def test_help_lists_every_command_and_choice(tmp_path: Path) -> None:
+    from app.catalog.embedded import EMBEDDED
+    from app.cli import JOBS, SQL_TABLES, SQL_VIEWS, build_parser
+    from worker.tasks import JOBS as WORKER_JOBS
+
+    commands = [a for a in build_parser()._actions if a.dest == "command"][0].choices
+    top = semantic(tmp_path, "--help", env={"COLUMNS": "80"})
+    assert top.returncode == 0 and "--version" in top.stdout and "SEMANTIC_" in top.stdout
+    section = top.stdout.split("commands:\n  COMMAND\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[0] for line in section] == list(commands)  # one line each: no wrapped help
+    assert all(len(line.split()) >= 3 for line in section)
+    assert len(commands) == 7
+    assert JOBS == tuple(WORKER_JOBS)
+    jobs = semantic(tmp_path, "jobs", "run", "--help").stdout
+    assert all(job in jobs for job in JOBS) and "example: semantic jobs run" in jobs
+    bogus = semantic(tmp_path, "jobs", "run", "bogus")
+    assert bogus.returncode == 2 and "invalid choice: 'bogus'" in bogus.stderr and "'prune'" in bogus.stderr
+    install = semantic(tmp_path, "models", "install", "--help").stdout
+    assert all(name in install for name in EMBEDDED)
+    assert "invalid choice: 'llama'" in semantic(tmp_path, "models", "install", "llama").stderr
+    # `sql --help` names every table and view there is to read (the schema a migration makes).
+    assert semantic(tmp_path, "jobs", "run", "expire").returncode == 0
+    schema = {name for (name,) in query(tmp_path / "semantic.db",
+                                        "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+    assert {*SQL_TABLES, *SQL_VIEWS} == schema - {"alembic_version"}
+    sql = " ".join(semantic(tmp_path, "sql", "--help").stdout.split())
+    assert all(name in sql for name in schema - {"alembic_version"}) and "example: semantic sql" in sql
+
+
+def test_alembic_is_quiet_unless_debugging_and_json_logs(tmp_path: Path) -> None:
+    """Migrating a new database logs nothing at INFO; at DEBUG Alembic's steps show, and
+    with log_format json every line is one JSON object."""
+    quiet = semantic(tmp_path / "info", "jobs", "run", "expire")
+    assert quiet.returncode == 0 and "alembic" not in quiet.stderr.lower(), quiet.stderr
+    loud = semantic(tmp_path / "debug", "jobs", "run", "expire",
+                    env={"SEMANTIC_LOG_LEVEL": "DEBUG", "SEMANTIC_LOG_FORMAT": "json"})
+    assert loud.returncode == 0, loud.stderr
+    records = [json.loads(line) for line in loud.stderr.splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    assert any(r["logger"].startswith("alembic") and "Running upgrade" in r["message"] for r in records)
+    bad = semantic(tmp_path, "config", env={"SEMANTIC_LOG_FORMAT": "xml"})
+    assert bad.returncode == 2 and "log_format: 'xml' is not text or json" in bad.stderr
+
+
+def test_without_mlx_serve_names_the_extra_to_install(tmp_path: Path) -> None:
+    """As after a plain `pip install .` on Linux: `import mlx` fails (here: blocked)."""
+    for args in (("serve", "--no-worker", "--port", "1"), ("models", "list")):
+        code = f"import sys\nsys.modules['mlx'] = None\nfrom app.cli import main\nsys.exit(main({list(args)!r}))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "SEMANTIC_HOME": str(tmp_path)})
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert done.stderr.splitlines()[-1] == (
+            "semantic: error: MLX is not installed; install Semantic with the extra for this machine: "
+            "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)"), done.stderr

@@ -78,3 +78,67 @@ def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
     statuses = {s.labels.get("status") for s in families["semantic_requests"].samples if s.value > 0}
     assert {"ok", "rejected"} <= statuses
     assert [s.value for s in families["semantic_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1
+
+
+def test_the_server_says_what_version_it_is(server: ServerProcess) -> None:
+    from importlib.metadata import version
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/health")
+    assert response.json()["version"] == version("semantic")
+    assert response.headers["server"] == f"semantic/{version('semantic')}"
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    assert [(s.labels, s.value) for s in families["semantic_build_info"].samples] == [
+        ({"version": version("semantic")}, 1.0)]
+    # The standard process and Python series, of the server's own process.
+    assert families["process_resident_memory_bytes"].samples[0].value > 50 * 2**20
+    assert families["process_start_time_seconds"].samples[0].value > 0
+    assert "python_info" in families and "python_gc_objects_collected" in families
+
+
+def test_status_of_a_server_named_by_url_as_json(server: ServerProcess) -> None:
+    """The server's port is not in the environment: only --url finds it."""
+    env = {**os.environ, "SEMANTIC_HOME": str(server.home)}
+    env.pop("SEMANTIC_PORT", None)
+    done = subprocess.run([sys.executable, "-m", "app", "status", "--url", f"{server.url}/", "--json"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["url"] == server.url and report["health"]["status"] == "ok"
+    assert report["health"]["model"] == "smollm2-135m-instruct"
+    assert set(report) == {"url", "health", "tiers", "disk_bytes", "disk_budget_bytes", "jobs"}
+
+
+def test_every_request_is_logged_with_status_request_id_and_agent(server: ServerProcess) -> None:
+    from support.dbcheck import query
+
+    api = httpx.Client(base_url=server.url, timeout=120, headers={"user-agent": "log-test/1"})
+    answered = api.post("/v1/chat/completions", headers={"x-session-id": "log-session-1"}, json={
+        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    missing = api.get("/v1/nowhere")
+    invalid = api.post("/v1/messages", json={"model": "m"})
+    unknown_agent = api.post("/v1/agents/nobody/generate", json={"messages": [{"role": "user", "content": "x"}]})
+    assert [r.status_code for r in (answered, missing, invalid, unknown_agent)] == [200, 404, 400, 404]
+    [(agent,)] = query(server.db_path, "SELECT agent_id FROM requests WHERE id = ?", answered.headers["request-id"])
+    expected = {answered: ("POST /v1/chat/completions 200", agent), missing: ("GET /v1/nowhere 404", None),
+                invalid: ("POST /v1/messages 400", None),
+                unknown_agent: ("POST /v1/agents/nobody/generate 404", "nobody")}
+    for response, (line_start, agent) in expected.items():
+        [line] = [line for line in server.log().splitlines()
+                  if "app.api.middleware" in line and response.headers["request-id"] in line]
+        assert line.endswith(f"{line_start} request {response.headers['request-id']} agent {agent} "
+                             "client 'log-test/1'"), line
+    assert "GET /health 200" not in server.log()  # succeeding probes are DEBUG lines
+
+
+def test_root_links_to_the_operator_page_and_the_api_docs(server: ServerProcess) -> None:
+    browser = httpx.get(f"{server.url}/", headers={"accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    assert browser.status_code == 200 and browser.headers["content-type"].startswith("text/html")
+    for href in ("/status", "/health", "/metrics", "https://docs.anthropic.com/en/api/messages",
+                 "https://platform.openai.com/docs/api-reference/chat"):
+        assert f'href="{href}"' in browser.text, href
+    assert httpx.get(f"{server.url}/status").status_code == 200  # the link leads somewhere
+    program = httpx.get(f"{server.url}/").json()  # Accept: */*
+    assert program["status"] == "/status" and program["health"] == "/health"
+    assert set(program["api_docs"]) == {"POST /v1/messages", "POST /v1/chat/completions", "POST /v1/responses"}

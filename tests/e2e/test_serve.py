@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, start_server, stop_server
 
 
 def children(pid: int) -> list[int]:
@@ -83,3 +84,51 @@ def test_status_without_a_server(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "app", "status"], cwd=ROOT, env=semantic_env(tmp_path, free_port()),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "not running" in done.stdout
+    url = f"http://127.0.0.1:{free_port()}"
+    as_json = subprocess.run([sys.executable, "-m", "app", "status", "--json", "--url", url], cwd=ROOT,
+                             env=semantic_env(tmp_path, free_port()), capture_output=True, text=True, timeout=60)
+    assert as_json.returncode == 1 and json.loads(as_json.stdout)["health"] is None
+    assert json.loads(as_json.stdout)["url"] == url
+
+
+def test_a_json_log_has_one_object_a_line_and_no_alembic(tmp_path: Path, smollm2_dir: Path) -> None:
+    server = start_server(tmp_path, smollm2_dir, {"SEMANTIC_LOG_FORMAT": "json"})
+    try:
+        missing = httpx.get(f"{server.url}/v1/nowhere", headers={"user-agent": "json-test"})
+    finally:
+        stop_server(server)
+    records = [json.loads(line) for line in server.log().splitlines()]
+    assert not [r for r in records if r["logger"].startswith("alembic")]
+    [access] = [r for r in records if r.get("request_id") == missing.headers["request-id"]]
+    assert {k: access[k] for k in ("level", "method", "path", "status", "agent", "client")} == {
+        "level": "INFO", "method": "GET", "path": "/v1/nowhere", "status": 404, "agent": None, "client": "json-test"}
+    assert any("listening on" in r["message"] for r in records)
+
+
+def test_one_server_per_home_and_readers_beside_it(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A second `semantic serve` on the same home refuses at once, naming the first; the
+    first one's worker and the commands that only read keep working."""
+    first = start_server(tmp_path, smollm2_dir, {"SEMANTIC_WORKER": "1"})
+    env = semantic_env(tmp_path, free_port())
+    try:
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "app", "serve", "--no-worker", "--model", str(smollm2_dir)],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert time.monotonic() - started < 30 and "loaded model" not in second.stderr
+        port = first.url.rsplit(":", 1)[1]
+        assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == (
+            f"semantic: error: {tmp_path} is already served by another semantic serve (pid {first.process.pid}, "
+            f"port {port}); stop it first, or give this one its own SEMANTIC_HOME"), second.stderr
+        for args in (("status", "--url", first.url), ("sql", "SELECT count(*) FROM agents"), ("config",),
+                     ("models", "list")):
+            done = subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, (args, done.stderr)
+        [worker] = [pid for pid in children(first.process.pid) if "app worker" in cmdline(pid)]
+        assert "worker starting" in first.log()
+        assert httpx.get(f"{first.url}/health").json()["status"] == "ok"
+    finally:
+        stop_server(first)
+    assert not (tmp_path / "serve.json").exists()
+    again = start_server(tmp_path, smollm2_dir)  # the lock went with the first server
+    stop_server(again)

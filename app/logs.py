@@ -1,0 +1,33 @@
+"""Logging for every command: one line a record, as text or as one JSON object (``log_format``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What every LogRecord carries; anything else on a record came from ``extra=`` (a request's fields).
+_STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"time", "level", "logger", "message"}``, the fields given as ``extra=``, and the
+    traceback as ``exception`` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    # Alembic logs its plug-ins and every migration step at INFO: noise in a server's log.
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
