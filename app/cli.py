@@ -214,7 +214,7 @@ MLX_MISSING = ("MLX is not installed; install Semantic with the extra for this m
 JOBS = ("expire", "evict", "compact", "prune")
 # What `semantic sql` reads besides alembic_version (a test keeps them equal to the migrated schema).
 SQL_TABLES = ("agents", "conversations", "messages", "requests", "responses", "caches", "cache_blocks", "blocks",
-              "job_runs")
+              "owners", "job_runs")
 SQL_VIEWS = ("agent_turns", "conversation_turns", "agent_cache_hits", "cache_misses", "tokens_per_day")
 
 

@@ -84,7 +84,8 @@ def _serve(settings: Settings) -> None:
     tier = S3Tier(settings.block_store) if settings.block_store else None
     scope = settings.effective_server_id if is_postgres_url(settings.db_url) and tier is None else ""
     cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
-                        settings.max_conversations, settings.kv_format_for, scope, tier)
+                        settings.max_conversations, settings.kv_format_for, scope, tier,
+                        settings.effective_server_id if tier is not None else None)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)

@@ -32,6 +32,7 @@ from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
 from app.cache.shared_tier import S3Tier
+from app.store import ownership
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.store import blockfiles, cache_index
@@ -90,7 +91,8 @@ class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
                  max_conversations: int = 8, working_copies: int = 4, kv_format: KVFormat = DEFAULT_KV_FORMAT,
-                 clock: Callable[[], float] = time.monotonic, tier: S3Tier | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, tier: S3Tier | None = None,
+                 owner: str | None = None) -> None:
         self.fingerprint = fingerprint
         self.kv_format = kv_format
         self.enabled = enabled
@@ -117,7 +119,11 @@ class CacheManager:
         # cache_control): conversation -> clock time after which it goes warm.
         self._hot_until: dict[str, float] = {}
         self._clock = clock
-        self._persister = Persister(self._files, sessions)
+        # In a pool with a shared tier: this server's id, and the epoch of each agent it saw
+        # when it last served it (app.store.ownership).
+        self._owner = owner
+        self._epochs: dict[str, int] = {}
+        self._persister = Persister(self._files, sessions, owner)
         self._persister.start()
         self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
 
@@ -144,6 +150,8 @@ class CacheManager:
         ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
         if not self.enabled or agent_id is None or conversation_id is None:
             return self.cold(None, None, ReuseReport("off"))
+        if self._owner is not None and not self._own(agent_id):
+            return self.cold(agent_id, conversation_id, ReuseReport("miss"))
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
         n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
@@ -162,6 +170,26 @@ class CacheManager:
             return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
                                      ReuseReport("shared", prompt.ends[n_shared - 1], **divergence))
         return self.cold(agent_id, conversation_id, ReuseReport("miss", 0, **divergence))
+
+    def _own(self, agent_id: str) -> bool:
+        """Claim the agent for this server (pool mode). If another server owned it since this
+        one last served it, what this one holds in memory may be older than the store: it is
+        dropped, and the agent's caches come from the store. False: the store cannot be
+        reached (the turn runs cold)."""
+        assert self._owner is not None
+        try:
+            epoch = ownership.claim(self._sessions, agent_id, self._owner, utcnow())
+        except Exception as exc:
+            log.warning("agent %s: ownership not claimed (%s); no cache this turn", agent_id, exc)
+            return False
+        if self._epochs.get(agent_id, epoch) != epoch:
+            stale = [c.conversation_id for c in self._hot.values() if c.agent_id == agent_id]
+            for conversation_id in stale:
+                self._release(conversation_id)
+            log.info("agent %s: owned by another server since epoch %d; %d conversation(s) dropped from memory",
+                     agent_id, self._epochs[agent_id], len(stale))
+        self._epochs[agent_id] = epoch
+        return True
 
     def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
         """The agent's conversation whose stored text shares the longest prefix with the
@@ -310,8 +338,8 @@ class CacheManager:
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail)
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
-        written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain})) \
-            if persist else None
+        written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
+                                                  self._epochs.get(lease.agent_id))) if persist else None
         if hot_ttl_s is not None and persist:
             self._hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:

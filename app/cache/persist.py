@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier, Upload, Uploader
-from app.store import blockfiles, cache_index
+from app.store import blockfiles, cache_index, ownership
 from app.store.db import with_retries, write_locked
 from app.store.history import ensure_conversation, utcnow
 
@@ -70,10 +70,13 @@ class ConversationCache:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Write ``cache``; ``blocks`` holds the chain's blocks (those not on disk yet get written)."""
+    """Write ``cache``; ``blocks`` holds the chain's blocks (those not on disk yet get written).
+    ``epoch``: in a pool, the agent's ownership epoch the cache was computed under (indexed
+    only while it is current)."""
 
     cache: ConversationCache
     blocks: dict[str, KVBlock]
+    epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,10 +200,11 @@ def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
 
 
 class Persister(threading.Thread):
-    def __init__(self, files: CacheFiles, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, files: CacheFiles, sessions: sessionmaker[Session], owner: str | None = None) -> None:
         super().__init__(name="semantic-persist", daemon=True)
         self._files = files
         self._sessions = sessions
+        self._owner = owner
         self._uploader = Uploader(files.tier) if files.tier is not None else None
         if self._uploader is not None:
             self._uploader.start()
@@ -252,7 +256,13 @@ class Persister(threading.Thread):
             written = [self._files.write_block(block, snapshot.blocks[block]) for block in cache.chain]
             # Another writer (the worker, a second process) may hold the database: wait it out
             # as a finished turn's history does, rather than lose the cache's rows.
-            indexed, previous = with_retries(lambda: self._index(cache, record_path, written), INDEX_ATTEMPTS)
+            indexed, previous = with_retries(lambda: self._index(cache, record_path, written, snapshot.epoch),
+                                             INDEX_ATTEMPTS)
+            if indexed is None:  # another server owns the agent now: its cache is the one that counts
+                record_path.unlink(missing_ok=True)
+                log.warning("conversation %s: not indexed, agent %s is owned by another server since",
+                            cache.conversation_id, cache.agent_id)
+                return
             if not indexed:
                 continue
             # Only now: a crash before the commit leaves the previous record in force (and the new
@@ -265,11 +275,15 @@ class Persister(threading.Thread):
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
-    def _index(self, cache: ConversationCache, record_path: Path,
-               written: list[tuple[Path, str]]) -> tuple[bool, cache_index.CacheEntry | None]:
+    def _index(self, cache: ConversationCache, record_path: Path, written: list[tuple[Path, str]],
+               epoch: int | None) -> tuple[bool | None, cache_index.CacheEntry | None]:
         """Index the written files in one transaction: (False, None) if a block file was
-        deleted meanwhile, else (True, the entry it replaced)."""
+        deleted meanwhile, (None, None) if this server no longer owns the agent (pool mode),
+        else (True, the entry it replaced)."""
         with write_locked(self._sessions) as session:
+            if self._owner is not None and epoch is not None and \
+                    not ownership.still_owns(session, cache.agent_id, self._owner, epoch):
+                return None, None
             # A block file that existed above may have been deleted since by the worker
             # (its row was dropped); under the lock no deleter runs, and after this
             # commit the rows protect the files.

@@ -38,12 +38,14 @@ class CacheConfig:
     kv_format_for: Callable[[str], str] = lambda _model: "auto"  # model name -> stored format's name or "auto"
     scope: str = ""  # in a pool without a shared tier: this server's id (``hashing.scoped_fingerprint``)
     tier: S3Tier | None = None  # a pool's shared block tier
+    owner: str | None = None  # with a tier: this server's id, the owner it claims agents as
 
     def manager_for(self, loaded: LoadedModel) -> CacheManager:
         return CacheManager(fingerprint=scoped_fingerprint(loaded.fingerprint, self.scope), n_layers=loaded.n_layers,
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
-                            max_conversations=self.max_conversations, kv_format=loaded.kv_format, tier=self.tier)
+                            max_conversations=self.max_conversations, kv_format=loaded.kv_format, tier=self.tier,
+                            owner=self.owner)
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,17 @@ class CacheBlock(Base):
     __table_args__ = (Index("ix_cache_blocks_block_hash", "block_hash"),)
 
 
+class Owner(Base):
+    """The server of a pool that owns an agent's live cache (app.store.ownership)."""
+
+    __tablename__ = "owners"
+
+    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    server_id: Mapped[str] = mapped_column(String(128))
+    epoch: Mapped[int]  # one more at every change of owner
+    taken_at: Mapped[datetime]
+
+
 class JobRun(Base):
     """One run of a worker job and what it did."""
 

@@ -106,3 +106,39 @@ def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -
     c = server(tmp_path, "c", n_layers, tier)
     assert c.lease("a", "c", as_prompt(tokens)).n_reused == 0
     c.close()
+
+
+def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(tmp_path: Path, s3_url: str) -> None:
+    """a serves the agent, is cut off mid-turn, b takes the agent over (epoch 2) and goes on;
+    a's late turn is not indexed over b's, and a's next turn serves b's cache, not its own
+    older copy. Without epochs the row would point at a's record and a would reuse 600."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(5)
+    first, late, more, next_turn = (rng.integers(0, VOCAB, n).tolist() for n in (600, 40, 30, 20))
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
+    b = server(tmp_path, "b", n_layers, S3Tier(s3_url), owner="b")
+
+    lease = a.lease("a", "c", as_prompt(first))
+    forward(model, lease.cache, first)
+    a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    assert a.flush(60)
+    cut_off = a.lease("a", "c", as_prompt(first + late))  # a's turn in flight when it is cut off
+    forward(model, cut_off.cache, late)
+
+    lease = b.lease("a", "c", as_prompt(first + more))  # the router moved the agent: b owns it now
+    assert lease.n_reused == 600
+    forward(model, lease.cache, more)
+    b.commit(lease, CacheRecord(*_record_fields(first + more)), lease.cache)
+    assert b.flush(60)
+
+    a.commit(cut_off, CacheRecord(*_record_fields(first + late)), cut_off.cache)  # a's late turn
+    assert a.flush(60)
+    assert query(tmp_path / "pool.db", "SELECT n_tokens FROM caches") == [(630,)]  # still b's
+    assert query(tmp_path / "pool.db", "SELECT server_id, epoch FROM owners") == [("b", 2)]
+
+    lease = a.lease("a", "c", as_prompt(first + more + next_turn))  # the agent comes back to a
+    assert lease.n_reused == 630  # b's cache from the store, not a's own 640-token copy of another turn
+    assert query(tmp_path / "pool.db", "SELECT server_id, epoch FROM owners") == [("a", 3)]
+    a.close()
+    b.close()
