@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.settings import load_settings
-from benchmarks.common import anthropic_stream, print_table, pyplot, save_plot, write_results
+from benchmarks.common import RESULTS, anthropic_stream, print_table, pyplot, save_plot, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["plumbing", "gardening", "bicycles", "cameras", "tea", "chess", "sailing", "pottery",
@@ -122,7 +122,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--kill-after", type=int, default=3)
     parser.add_argument("--port", type=int, default=38400)
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the saved JSON")
     args = parser.parse_args()
+    if args.replot:
+        replot()
+        return
     runs = [run_pool(routing, args.agents, args.turns, args.kill_after, args.port + 10 * i)
             for i, routing in enumerate(("affinity", "round-robin"))]
     summaries = [summarise(run) for run in runs]
@@ -133,18 +137,28 @@ def main() -> None:
                  for s in summaries])
     path = write_results("pool", {"agents": args.agents, "turns": args.turns, "summaries": summaries, "runs": runs})
     print(f"wrote {path}")
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for s in summaries:
-            ax.plot(range(1, args.turns + 1), s["median_ttft_by_turn_s"], marker="o", label=s["routing"])
-        ax.axvline(args.kill_after + 0.5, color="grey", linestyle="--", label="kill -9 of one server")
-        ax.set_xlabel("turn")
-        ax.set_ylabel("median seconds to first token")
-        ax.set_title(f"{args.agents} agents on a local pool of 2 servers")
-        ax.legend()
-        save_plot(fig, "pool")
+    plot(summaries, args.agents, args.turns, args.kill_after)
 
+
+def plot(summaries: list[dict[str, Any]], n_agents: int, n_turns: int, kill_after: int) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in summaries:
+        ax.plot(range(1, n_turns + 1), s["median_ttft_by_turn_s"], marker="o", label=s["routing"])
+    ax.axvline(kill_after + 0.5, color="grey", linestyle="--", label="kill -9 of one server")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("median seconds to first token")
+    ax.set_title(f"{n_agents} agents on a local pool of 2 servers")
+    ax.legend()
+    save_plot(fig, "pool")
+
+
+def replot() -> None:
+    """Redraw the plot from benchmarks/results/pool.json."""
+    data = json.loads((RESULTS / "pool.json").read_text())
+    plot(data["summaries"], data["agents"], data["turns"], data["runs"][0]["kill_after"])
 
 if __name__ == "__main__":
     main()
