@@ -66,7 +66,7 @@ class Metrics:
              lambda s: s.pool_bytes),
             ("semantic_cache_pool_budget_bytes", "Memory pool budget", lambda s: s.budget_bytes),
             ("semantic_cache_hot_agents", "Agents whose cache is in memory", lambda s: s.hot_agents),
-            ("semantic_cache_evictions", "Agents spilled from memory to disk since start", lambda s: s.n_spilled),
+            ("semantic_cache_evictions", "Conversations spilled from memory to disk since start", lambda s: s.n_spilled),
         ):
             Gauge(name, doc, registry=r).set_function(
                 lambda read=read: float(read(engine.status().cache)) if engine.status().cache else 0.0)
