@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from app import __version__
-from app.errors import SemanticError
+from app.errors import ConfigError, SemanticError
 from app.logs import configure_logging
 from app.settings import Settings, config_file, load_settings
 
@@ -191,6 +191,21 @@ def cmd_pool_status(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if all(row["healthy"] for row in rows) else 1
 
 
+def cmd_pool_router_config(settings: Settings, args: argparse.Namespace) -> int:
+    from app.pool.haproxy import Backend, render_config
+
+    backends = []
+    for item in args.server:
+        name, sep, address = item.partition("=")
+        host, colon, port = address.rpartition(":")
+        if not sep or not colon or not port.isdigit() or not name:
+            raise ConfigError(f"--server: expected ID=HOST:PORT, got {item!r}")
+        backends.append(Backend(name, host, int(port)))
+    print(render_config(args.port or settings.port, backends, args.admin_socket, host=args.bind,
+                        routing=args.routing), end="")
+    return 0
+
+
 def cmd_pool_down(settings: Settings, _args: argparse.Namespace) -> int:
     from app.pool.supervisor import pool_down
 
@@ -276,6 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
     pool_status.add_argument("--json", action="store_true", help="as JSON")
     pool_status.set_defaults(handler=cmd_pool_status)
     pool_commands.add_parser("down", help="stop the running pool").set_defaults(handler=cmd_pool_down)
+    router = pool_commands.add_parser(
+        "router-config", help="print the HAProxy configuration for servers on other machines",
+        epilog="example: semantic pool router-config --server s1=10.0.0.5:8000 --server s2=10.0.0.6:8000 "
+               "--bind 0.0.0.0 --port 8000 > /etc/haproxy/haproxy.cfg")
+    router.add_argument("--server", action="append", required=True, metavar="ID=HOST:PORT",
+                        help="a server of the pool (its server_id and address); repeat for each")
+    router.add_argument("--port", type=int, help="the router's port (default: the port setting, 8000)")
+    router.add_argument("--bind", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
+    router.add_argument("--admin-socket", default="/run/haproxy/semantic-admin.sock",
+                        help="HAProxy's runtime API socket")
+    router.add_argument("--routing", default="affinity", choices=["affinity", "round-robin"])
+    router.set_defaults(handler=cmd_pool_router_config)
 
     models = commands.add_parser("models", help="import, install and list models")
     model_commands = models.add_subparsers(dest="models_command", required=True, title="commands",

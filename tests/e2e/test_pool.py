@@ -132,3 +132,16 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
             pool.wait(timeout=60)
         if state.get("postgres_dir"):
             shutil.rmtree(state["postgres_dir"], ignore_errors=True)
+
+
+def test_router_config_for_servers_on_other_machines_is_valid_haproxy(tmp_path: Path) -> None:
+    done = semantic(tmp_path, "pool", "router-config", "--server", "s1=10.0.0.5:8000", "--server", "s2=10.0.0.6:8000",
+                    "--bind", "0.0.0.0", "--port", "8080", "--admin-socket", str(tmp_path / "admin.sock"))
+    assert done.returncode == 0, done.stderr
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(done.stdout)
+    assert "bind 0.0.0.0:8080" in done.stdout and "server s2 10.0.0.6:8000" in done.stdout
+    checked = subprocess.run(["haproxy", "-c", "-f", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    refused = semantic(tmp_path, "pool", "router-config", "--server", "s1")
+    assert refused.returncode == 2 and "ID=HOST:PORT" in refused.stderr
