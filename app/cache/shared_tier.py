@@ -55,7 +55,8 @@ class S3Tier:
         from botocore.config import Config
 
         self.location = parse_block_store(url)
-        self._client = boto3.client(
+        # A session of its own: boto3's default one keeps the first credentials it found.
+        self._client = boto3.session.Session().client(
             "s3", endpoint_url=self.location.endpoint,
             region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
             config=Config(s3={"addressing_style": "path"}, connect_timeout=timeout_s, read_timeout=timeout_s,
