@@ -91,6 +91,19 @@ class AgentService:
                 history.ensure_conversation(session, conversation[0], agent_id, "direct", now, conversation[1])
         return self.get(agent_id)
 
+    def fork(self, source_id: str, new_id: str, metadata: dict[str, Any],
+             at_turn: int | None) -> agents_store.Fork | None:
+        """A new agent continuing the source's most recent conversation (up to its
+        ``at_turn``-th reply): its history is copied now, its cache by the caller.
+
+        Raises:
+            NotFound: no such source agent. InvalidRequest: the id is taken, or ``at_turn`` is
+            past the conversation's end.
+        """
+        self.get(source_id)
+        with self._sessions.begin() as session:
+            return agents_store.fork(session, source_id, new_id, metadata, at_turn, history.utcnow())
+
     def get(self, agent_id: str) -> agents_store.AgentView:
         """Raises NotFound."""
         with self._sessions() as session:

@@ -1,7 +1,7 @@
 """The direct, stateful agent API: the server keeps history, clients send only new messages.
 
 POST /v1/agents, GET /v1/agents, GET|DELETE /v1/agents/{id},
-POST /v1/agents/{id}/generate, GET /v1/agents/{id}/history.
+POST /v1/agents/{id}/generate, GET /v1/agents/{id}/history, POST /v1/agents/{id}/fork.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ class CreateAgent(BaseModel):
     prefill: bool = True  # compute the system prompt's cache now, so the first turn is warm
 
 
+class ForkAgent(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+    at_turn: int | None = Field(default=None, ge=0)  # replies kept (None: the whole conversation)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
 def _caches(stored: tuple[tuple[str, int, str], ...], hot_tokens: int | None, fingerprint: str) -> list[dict]:
     """A conversation's caches per model; the served model's is hot when ``hot_tokens`` is set."""
     caches = [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in stored
@@ -68,7 +76,8 @@ def render_agent(agent: AgentView, hot: dict[str, int], fingerprint: str) -> dic
                               "last_access_at": conversation.last_access_at.isoformat() + "Z", "caches": caches})
     all_caches = [c for conversation in conversations for c in conversation["caches"]]
     return {
-        "id": agent.id, "type": "agent", "origin": agent.origin, "status": agent.status, "tier": _tier(all_caches),
+        "id": agent.id, "type": "agent", "origin": agent.origin, "parent_id": agent.parent_id,
+        "status": agent.status, "tier": _tier(all_caches),
         "created_at": agent.created_at.isoformat() + "Z", "last_access_at": agent.last_access_at.isoformat() + "Z",
         "ttl_seconds": agent.ttl_seconds, "hot_ttl_seconds": agent.hot_ttl_seconds, "metadata": agent.metadata,
         "n_messages": agent.n_messages, "conversations": conversations,
@@ -134,6 +143,21 @@ class AgentResource(_AgentsBase):
         self._engine.forget_agent(agent_id)
         self._agents.delete(agent_id)
         resp.status = falcon.HTTP_204
+
+
+class AgentForkResource(_AgentsBase):
+    """A new agent that continues another's most recent conversation, warm from its first turn:
+    the history up to the fork point is copied, the cache's blocks are shared by reference."""
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response, agent_id: str) -> None:
+        fork = validate(ForkAgent, _object(read_json(req)) if req.content_length else {})
+        new_id = fork.id or f"agent-{uuid.uuid4().hex}"
+        copied = self._agents.fork(agent_id, new_id, fork.metadata, fork.at_turn)
+        if copied is not None and not self._engine.fork_cache(copied.source_conversation, new_id,
+                                                              copied.conversation_id):
+            log.warning("agent %s: the fork's cache copy did not finish in time; its first turn may be cold", new_id)
+        resp.status = falcon.HTTP_201
+        resp.media = self._render(self._agents.get(new_id))
 
 
 class AgentHistoryResource:

@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
-from app.api.agents import AgentGenerateResource, AgentHistoryResource, AgentResource, AgentsResource
+from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHistoryResource, AgentResource,
+                            AgentsResource)
 from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
@@ -50,3 +51,4 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))
     app.add_route("/v1/agents/{agent_id}/history", AgentHistoryResource(deps.agents))
+    app.add_route("/v1/agents/{agent_id}/fork", AgentForkResource(deps.agents, deps.engine))

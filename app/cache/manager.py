@@ -30,7 +30,7 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
                               with_room, working_cache)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
-from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Forget, Persister, Snapshot
+from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Copy, Forget, Persister, Snapshot
 from app.cache.shared_tier import S3Tier
 from app.store import ownership
 from app.cache.pool import BlockPool
@@ -393,6 +393,11 @@ class CacheManager:
             self._drop(conversation_id)
         self._persister.flush(60)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
+
+    def fork(self, source: str, agent_id: str, conversation_id: str) -> threading.Event:
+        """Give a forked agent's conversation a copy of the ``source`` conversation's stored
+        cache (queued after the source's own writes; the event is set once it is done)."""
+        return self._persister.submit(Copy(source, agent_id, conversation_id))
 
     # -- after a start -----------------------------------------------------------------------
 

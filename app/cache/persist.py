@@ -80,6 +80,16 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """Give a new conversation (of a forked agent) a copy of ``source``'s cache: the same
+    blocks, shared by reference, and a record file of its own."""
+
+    source: str
+    agent_id: str
+    conversation_id: str
+
+
+@dataclass(frozen=True)
 class Forget:
     """Delete a conversation's cache: its record file, its row, blocks nobody else references."""
 
@@ -208,11 +218,11 @@ class Persister(threading.Thread):
         self._uploader = Uploader(files.tier) if files.tier is not None else None
         if self._uploader is not None:
             self._uploader.start()
-        self._queue: queue.Queue[tuple[Snapshot | Forget, threading.Event] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Snapshot | Copy | Forget, threading.Event] | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Condition()
 
-    def submit(self, item: Snapshot | Forget) -> threading.Event:
+    def submit(self, item: Snapshot | Copy | Forget) -> threading.Event:
         """Queue ``item``; the returned event is set once it is done (written, or failed)."""
         done = threading.Event()
         with self._lock:
@@ -239,6 +249,8 @@ class Persister(threading.Thread):
             try:
                 if isinstance(item, Snapshot):
                     self._write(item)
+                elif isinstance(item, Copy):
+                    self._copy(item)
                 else:
                     self._forget(item.conversation_id)
             except Exception:  # a failed write is a future cache miss, never a crash
@@ -297,6 +309,26 @@ class Persister(threading.Thread):
             cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
                                    cache.record.n_tokens, str(record_path), rows, now)
             return True, previous
+
+    def _copy(self, item: Copy) -> None:
+        """In one write-locked transaction, so the source's record cannot be replaced and
+        deleted while it is read, nor its blocks dropped before the copy references them."""
+        fingerprint = self._files.fingerprint
+        with write_locked(self._sessions) as session:
+            entry = cache_index.load_cache(session, item.source, fingerprint)
+            if entry is None:
+                return
+            arrays, meta = blockfiles.read(self._files.local(entry.record_path))
+            record_path = self._files.record_path(item.conversation_id)
+            blockfiles.write(record_path, arrays, {**meta, "agent_id": item.agent_id,
+                                                   "conversation_id": item.conversation_id})
+            ensure_conversation(session, item.conversation_id, item.agent_id, "direct", utcnow())
+            cache_index.save_cache(session, item.agent_id, item.conversation_id, fingerprint, entry.n_tokens,
+                                   str(record_path), entry.blocks, utcnow())
+        if self._uploader is not None:
+            blocks = tuple((self._files.key(path), path) for path in (self._files.local(b.path, fetch=False)
+                                                                     for b in entry.blocks) if path.exists())
+            self._uploader.submit(Upload(blocks, (self._files.key(record_path), record_path)))
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:

@@ -235,6 +235,13 @@ class Engine:
         """Delete the agent's caches: memory, files and index rows (engine thread)."""
         self._runner.call(lambda caches: caches.forget_agent(agent_id))
 
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
+        """Copy the ``source`` conversation's stored cache to a forked agent's conversation
+        (its blocks shared by reference) and wait for it. Queued on the engine thread, so the
+        source's last finished turn is written first."""
+        done = self._runner.call(lambda caches: caches.fork(source, agent_id, conversation_id))
+        return done.wait(timeout_s)
+
     def wait_idle(self, timeout_s: float = 60) -> bool:
         """Wait until queued generations are done, their caches committed included."""
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,8 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from app.errors import InvalidRequest
+from app.store.history import new_conversation_id
 from app.store.models import Agent, Cache, Conversation, Message, StoredResponse
 
 
@@ -25,6 +27,7 @@ class ConversationView:
 class AgentView:
     id: str
     origin: str
+    parent_id: str | None  # the agent this one was forked from
     created_at: datetime
     last_access_at: datetime
     ttl_seconds: int | None
@@ -64,7 +67,7 @@ def view(session: Session, agent_id: str) -> AgentView | None:
     if agent is None:
         return None
     conversations = _conversations(session, agent_id)
-    return AgentView(agent.id, agent.origin, agent.created_at, agent.last_access_at, agent.ttl_seconds,
+    return AgentView(agent.id, agent.origin, agent.parent_id, agent.created_at, agent.last_access_at, agent.ttl_seconds,
                      agent.hot_ttl_seconds, agent.status, dict(agent.metadata_json or {}),
                      sum(c.n_messages for c in conversations), conversations)
 
@@ -96,3 +99,47 @@ def remove(session: Session, agent_id: str) -> None:
     session.execute(delete(Message).where(Message.agent_id == agent_id))
     session.execute(delete(Conversation).where(Conversation.agent_id == agent_id))
     session.execute(delete(Agent).where(Agent.id == agent_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A forked agent's first conversation, copied from ``source_conversation``."""
+
+    source_conversation: str
+    conversation_id: str
+    n_messages: int
+
+
+def fork(session: Session, source_id: str, new_id: str, metadata: dict[str, Any], at_turn: int | None,
+         now: datetime) -> Fork | None:
+    """A new agent (``parent_id`` = the source) whose one conversation is a copy of the source's
+    most recently used conversation, up to and including its ``at_turn``-th reply (all of it
+    when None; 0 keeps none). Its identity, TTLs and metadata are the source's (``metadata``
+    added). None: the source has no conversation.
+
+    Raises:
+        InvalidRequest: the id is taken, or the conversation has fewer than ``at_turn`` replies.
+    """
+    source = session.get_one(Agent, source_id)
+    if session.get(Agent, new_id) is not None:
+        raise InvalidRequest(f"id: agent {new_id!r} already exists", "id")
+    conversation_id = latest_conversation(session, source_id)
+    if conversation_id is None:
+        return None
+    messages = history(session, source_id, conversation_id)
+    replies = [i for i, m in enumerate(messages) if m.role == "assistant"]
+    if at_turn is not None and at_turn > len(replies):
+        raise InvalidRequest(f"at_turn: the conversation has {len(replies)} turns, not {at_turn}", "at_turn")
+    kept = messages if at_turn is None else messages[:replies[at_turn - 1] + 1] if at_turn else []
+    conversation = session.get_one(Conversation, conversation_id)
+    session.add(Agent(id=new_id, origin="direct", parent_id=source_id, created_at=now, last_access_at=now,
+                      ttl_seconds=source.ttl_seconds, hot_ttl_seconds=source.hot_ttl_seconds, status="active",
+                      metadata_json={**(source.metadata_json or {}), **metadata}))
+    copy = Conversation(id=new_conversation_id(), agent_id=new_id, system_digest=conversation.system_digest,
+                        snapshot=conversation.snapshot, created_at=now, last_access_at=now)
+    session.add(copy)
+    session.flush()
+    session.add_all(Message(agent_id=new_id, conversation_id=copy.id, position=m.position, digest=m.digest,
+                            role=m.role, content=m.content, created_at=m.created_at, n_tokens=m.n_tokens,
+                            request_id=m.request_id) for m in kept)
+    return Fork(conversation_id, copy.id, len(kept))

@@ -83,3 +83,64 @@ def test_create_validates_its_body(server: ServerProcess) -> None:
     too_long = api.post("/v1/agents", json={"id": "huge", "system_prompt": "word " * 9000})
     assert too_long.status_code == 400 and "prompt is too long" in too_long.json()["error"]["message"]
     assert api.get("/v1/agents/huge").status_code == 404  # nothing half-created
+
+
+def _turn(api: httpx.Client, agent_id: str, messages: list[dict]) -> dict:
+    response = api.post(f"/v1/agents/{agent_id}/generate", json={"messages": messages, "max_tokens": 12,
+                                                                 "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_fork_continues_from_turn_n_warm_and_answers_as_a_cold_prefill_would(server: ServerProcess) -> None:
+    api = httpx.Client(base_url=server.url, timeout=120)
+    api.post("/v1/agents", json={"id": "trunk", "system_prompt": "You are a terse travel agent.",
+                                 "metadata": {"team": "trips"}})
+    questions = ["Plan a weekend in Rome.", "Which museums?", "Where to eat?"]
+    turns = [_turn(api, "trunk", [{"role": "user", "content": q}]) for q in questions]
+    # The third turn read exactly what the first two turns left: the fork at turn 2 starts there.
+    through_two = turns[2]["usage"]["cache_read_input_tokens"]
+
+    fork = api.post("/v1/agents/trunk/fork", json={"id": "branch", "at_turn": 2, "metadata": {"try": "b"}})
+    assert fork.status_code == 201, fork.text
+    assert fork.json()["parent_id"] == "trunk" and fork.json()["metadata"]["team"] == "trips"
+    assert fork.json()["metadata"]["system_prompt"] == "You are a terse travel agent."
+    history = api.get("/v1/agents/branch/history").json()["messages"]
+    assert [m["content"] for m in history[0::2]] == questions[:2] and len(history) == 4
+
+    other = [{"role": "user", "content": "And where to sleep?"}]
+    branched = _turn(api, "branch", other)
+    # Warm from its first turn: its cache is the trunk's, shared (without the copy it reads 0).
+    assert branched["usage"]["cache_read_input_tokens"] >= through_two > 30
+
+    # The same conversation sent whole to a new agent, cold: the same answer.
+    api.post("/v1/agents", json={"id": "branch-cold", "system_prompt": "You are a terse travel agent.",
+                                 "prefill": False})
+    replay = [{"role": m["role"], "content": m["content"]} for m in history]
+    cold = _turn(api, "branch-cold", replay + other)
+    assert cold["usage"]["cache_read_input_tokens"] == 0
+    assert branched["content"] == cold["content"]
+
+    # The trunk is untouched: its history and its next turn's reuse.
+    assert len(api.get("/v1/agents/trunk/history").json()["messages"]) == 6
+    again = _turn(api, "trunk", [{"role": "user", "content": "Thanks."}])
+    assert again["usage"]["cache_read_input_tokens"] > through_two
+    rows = query(server.db_path, "SELECT agent_id, n_tokens FROM caches WHERE agent_id IN ('trunk', 'branch')")
+    assert {a for a, _ in rows} == {"trunk", "branch"}
+
+
+def test_fork_errors_and_a_fork_of_nothing(server: ServerProcess) -> None:
+    api = httpx.Client(base_url=server.url, timeout=120)
+    assert api.post("/v1/agents/nobody/fork", json={}).status_code == 404
+    api.post("/v1/agents", json={"id": "stub", "system_prompt": "You are brief."})
+    _turn(api, "stub", [{"role": "user", "content": "Hi."}])
+    for body, field in [({"at_turn": 2}, "at_turn"), ({"at_turn": -1}, "at_turn"), ({"id": "stub"}, "id"),
+                        ({"id": "a b"}, "id"), ({"turn": 1}, "turn")]:
+        response = api.post("/v1/agents/stub/fork", json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["message"].startswith(field), response.json()
+    assert [a["id"] for a in api.get("/v1/agents").json()["data"] if a.get("parent_id") == "stub"] == []
+    empty = api.post("/v1/agents/stub/fork", json={"at_turn": 0}).json()
+    assert empty["parent_id"] == "stub" and empty["n_messages"] == 0
+    first = _turn(api, empty["id"], [{"role": "user", "content": "Hello."}])
+    assert first["usage"]["cache_read_input_tokens"] > 5  # the system prompt, from the shared cache
