@@ -101,6 +101,55 @@ def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(settings: Settings):  # type: ignore[no-untyped-def]
+    """Sessions on the home's database (migrated to head) and the shared tier if there is one."""
+    from app.cache.shared_tier import S3Tier
+    from app.store.db import make_engine, make_session_factory, upgrade
+
+    upgrade(settings.db_url)
+    return make_session_factory(make_engine(settings.db_url)), S3Tier(settings.block_store) if settings.block_store \
+        else None
+
+
+def cmd_agents_export(settings: Settings, args: argparse.Namespace) -> int:
+    from app.agents.portable import export_agent
+
+    if args.output == "-" and sys.stdout.isatty():
+        print("semantic: error: the export is a binary file: redirect it (> agent.tar) or give -o FILE",
+              file=sys.stderr)
+        return 2
+    sessions, tier = _store(settings)
+    if args.output == "-":
+        manifest = export_agent(sessions, settings.blocks_dir, args.agent_id, sys.stdout.buffer, tier)
+    else:
+        partial = Path(f"{args.output}.partial")
+        try:
+            with partial.open("wb") as out:
+                manifest = export_agent(sessions, settings.blocks_dir, args.agent_id, out, tier)
+            partial.replace(args.output)
+        finally:
+            partial.unlink(missing_ok=True)
+    n_messages = sum(len(c["messages"]) for c in manifest["conversations"])
+    n_tokens = sum(cache["n_tokens"] for c in manifest["conversations"] for cache in c["caches"])
+    print(f"exported agent {args.agent_id!r}: {len(manifest['conversations'])} conversation(s), {n_messages} "
+          f"messages, {n_tokens} cached tokens in {len(manifest['files'])} files", file=sys.stderr)
+    return 0
+
+
+def cmd_agents_import(settings: Settings, args: argparse.Namespace) -> int:
+    from app.agents.portable import import_agent
+
+    if args.file != "-" and not Path(args.file).is_file():
+        print(f"semantic: error: {args.file}: no such file", file=sys.stderr)
+        return 2
+    sessions, tier = _store(settings)
+    with (sys.stdin.buffer if args.file == "-" else open(args.file, "rb")) as source:
+        result = import_agent(sessions, settings.blocks_dir, source, args.new_id, tier)
+    print(f"imported agent {result.agent_id!r}: {result.n_conversations} conversation(s), {result.n_messages} "
+          f"messages, {result.n_cached_tokens} cached tokens ({result.n_blocks_new} new block files)")
+    return 0
+
+
 def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
     from app.catalog.gguf_import import ImportOptions, import_gguf
     from app.catalog.registry import model_destination
@@ -303,6 +352,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HAProxy's runtime API socket")
     router.add_argument("--routing", default="affinity", choices=["affinity", "round-robin"])
     router.set_defaults(handler=cmd_pool_router_config)
+
+    agents = commands.add_parser("agents", help="move an agent to another home, server or machine, warm")
+    agent_commands = agents.add_subparsers(dest="agents_command", required=True, title="commands", metavar="COMMAND")
+    export = agent_commands.add_parser(
+        "export", help="write one agent (identity, history, cache files) as one portable file",
+        epilog="example: semantic agents export planner > planner.tar")
+    export.add_argument("agent_id", metavar="ID")
+    export.add_argument("-o", "--output", default="-", help="the file to write (default: standard output)")
+    export.set_defaults(handler=cmd_agents_export)
+    imported = agent_commands.add_parser(
+        "import", help="add an exported agent to this home, verified first (warm on its next turn)",
+        epilog="example: semantic agents import planner.tar --as planner-copy")
+    imported.add_argument("file", help="the exported file (- for standard input)")
+    imported.add_argument("--as", dest="new_id", help="import under another agent id")
+    imported.set_defaults(handler=cmd_agents_import)
 
     models = commands.add_parser("models", help="import, install and list models")
     model_commands = models.add_subparsers(dest="models_command", required=True, title="commands",

@@ -1,13 +1,11 @@
 """Conversation caches on disk, both ways: the file format, reading it back, and the
 background thread that writes it.
 
-Under ``blocks/<fingerprint[:16]>/``: one safetensors file per full block
-(content-addressed: ``<hash[:2]>/<hash>.safetensors``, the six arrays of every
-layer, metadata fingerprint / hash / n_tokens) and one record file per
-conversation (``conversations/<sha256(id)[:32]>.safetensors``: token ids and
-char ends as arrays, the private tail block's arrays, metadata text / chain /
-tail_tokens; a new file each time, the previous one deleted once the index points to the
-new). Every file carries a checksum (``app.store.blockfiles``).
+Where the files go is ``app.cache.layout``. A block file holds the six arrays of every
+layer, metadata fingerprint / hash / n_tokens; a record file (one per conversation, a
+new file each time, the previous one deleted once the index points to the new) holds
+token ids and char ends as arrays, the private tail block's arrays, metadata text /
+chain / tail_tokens. Every file carries a checksum (``app.store.blockfiles``).
 
 The engine thread hands over immutable snapshots after a response; the
 persister writes them in order, so persistence never adds to a response's
@@ -18,12 +16,10 @@ a cache deleted after it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +28,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
+from app.cache.layout import FileLayout
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier, Upload, Uploader
 from app.store import blockfiles, cache_index, ownership
@@ -96,44 +93,12 @@ class Forget:
     conversation_id: str
 
 
-class CacheFiles:
-    """Where a model's cache files live, and their format both ways."""
+class CacheFiles(FileLayout):
+    """A model's cache files: their layout, and their format both ways."""
 
     def __init__(self, root: Path, fingerprint: str, n_layers: int, tier: S3Tier | None = None) -> None:
-        self.root = root
-        self.base = root / fingerprint[:16]
-        self.fingerprint = fingerprint
-        self.tier = tier
+        super().__init__(root, fingerprint, tier)
         self._n_layers = n_layers
-
-    def key(self, path: Path) -> str:
-        """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
-        return path.relative_to(self.root).as_posix()
-
-    def local(self, stored: str | Path, fetch: bool = True) -> Path:
-        """Where this server keeps the file an index row names (the row may have been written by
-        another server of a pool: same layout, another root). Missing here and ``fetch``: copied
-        from the shared tier first, if there is one and it holds the file."""
-        path = Path(stored)
-        parts = path.parts
-        tag = self.fingerprint[:16]
-        local = self.base.joinpath(*parts[parts.index(tag) + 1:]) if tag in parts else path
-        if fetch and self.tier is not None and not local.exists():
-            try:
-                if self.tier.fetch(self.key(local), local):
-                    log.info("restored %s from the shared tier", self.key(local))
-            except Exception as exc:  # the tier is down: the file is missing, a miss
-                log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
-        return local
-
-    def block_path(self, block: str) -> Path:
-        return self.base / block[:2] / f"{block}.safetensors"
-
-    def record_path(self, conversation_id: str) -> Path:
-        """A new file for the conversation's record: records are versioned (the old one is
-        deleted only after the row pointing to the new one is committed)."""
-        name = hashlib.sha256(conversation_id.encode()).hexdigest()[:32]
-        return self.base / "conversations" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"
 
     def write_block(self, block: str, data: KVBlock) -> tuple[Path, str]:
         """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""

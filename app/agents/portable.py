@@ -1,0 +1,307 @@
+"""One agent as one portable file: its identity, its history and its cache blocks.
+
+``semantic agents export ID > agent.tar`` and ``semantic agents import agent.tar``
+move an agent to another home, server or machine, warm: the file is a tar archive
+holding ``agent.json`` (the agent row, its conversations with their messages, and
+each conversation's caches: model fingerprint, tokens, record and block list) and
+the cache files themselves (``blocks/<hash>.safetensors``, ``records/<n>.safetensors``).
+``agent.json`` names every other member with its sha256. Import reads members only by
+those names (nothing is extracted as the archive says), verifies every file (its
+sha256, its own checksum, a block's id and model), and writes nothing to the
+database unless all of it verifies; then the agent, its history and its cache index
+go in one transaction. Requests and stored Responses API objects stay behind: they
+are the source server's log, not the agent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app import __version__
+from app.cache.layout import FileLayout
+from app.cache.shared_tier import S3Tier
+from app.errors import InvalidRequest, NotFound
+from app.store import agents as agents_store
+from app.store import blockfiles, cache_index
+from app.store.db import write_locked
+from app.store.history import new_conversation_id, utcnow
+from app.store.models import Agent, Cache, Conversation, Message
+
+FORMAT = "semantic-agent"
+VERSION = 1
+MANIFEST = "agent.json"
+log = logging.getLogger(__name__)
+
+MEMBER = re.compile(r"(blocks|records)/[A-Za-z0-9_-]{1,128}\.safetensors")
+BLOCK_ID = re.compile(r"[0-9a-f]{64}")
+
+
+_StagedCache = tuple[dict[str, Any], Path, list[cache_index.BlockRow]]  # description, record, block rows
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    agent_id: str
+    n_conversations: int
+    n_messages: int
+    n_cached_tokens: int  # over the conversations' caches
+    n_blocks_new: int  # block files this home did not hold yet
+
+
+def _time(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out: IO[bytes],
+                 tier: S3Tier | None = None) -> dict[str, Any]:
+    """Write the agent's archive to ``out``; returns its manifest. Cache files missing on
+    this disk come from the shared tier if there is one; a cache whose files are gone is
+    left out (its conversation travels cold).
+
+    Raises:
+        NotFound: no such agent.
+    """
+    files: dict[str, bytes] = {}
+    with sessions() as session:
+        agent = session.get(Agent, agent_id)
+        if agent is None:
+            raise NotFound(f"agent {agent_id!r} does not exist")
+        conversations = []
+        for conversation in session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
+                                            .order_by(Conversation.created_at, Conversation.id)):
+            messages = agents_store.history(session, agent_id, conversation.id)
+            caches = []
+            for cache in session.scalars(select(Cache).where(Cache.conversation_id == conversation.id)):
+                entry = cache_index.load_cache(session, conversation.id, cache.model_fingerprint)
+                if entry is not None:
+                    described = _export_cache(FileLayout(root, cache.model_fingerprint, tier), entry, files)
+                    if described is not None:
+                        caches.append({"fingerprint": cache.model_fingerprint, **described})
+            conversations.append({
+                "id": conversation.id, "system_digest": conversation.system_digest,
+                "snapshot": conversation.snapshot, "thread": conversation.thread,
+                "created_at": _time(conversation.created_at), "last_access_at": _time(conversation.last_access_at),
+                "messages": [{"position": m.position, "role": m.role, "content": m.content, "digest": m.digest,
+                              "created_at": _time(m.created_at), "n_tokens": m.n_tokens} for m in messages],
+                "caches": caches})
+        manifest = {
+            "format": FORMAT, "version": VERSION, "semantic_version": __version__, "exported_at": _time(utcnow()),
+            "agent": {"id": agent.id, "origin": agent.origin, "parent_id": agent.parent_id,
+                      "created_at": _time(agent.created_at), "last_access_at": _time(agent.last_access_at),
+                      "ttl_seconds": agent.ttl_seconds, "hot_ttl_seconds": agent.hot_ttl_seconds,
+                      "status": agent.status, "metadata": agent.metadata_json or {}},
+            "conversations": conversations,
+            "files": {name: _sha256(data) for name, data in files.items()},
+        }
+    with tarfile.open(fileobj=out, mode="w|") as archive:
+        _add(archive, MANIFEST, json.dumps(manifest, indent=1).encode())
+        for name, data in files.items():
+            _add(archive, name, data)
+    return manifest
+
+
+def _export_cache(layout: FileLayout, entry: cache_index.CacheEntry,
+                  files: dict[str, bytes]) -> dict[str, Any] | None:
+    try:
+        record = layout.local(entry.record_path).read_bytes()
+        blocks = {row.hash: layout.local(row.path).read_bytes() for row in entry.blocks}
+    except FileNotFoundError:
+        return None
+    name = f"records/{len([n for n in files if n.startswith('records/')])}.safetensors"
+    files[name] = record
+    files.update((f"blocks/{block}.safetensors", data) for block, data in blocks.items())
+    return {"n_tokens": entry.n_tokens, "record": name,
+            "blocks": [{"hash": row.hash, "parent_hash": row.parent_hash, "n_tokens": row.n_tokens,
+                        "checksum": row.checksum} for row in entry.blocks]}
+
+
+def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o600, int(utcnow().timestamp())
+    archive.addfile(info, io.BytesIO(data))
+
+
+def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes], new_id: str | None = None,
+                 tier: S3Tier | None = None) -> Imported:
+    """Verify an exported agent whole, then add it (as ``new_id`` if given) to this store.
+    Conversations get new ids; messages keep their order, digests and times.
+
+    Raises:
+        InvalidRequest: not an agent archive, a file that does not verify, or the id is taken.
+    """
+    manifest, members = _read_archive(source)
+    agent = manifest["agent"]
+    agent_id = new_id or agent["id"]
+    with sessions() as session:  # checked again below, under the write lock
+        taken = session.get(Agent, agent_id) is not None
+    if taken:
+        raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
+    staged: list[tuple[Path, Path]] = []  # (verified temporary file, final place)
+    try:
+        plan = [(conversation, [_stage(root, cache, members, staged) for cache in conversation["caches"]])
+                for conversation in manifest["conversations"]]
+        n_new = sum(1 for _, final in staged if not final.exists() and final.parent.name != "conversations")
+        for temporary, final in staged:  # block files are content-addressed: an existing one is the same
+            if final.exists():
+                temporary.unlink()
+            else:
+                os.replace(temporary, final)
+        with write_locked(sessions) as session:
+            if session.get(Agent, agent_id) is not None:
+                raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
+            n_messages, n_tokens = _insert(session, agent, agent_id, plan)
+    except BaseException as exc:
+        for temporary, final in staged:
+            temporary.unlink(missing_ok=True)
+        for record in (final for _, final in staged if final.parent.name == "conversations"):
+            record.unlink(missing_ok=True)
+        if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):  # a field missing or of a wrong type
+            raise InvalidRequest(f"archive: agent.json is malformed ({type(exc).__name__}: {exc})",
+                                 "archive") from exc
+        raise
+    if tier is not None:
+        _upload(tier, root, plan)
+    return Imported(agent_id, len(plan), n_messages, n_tokens, n_new)
+
+
+def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    members: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=source, mode="r|") as archive:
+            for member in archive:
+                if not member.isfile() or (member.name != MANIFEST and not MEMBER.fullmatch(member.name)):
+                    raise InvalidRequest(f"archive: unexpected member {member.name!r}", "archive")
+                handle = archive.extractfile(member)
+                members[member.name] = handle.read() if handle else b""
+    except tarfile.TarError as exc:
+        raise InvalidRequest(f"archive: not a tar archive ({exc})", "archive") from exc
+    try:
+        manifest = json.loads(members.pop(MANIFEST))
+    except (KeyError, ValueError) as exc:
+        raise InvalidRequest("archive: no readable agent.json (not an exported agent)", "archive") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise InvalidRequest(f"archive: not a {FORMAT} version {VERSION} file", "archive")
+    if not isinstance(manifest.get("agent"), dict) or not isinstance(manifest["agent"].get("id"), str) \
+            or not isinstance(manifest.get("conversations"), list) or not isinstance(manifest.get("files"), dict):
+        raise InvalidRequest("archive: agent.json lacks its agent, conversations or files", "archive")
+    listed = manifest.get("files", {})
+    if set(listed) != set(members):
+        raise InvalidRequest("archive: its files and agent.json's list differ", "archive")
+    for name, digest in listed.items():
+        if _sha256(members[name]) != digest:
+            raise InvalidRequest(f"archive: {name} is damaged (sha256 mismatch)", "archive")
+    return manifest, members
+
+
+def _stage(root: Path, cache: dict[str, Any], members: dict[str, bytes],
+           staged: list[tuple[Path, Path]]) -> _StagedCache:
+    """Write a cache's files next to their final places and verify them there.
+
+    Returns:
+        The cache's description, its record's final path and its block rows.
+    """
+    fingerprint = str(cache["fingerprint"])
+    layout = FileLayout(root, fingerprint)
+    rows = []
+    for parent, block in zip([None, *cache["blocks"]], cache["blocks"]):
+        block_id = str(block["hash"])
+        if not BLOCK_ID.fullmatch(block_id) or block.get("parent_hash") != (parent["hash"] if parent else None):
+            raise InvalidRequest(f"archive: block {block_id!r} is not a block id of its chain", "archive")
+        final = layout.block_path(block_id)
+        meta = _verify(members, f"blocks/{block_id}.safetensors", final, staged, block.get("checksum") or None)
+        if meta.get("fingerprint") != fingerprint or meta.get("hash") != block_id:
+            raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive")
+        rows.append(cache_index.BlockRow(block_id, block["parent_hash"], int(block["n_tokens"]), str(final),
+                                         len(members[f"blocks/{block_id}.safetensors"]), block.get("checksum") or ""))
+    record = layout.record_path(new_conversation_id())
+    meta = _verify(members, str(cache["record"]), record, staged, None)
+    if json.loads(meta.get("chain", "null")) != [row.hash for row in rows]:
+        raise InvalidRequest("archive: a record and its block list disagree", "archive")
+    return cache, record, rows
+
+
+def _verify(members: dict[str, bytes], name: str, final: Path, staged: list[tuple[Path, Path]],
+            checksum: str | None) -> dict[str, str]:
+    if name not in members:
+        raise InvalidRequest(f"archive: {name} is missing", "archive")
+    temporary = final.with_name(f"{final.name}.import{blockfiles.TEMP_SUFFIX}")
+    temporary.parent.mkdir(parents=True, exist_ok=True)
+    temporary.write_bytes(members[name])
+    staged.append((temporary, final))
+    try:
+        _, meta = blockfiles.read(temporary, checksum)
+    except blockfiles.DamagedFile as exc:
+        raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
+    return meta
+
+
+def _insert(session: Session, agent: dict[str, Any], agent_id: str,
+            plan: list[tuple[dict[str, Any], list[_StagedCache]]]) -> tuple[int, int]:
+    now = utcnow()
+    session.add(Agent(id=agent_id, origin=str(agent["origin"]), parent_id=None,
+                      created_at=_parse(agent["created_at"]), last_access_at=now, ttl_seconds=agent["ttl_seconds"],
+                      hot_ttl_seconds=agent["hot_ttl_seconds"], status=str(agent["status"]),
+                      metadata_json=dict(agent["metadata"] or {})))
+    n_messages = n_tokens = 0
+    for conversation, caches in plan:
+        conversation_id = new_conversation_id()
+        session.add(Conversation(id=conversation_id, agent_id=agent_id, system_digest=conversation["system_digest"],
+                                 snapshot=conversation["snapshot"], thread=conversation["thread"],
+                                 created_at=_parse(conversation["created_at"]),
+                                 last_access_at=_parse(conversation["last_access_at"])))
+        session.flush()
+        session.add_all(Message(agent_id=agent_id, conversation_id=conversation_id, position=int(m["position"]),
+                                role=str(m["role"]), content=m["content"], digest=m["digest"],
+                                created_at=_parse(m["created_at"]), n_tokens=m["n_tokens"])
+                        for m in conversation["messages"])
+        n_messages += len(conversation["messages"])
+        for cache, record, rows in caches:
+            _rewrite_record(record, agent_id, conversation_id)
+            cache_index.save_cache(session, agent_id, conversation_id, str(cache["fingerprint"]),
+                                   int(cache["n_tokens"]), str(record), rows, now)
+            n_tokens += int(cache["n_tokens"])
+    return n_messages, n_tokens
+
+
+def _rewrite_record(record: Path, agent_id: str, conversation_id: str) -> None:
+    """The record names its agent and conversation: this home's ids now."""
+    arrays, meta = blockfiles.read(record)
+    blockfiles.write(record, arrays, {**meta, "agent_id": agent_id, "conversation_id": conversation_id})
+
+
+def _parse(value: Any) -> datetime:
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError as exc:
+        raise InvalidRequest(f"archive: {value!r} is not a time", "archive") from exc
+
+
+def _upload(tier: S3Tier, root: Path, plan: list[tuple[dict[str, Any], list[_StagedCache]]]) -> None:
+    """Copy the imported files to the pool's shared tier (blocks first, records last). A tier
+    that is down only costs the other servers a cold first turn."""
+    try:
+        for _, caches in plan:
+            for cache, record, rows in caches:
+                layout = FileLayout(root, str(cache["fingerprint"]), tier)
+                for row in rows:
+                    tier.put(layout.key(Path(row.path)), Path(row.path), once=True)
+                tier.put(layout.key(record), record)
+    except Exception as exc:
+        log.warning("shared tier: the imported agent's files were not uploaded (%s)", exc)

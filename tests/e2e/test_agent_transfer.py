@@ -1,0 +1,146 @@
+"""An agent moved on purpose: `semantic agents export` on one home, `import` on another,
+served warm by another server, and damaged or foreign files refused with nothing written."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, start_server, stop_server
+from support.dbcheck import query
+from test_cli import semantic
+
+# Long enough for full 256-token blocks beside the record's private tail.
+SYSTEM = "You are a terse assistant for a bakery. " + " ".join(
+    f"Rule {i}: answer in one short sentence about bread, cakes, opening hours or prices." for i in range(20))
+QUESTIONS = ["What bread sells best?", "How early do we open?", "What about cakes?"]
+NEXT = [{"role": "user", "content": "Should we sell coffee?"}]
+
+
+def _turn(api: httpx.Client, agent_id: str, messages: list[dict]) -> dict:
+    response = api.post(f"/v1/agents/{agent_id}/generate",
+                        json={"messages": messages, "max_tokens": 12, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+    """A second server on a home of its own (another machine, as far as files go)."""
+    running = start_server(tmp_path_factory.mktemp("other-home"), smollm2_dir)
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def exported(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    api = httpx.Client(base_url=server.url, timeout=120)
+    assert api.post("/v1/agents", json={"id": "baker", "system_prompt": SYSTEM}).status_code == 201
+    for question in QUESTIONS:
+        _turn(api, "baker", [{"role": "user", "content": question}])
+    path = tmp_path_factory.mktemp("export") / "baker.tar"
+    result = semantic(server.home, "agents", "export", "baker", "-o", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "1 conversation(s), 6 messages" in result.stderr
+    with tarfile.open(path) as archive:
+        assert any(name.startswith("blocks/") for name in archive.getnames())
+    return path
+
+
+def _files(home: Path) -> set[Path]:
+    return {p for p in (home / "blocks").rglob("*") if p.is_file()}
+
+
+def test_an_exported_agent_is_warm_on_another_server_and_answers_the_same(
+        server: ServerProcess, other: ServerProcess, exported: Path) -> None:
+    result = semantic(other.home, "agents", "import", str(exported))
+    assert result.returncode == 0, result.stderr
+    assert "imported agent 'baker': 1 conversation(s), 6 messages" in result.stdout
+
+    there = httpx.Client(base_url=other.url, timeout=120)
+    agent = there.get("/v1/agents/baker").json()
+    assert agent["metadata"]["system_prompt"] == SYSTEM and agent["tier"] == "warm"
+    history = there.get("/v1/agents/baker/history").json()["messages"]
+    here = httpx.Client(base_url=server.url, timeout=120)
+    original = here.get("/v1/agents/baker/history").json()["messages"]
+    assert [(m["role"], m["content"]) for m in history] == [(m["role"], m["content"]) for m in original]
+
+    # The same next turn on both servers: the same reuse (all of the previous turns, from the
+    # moved cache: without it the other server reads nothing) and the same answer.
+    moved = _turn(there, "baker", NEXT)
+    stayed = _turn(here, "baker", NEXT)
+    assert moved["usage"]["cache_read_input_tokens"] == stayed["usage"]["cache_read_input_tokens"] > 300
+    assert moved["content"] == stayed["content"]
+    outcomes = query(other.db_path, "SELECT match_outcome FROM requests WHERE agent_id = 'baker'")
+    assert outcomes == [("extend",)]
+
+
+def test_import_refuses_a_taken_id_and_takes_another(other: ServerProcess, exported: Path) -> None:
+    semantic(other.home, "agents", "import", str(exported))  # baker, if the test above did not run
+    again = semantic(other.home, "agents", "import", str(exported))
+    assert again.returncode == 2 and "already exists" in again.stderr and "--as" in again.stderr
+    copy = semantic(other.home, "agents", "import", str(exported), "--as", "baker-2")
+    assert copy.returncode == 0, copy.stderr
+    assert "(0 new block files)" in copy.stdout  # content-addressed: the blocks are there already
+    there = httpx.Client(base_url=other.url, timeout=120)
+    assert _turn(there, "baker-2", NEXT)["usage"]["cache_read_input_tokens"] > 300
+
+
+def _rewritten(source: Path, target: Path, change: Callable[[bytes], bytes], fix_manifest: bool) -> Path:
+    """A copy of the archive with one member's bytes changed (and the manifest's sha256
+    updated to match when ``fix_manifest``: then only the file's own checksum can tell)."""
+    with tarfile.open(source) as archive:
+        members = {m.name: archive.extractfile(m).read() for m in archive.getmembers()}
+    manifest = json.loads(members["agent.json"])
+    name = next(n for n in members if n.startswith("blocks/"))
+    members[name] = change(members[name])
+    if fix_manifest:
+        manifest["files"][name] = hashlib.sha256(members[name]).hexdigest()
+    members["agent.json"] = json.dumps(manifest).encode()
+    with tarfile.open(target, "w") as archive:
+        for member, data in members.items():
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return target
+
+
+def _flip(data: bytes) -> bytes:
+    at = len(data) - 10  # in the arrays, past the header
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+
+
+@pytest.mark.parametrize("fix_manifest", [False, True], ids=["sha256", "checksum"])
+def test_a_damaged_archive_is_refused_and_nothing_is_written(
+        tmp_path: Path, exported: Path, fix_manifest: bool) -> None:
+    home = tmp_path / "home"
+    damaged = _rewritten(exported, tmp_path / "damaged.tar", _flip, fix_manifest)
+    result = semantic(home, "agents", "import", str(damaged))
+    assert result.returncode == 2, result.stdout
+    assert ("sha256 mismatch" if not fix_manifest else "does not verify") in result.stderr
+    assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]
+    assert _files(home) == set()
+    assert semantic(home, "agents", "import", str(exported)).returncode == 0  # the good one goes in
+    assert query(home / "semantic.db", "SELECT count(*) FROM messages") == [(6,)]
+
+
+def test_an_archive_naming_other_paths_is_refused(tmp_path: Path) -> None:
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as archive:
+        for name, data in [("agent.json", b"{}"), ("../outside.safetensors", b"x")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    result = semantic(tmp_path / "home", "agents", "import", str(evil))
+    assert result.returncode == 2 and "unexpected member '../outside.safetensors'" in result.stderr
+    assert not (tmp_path / "outside.safetensors").exists()
+    missing = semantic(tmp_path / "home", "agents", "export", "nobody", "-o", str(tmp_path / "x.tar"))
+    assert missing.returncode == 2 and "agent 'nobody' does not exist" in missing.stderr
+    assert not (tmp_path / "x.tar").exists() and not (tmp_path / "x.tar.partial").exists()
