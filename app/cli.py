@@ -262,6 +262,22 @@ def cmd_pool_down(settings: Settings, _args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_join(settings: Settings, _args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_join
+
+    entry = pool_join(settings)
+    print(f"server {entry.id} joined on {entry.url} (pid {entry.pid}): it takes new agents; placed ones stay")
+    return 0
+
+
+def cmd_pool_drain(settings: Settings, args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_drain
+
+    pool_drain(settings, args.server_id)
+    print(f"server {args.server_id} drained: its caches are in the shared tier, its agents released")
+    return 0
+
+
 DESCRIPTION = "Semantic: a local LLM inference server with persistent per-agent KV caches."
 EPILOG = """\
 examples:
@@ -340,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     pool_status.add_argument("--json", action="store_true", help="as JSON")
     pool_status.set_defaults(handler=cmd_pool_status)
     pool_commands.add_parser("down", help="stop the running pool").set_defaults(handler=cmd_pool_down)
+    pool_commands.add_parser("join", help="start one more server and add it to the running router",
+                             epilog="example: semantic pool join").set_defaults(handler=cmd_pool_join)
+    drain = pool_commands.add_parser(
+        "drain", help="take a server out: no new work, its caches flushed to the shared tier, its agents released",
+        epilog="example: semantic pool drain s1")
+    drain.add_argument("server_id", metavar="ID", help="the server's id (semantic pool status)")
+    drain.set_defaults(handler=cmd_pool_drain)
     router = pool_commands.add_parser(
         "router-config", help="print the HAProxy configuration for servers on other machines",
         epilog="example: semantic pool router-config --server s1=10.0.0.5:8000 --server s2=10.0.0.6:8000 "

@@ -443,8 +443,18 @@ class CacheManager:
         return self._persister.flush(timeout_s)
 
     def close(self) -> None:
+        """Write what is queued (to disk and the shared tier)."""
         self._persister.flush(30)
         self._persister.stop()
+
+    def release_agents(self) -> None:
+        """In a pool, as the server stops (after ``close``): give up the agents it owns."""
+        if self._owner is not None:
+            try:
+                released = ownership.release_all(self._sessions, self._owner, utcnow())
+                log.info("released %d agent(s) to the pool", released)
+            except Exception as exc:  # the store is down: the next server's claim takes them anyway
+                log.warning("agents not released (%s)", exc)
 
     def _set_hot(self, cache: ConversationCache) -> None:
         previous = self._hot.get(cache.conversation_id)

@@ -290,6 +290,7 @@ class Runner(threading.Thread):
                 log.exception("engine step failed")
                 self._fail_all(f"generation failed: {exc}")
         self.caches.close()
+        self.caches.release_agents()
 
     def _install(self, name: str) -> None:
         """Load model ``name`` with its own cache manager."""

@@ -10,11 +10,17 @@ consistent hash, tried first, moved 15% of turns away from their cache with 8 ag
 arriving together: benchmarks/pool.py). A server that fails its health check (every
 0.5 s), or refuses a request's connection, is out at once, that request is retried on
 another, and the agent stays on its new server (no flap-back when the old one returns).
+A request with no agent key has no entry in the table: it goes to the least busy server.
+
+Servers join and leave a running router through HAProxy's runtime API (``RuntimeAPI``):
+a joining server takes new agents only, no agent already placed moves; a server put in
+maintenance (drained) is skipped, and its agents' entries move to where they land next.
 """
 
 from __future__ import annotations
 
 import shutil
+import socket
 from dataclasses import dataclass
 
 from app.errors import ConfigError
@@ -38,6 +44,9 @@ def haproxy_binary() -> str:
 
 
 ROUTINGS = ("affinity", "round-robin")
+# Every server's health check and fault handling, also for servers added at run time
+# (they do not take the configuration's ``default-server`` line).
+SERVER_OPTIONS = "check inter 500ms fall 1 rise 2 observe layer4 error-limit 1 on-error mark-down"
 
 
 def render_config(port: int, backends: list[Backend], admin_socket: str, host: str = "127.0.0.1",
@@ -50,10 +59,9 @@ def render_config(port: int, backends: list[Backend], admin_socket: str, host: s
             "    http-request set-var(txn.key) path,field(4,/) if { path_beg /v1/agents/ }"]
     keys += [f"    http-request set-var(txn.key) req.hdr({name}) if {{ req.hdr({name}) -m found }}"
              for name in reversed(KEY_HEADERS)]  # the last one set wins: the first header present
-    keyed = "" if routing == "round-robin" else "    use_backend keyed if { var(txn.key) -m found }"
     servers = "\n".join(f"    server {b.server_id} {b.host}:{b.port}" for b in backends)
-    tracked = "\n".join(f"    server {b.server_id} {b.host}:{b.port} no-check track keyed/{b.server_id}"
-                        for b in backends)
+    sticky = ("    balance roundrobin" if routing == "round-robin" else
+              "    balance leastconn\n    stick-table type string len 300 size 1m expire 7d\n    stick on var(txn.key)")
     return f"""# Written by `semantic pool up`; rewritten at each start.
 global
     stats socket "{admin_socket}" mode 600 level admin
@@ -70,20 +78,52 @@ defaults
     retries 3
     option redispatch 1
     retry-on conn-failure empty-response 503
-    default-server inter 500ms fall 1 rise 2 check observe layer4 error-limit 1 on-error mark-down
+    default-server {SERVER_OPTIONS}
 frontend pool
     bind {host}:{port}
     option http-buffer-request
 {chr(10).join(keys)}
-{keyed}
-    default_backend unkeyed
-backend keyed
-    balance leastconn
-    stick-table type string len 300 size 1m expire 7d
-    stick on var(txn.key)
+    default_backend servers
+backend servers
+{sticky}
     option httpchk GET /health
 {servers}
-backend unkeyed
-    balance {"roundrobin" if routing == "round-robin" else "leastconn"}
-{tracked}
 """
+
+
+
+class RuntimeAPI:
+    """HAProxy's runtime API on its admin socket: servers join and leave a running router."""
+
+    def __init__(self, admin_socket: str, backend: str = "servers") -> None:
+        self._path = admin_socket
+        self._backend = backend
+
+    def command(self, line: str) -> str:
+        """Run one command; returns HAProxy's answer.
+
+        Raises:
+            ConfigError: the router cannot be reached, or it refused the command.
+        """
+        try:
+            with socket.socket(socket.AF_UNIX) as connection:
+                connection.settimeout(10)
+                connection.connect(self._path)
+                connection.sendall(line.encode() + b"\n")
+                answer = b"".join(iter(lambda: connection.recv(65536), b"")).decode(errors="replace").strip()
+        except OSError as exc:
+            raise ConfigError(f"the router's runtime API ({self._path}): {exc}") from exc
+        if answer and not answer.startswith(("New server registered", "#")) and "\n" not in answer:
+            raise ConfigError(f"the router refused {line.split()[0:3]}: {answer}")
+        return answer
+
+    def add_server(self, backend: Backend) -> None:
+        """A new server, health-checked and ready (it takes new agents; placed ones stay)."""
+        name = f"{self._backend}/{backend.server_id}"
+        self.command(f"add server {name} {backend.host}:{backend.port} {SERVER_OPTIONS}")
+        self.command(f"enable health {name}")
+        self.command(f"set server {name} state ready")
+
+    def set_state(self, server_id: str, state: str) -> None:
+        """``ready``, ``drain`` or ``maint`` (a server in maintenance gets no request)."""
+        self.command(f"set server {self._backend}/{server_id} state {state}")

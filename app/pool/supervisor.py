@@ -18,17 +18,18 @@ import logging
 import os
 import pwd
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from app.errors import ConfigError
-from app.pool.haproxy import Backend, haproxy_binary, render_config
+from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
 from app.pool.seaweed import LocalS3
 from app.settings import Settings
@@ -55,6 +56,8 @@ class PoolState:
     block_store: str
     postgres_dir: str | None  # the cluster `pool up` runs, if it runs one
     servers: list[ServerEntry]
+    admin_socket: str  # the router's runtime API
+    server_env: dict[str, str]  # what every server of the pool is started with (a joining one too)
 
 
 def pool_dir(settings: Settings) -> Path:
@@ -154,21 +157,9 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
         base["SEMANTIC_BLOCK_STORE"] = block_store
         servers: list[ServerEntry] = []
         for i in range(1, n_servers + 1):  # one after another: the first imports the model for all
-            server_id, server_port = f"s{i}", port + i
-            home = root / "servers" / server_id
-            home.mkdir(parents=True, exist_ok=True)
-            if not (home / "models").exists():
-                settings.models_dir.mkdir(parents=True, exist_ok=True)
-                (home / "models").symlink_to(settings.models_dir.resolve(), target_is_directory=True)
-            url = f"http://127.0.0.1:{server_port}"
-            env = {**base, "SEMANTIC_HOME": str(home), "SEMANTIC_HOST": "127.0.0.1",
-                   "SEMANTIC_PORT": str(server_port), "SEMANTIC_SERVER_ID": server_id, "SEMANTIC_WORKER": "0"}
-            log_path = root / "logs" / f"{server_id}.log"
-            process = _spawn([sys.executable, "-m", "app", "serve"], env, log_path)
+            process, entry = _start_server(settings, f"s{i}", port + i, base)
             children.append(process)
-            print(f"server    {server_id} starting on {url} (log {log_path})", flush=True)
-            _wait_ready(url, process, f"server {server_id}", log_path)
-            servers.append(ServerEntry(server_id, url, process.pid, str(home)))
+            servers.append(entry)
         children.append(_spawn([sys.executable, "-m", "app", "worker"], {**base, "SEMANTIC_HOME": str(settings.home)},
                                root / "logs" / "worker.log"))
         config = root / "haproxy.cfg"
@@ -179,8 +170,9 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
         router_url = f"http://127.0.0.1:{port}"
         _wait_ready(router_url, router, "the router (HAProxy)", root / "logs" / "haproxy.log")
         state = PoolState(os.getpid(), router_url, database_url, block_store, str(cluster.root) if cluster else None,
-                          servers)
-        _state_path(settings).write_text(json.dumps(asdict(state), indent=2))
+                          servers, str(root / "haproxy.sock"),
+                          {k: v for k, v in base.items() if k.startswith(("SEMANTIC_", "AWS_"))})
+        _write_state(settings, state)
         print(f"pool      {n_servers} server(s) behind {router_url}, {routing} routing  "
               "(semantic pool status; Ctrl-C stops)", flush=True)
         _supervise([*stores, *children])
@@ -188,12 +180,96 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
     except KeyboardInterrupt:
         return 0
     finally:
+        joined = read_state(settings)  # servers `pool join` started since are stopped too
+        if joined is not None and joined.pid == os.getpid():
+            _stop_pids([e.pid for e in joined.servers if e.pid not in {c.pid for c in children}])
         _stop(list(reversed(children)))
         _stop(stores)
         _state_path(settings).unlink(missing_ok=True)
         if cluster is not None:
             cluster.stop()
         print("pool      stopped", flush=True)
+
+
+def _start_server(settings: Settings, server_id: str, port: int,
+                  base: dict[str, str]) -> tuple[subprocess.Popen[bytes], ServerEntry]:
+    """Start one server of the pool (its own home, the shared models) and wait until it is ready."""
+    root = pool_dir(settings)
+    home = root / "servers" / server_id
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "models").exists():
+        settings.models_dir.mkdir(parents=True, exist_ok=True)
+        (home / "models").symlink_to(settings.models_dir.resolve(), target_is_directory=True)
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **base, "SEMANTIC_HOME": str(home), "SEMANTIC_HOST": "127.0.0.1",
+           "SEMANTIC_PORT": str(port), "SEMANTIC_SERVER_ID": server_id, "SEMANTIC_WORKER": "0"}
+    env.pop("SEMANTIC_CONFIG", None)
+    log_path = root / "logs" / f"{server_id}.log"
+    process = _spawn([sys.executable, "-m", "app", "serve"], env, log_path)
+    print(f"server    {server_id} starting on {url} (log {log_path})", flush=True)
+    try:
+        _wait_ready(url, process, f"server {server_id}", log_path)
+    except BaseException:
+        _stop([process])
+        raise
+    return process, ServerEntry(server_id, url, process.pid, str(home))
+
+
+def _write_state(settings: Settings, state: PoolState) -> None:
+    partial = _state_path(settings).with_suffix(".tmp")
+    partial.write_text(json.dumps(asdict(state), indent=2))
+    partial.replace(_state_path(settings))
+
+
+def _running(settings: Settings) -> PoolState:
+    state = read_state(settings)
+    if state is None or not _alive(state.pid):
+        raise ConfigError(f"no pool runs from {settings.home} (semantic pool up)")
+    return state
+
+
+def pool_join(settings: Settings) -> ServerEntry:
+    """Start one more server and add it to the running router: it takes new agents, and no
+    agent already placed moves (the router's stick table keeps them where their cache is)."""
+    state = _running(settings)
+    taken = {s.id for s in state.servers}
+    server_id = next(f"s{i}" for i in range(1, len(taken) + 2) if f"s{i}" not in taken)
+    with socket.socket() as probe:  # a free port: those after the router's are the pool's stores'
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    _, entry = _start_server(settings, server_id, port, state.server_env)
+    RuntimeAPI(state.admin_socket).add_server(Backend(server_id, "127.0.0.1", port))
+    _write_state(settings, replace(_running(settings), servers=[*_running(settings).servers, entry]))
+    return entry
+
+
+def pool_drain(settings: Settings, server_id: str) -> None:
+    """Take a server out: the router sends it nothing new (its agents go elsewhere at their
+    next turn), then it stops as SIGTERM stops a server: the requests it runs finish, its
+    caches are written to disk and the shared tier, and it releases the agents it owns."""
+    state = _running(settings)
+    entry = next((s for s in state.servers if s.id == server_id), None)
+    if entry is None:
+        raise ConfigError(f"no server {server_id!r} in the pool ({', '.join(s.id for s in state.servers)})")
+    RuntimeAPI(state.admin_socket).set_state(server_id, "maint")
+    _stop_pids([entry.pid])
+    if _alive(entry.pid):
+        raise ConfigError(f"server {server_id} (pid {entry.pid}) did not stop within {STOP_TIMEOUT_S:.0f} s")
+    current = _running(settings)
+    _write_state(settings, replace(current, servers=[s for s in current.servers if s.id != server_id]))
+
+
+def _stop_pids(pids: list[int]) -> None:
+    """SIGTERM to processes that are not our children, then wait (SIGKILL at the deadline)."""
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _supervise(children: list[subprocess.Popen[bytes]]) -> None:
@@ -224,9 +300,7 @@ def _alive(pid: int) -> bool:
 
 def pool_status(settings: Settings) -> list[dict[str, Any]]:
     """Each server: id, url, pid, healthy, and the agents and conversations it holds in memory."""
-    state = read_state(settings)
-    if state is None or not _alive(state.pid):
-        raise ConfigError(f"no pool runs from {settings.home} (semantic pool up)")
+    state = _running(settings)
     rows = []
     for server in state.servers:
         health = _healthy(server.url) if _alive(server.pid) else None

@@ -46,3 +46,15 @@ def claim(sessions: sessionmaker[Session], agent_id: str, server_id: str, now: d
 
 def still_owns(session: Session, agent_id: str, server_id: str, epoch: int) -> bool:
     return current(session, agent_id) == (server_id, epoch)
+
+
+NOBODY = ""  # the owner of an agent its server released (drained): the next server claims it
+
+
+def release_all(sessions: sessionmaker[Session], server_id: str, now: datetime) -> int:
+    """A server leaving the pool gives up its agents; returns how many. The epoch still grows,
+    so if this server comes back it drops what it held, as after any change of owner."""
+    with write_locked(sessions) as session:
+        result = session.execute(update(Owner).where(Owner.server_id == server_id)
+                                 .values(server_id=NOBODY, epoch=Owner.epoch + 1, taken_at=now))
+        return int(result.rowcount or 0)

@@ -13,7 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -62,8 +64,10 @@ def semantic(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "SEMANTIC_HOME": str(home)})
 
 
-def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm2_dir: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@contextmanager
+def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                 n_servers: int) -> Iterator[tuple[Path, dict, subprocess.Popen[bytes]]]:
+    """`semantic pool up --servers N` in the foreground: (its home, its state, the process)."""
     from app.pool.seaweed import LocalS3
 
     for name, value in LocalS3(tmp_path, 0).credentials.items():  # to read the pool's own S3 from here
@@ -75,8 +79,8 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
     env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_MODEL": smollm2_dir.name}
     env.pop("SEMANTIC_DATABASE_URL", None)
     log = (tmp_path / "pool.log").open("wb")
-    pool = subprocess.Popen([sys.executable, "-m", "app", "pool", "up", "--servers", "2", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    pool = subprocess.Popen([sys.executable, "-m", "app", "pool", "up", "--servers", str(n_servers),
+                             "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     state_path = home / "pool" / "state.json"
     state: dict = {}
     try:
@@ -85,8 +89,32 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
             assert pool.poll() is None and time.monotonic() < deadline, (tmp_path / "pool.log").read_text()
             time.sleep(0.5)
         state = json.loads(state_path.read_text())
-        router = state["router"]
+        yield home, state, pool
+    finally:
+        if pool.poll() is None:
+            pool.send_signal(signal.SIGTERM)
+            pool.wait(timeout=60)
+        if state.get("postgres_dir"):
+            shutil.rmtree(state["postgres_dir"], ignore_errors=True)
 
+
+def stored_messages(state: dict) -> dict[str, int]:
+    """Messages per agent in the pool's database."""
+    engine = make_engine(state["database_url"], poolclass=NullPool)
+    with engine.connect() as connection:
+        stored = dict(connection.execute(text("SELECT agent_id, count(*) FROM messages GROUP BY agent_id")).all())
+    engine.dispose()
+    return stored
+
+
+def prompt_tokens(usage: dict) -> int:
+    return sum(usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+
+
+def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm2_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_pool(tmp_path, smollm2_dir, monkeypatch, 2) as (home, state, pool):
+        router = state["router"]
         histories: dict[str, list[dict]] = {f"agent-{i}": [] for i in range(4)}
         placed: dict[str, set[str]] = {agent: set() for agent in histories}
         prompts: dict[str, int] = {}
@@ -96,8 +124,7 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
                 server, reply, usage = turn(router, agent, history)
                 history.append({"role": "assistant", "content": reply})
                 placed[agent].add(server)
-                prompts[agent] = sum(usage[k] for k in ("input_tokens", "cache_read_input_tokens",
-                                                        "cache_creation_input_tokens"))
+                prompts[agent] = prompt_tokens(usage)
         assert all(len(servers) == 1 for servers in placed.values()), placed
 
         victim = "agent-0"
@@ -115,23 +142,61 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
         status = semantic(home, "pool", "status", "--json")
         assert status.returncode == 1  # one server is down
         assert {s["id"]: s["healthy"] for s in json.loads(status.stdout)} == {held: False, server: True}
-
-        engine = make_engine(state["database_url"], poolclass=NullPool)
-        with engine.connect() as connection:
-            stored = dict(connection.execute(text("SELECT agent_id, count(*) FROM messages GROUP BY agent_id")).all())
-        engine.dispose()
-        assert stored == {agent: len(history) for agent, history in histories.items()}  # every turn, both servers
+        # Every turn, on both servers.
+        assert stored_messages(state) == {agent: len(history) for agent, history in histories.items()}
 
         assert semantic(home, "pool", "down").returncode == 0
         assert pool.wait(timeout=60) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{router}/health", timeout=2)
-    finally:
-        if pool.poll() is None:
-            pool.send_signal(signal.SIGTERM)
-            pool.wait(timeout=60)
-        if state.get("postgres_dir"):
-            shutil.rmtree(state["postgres_dir"], ignore_errors=True)
+
+
+def test_a_joining_server_moves_no_agent_and_a_drained_one_hands_its_agents_over(
+        tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_pool(tmp_path, smollm2_dir, monkeypatch, 1) as (home, state, _):
+        router = state["router"]
+        histories: dict[str, list[dict]] = {f"old-{i}": [] for i in range(3)}
+        prompts: dict[str, int] = {}
+
+        def step(agent: str, text: str) -> tuple[str, dict]:
+            history = histories.setdefault(agent, [])
+            history.append({"role": "user", "content": f"{text} ({agent})"})
+            server, reply, usage = turn(router, agent, history)
+            history.append({"role": "assistant", "content": reply})
+            prompts[agent] = prompt_tokens(usage)
+            return server, usage
+
+        assert {step(agent, "Do you sell rope?")[0] for agent in list(histories)} == {"s1"}
+        joined = semantic(home, "pool", "join")
+        assert joined.returncode == 0, joined.stderr
+        assert "server s2 joined" in joined.stdout
+        status = json.loads(semantic(home, "pool", "status", "--json").stdout)
+        assert {s["id"]: s["healthy"] for s in status} == {"s1": True, "s2": True}
+
+        # Placed agents stay with their cache; new ones are spread over both servers.
+        for agent in [a for a in histories if a.startswith("old-")]:
+            before = prompts[agent]
+            server, usage = step(agent, "And chain?")
+            assert server == "s1" and usage["cache_read_input_tokens"] >= before - 1
+        assert "s2" in {step(f"new-{i}", "Do you sell paint?")[0] for i in range(4)}
+
+        # Drain s1: no new work, its caches flushed to the shared tier, its agents released;
+        # their next turns run on s2, warm from the tier, and no turn of history is lost.
+        drained = semantic(home, "pool", "drain", "s1")
+        assert drained.returncode == 0, drained.stderr
+        assert [s["id"] for s in json.loads(semantic(home, "pool", "status", "--json").stdout)] == ["s2"]
+        engine = make_engine(state["database_url"], poolclass=NullPool)
+        with engine.connect() as connection:
+            owners = set(connection.execute(text("SELECT DISTINCT server_id FROM owners")).scalars())
+        engine.dispose()
+        assert "s1" not in owners
+        for agent in [a for a in histories if a.startswith("old-")]:
+            before = prompts[agent]
+            server, usage = step(agent, "Thanks.")
+            assert server == "s2" and usage["cache_read_input_tokens"] >= 0.9 * before
+        assert stored_messages(state) == {agent: len(history) for agent, history in histories.items()}
+        refused = semantic(home, "pool", "drain", "s1")
+        assert refused.returncode == 2 and "no server 's1'" in refused.stderr
 
 
 def test_router_config_for_servers_on_other_machines_is_valid_haproxy(tmp_path: Path) -> None:
