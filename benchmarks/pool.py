@@ -6,6 +6,12 @@ agent-0 is killed (-9); turns 4-6 show what a failover costs. Printed: per routi
 share of each agent's turns on its usual server, the prompt tokens read from cache, and
 the median seconds to the first token per turn. JSON and a plot in benchmarks/results/.
 
+Then a failover alone, against a cold prefill of the same length: `semantic pool join`
+adds a fresh server, the server holding agent-0 is killed, and agent-0's next turn runs
+alone on the new one (restored from the shared tier); then the same conversation with
+one changed character at the start of its system prompt (so no cache matches) runs
+alone on the same server: a cold prefill of as many tokens.
+
     python -m benchmarks.pool [--agents 8] [--turns 6] [--kill-after 3]
 """
 
@@ -92,13 +98,35 @@ def run_pool(routing: str, n_agents: int, n_turns: int, kill_after: int, port: i
             print(f"[{routing}] turn {n + 1}: median TTFT {statistics.median(ttfts):.2f} s, "
                   f"cached {sum(t[n]['cached'] for t in turns)}/{sum(t[n]['prompt'] for t in turns)} tokens",
                   flush=True)
+        failover = failover_alone(home, state, turns[0][-1]["server"], histories[0], system_prompt(0), routing)
         return {"routing": routing, "ready_s": ready_s, "killed": killed, "kill_after": kill_after,
+                "failover_alone": failover,
                 "turns": [[{k: v for k, v in t.items() if k != "reply"} for t in agent] for agent in turns]}
     finally:
         pool.send_signal(signal.SIGTERM)
         pool.wait(timeout=120)
         postgres_dir = json.loads(state_path.read_text())["postgres_dir"] if state_path.exists() else None
         subprocess.run(["rm", "-rf", str(home), *([postgres_dir] if postgres_dir else [])], check=False)
+
+
+def failover_alone(home: Path, state: dict[str, Any], holder: str, history: list[dict], system: str,
+                   routing: str) -> dict[str, Any]:
+    """agent-0's next turn after its server is killed, alone on a fresh server, and a cold
+    prefill of the same length there."""
+    joined = subprocess.run([sys.executable, "-m", "app", "pool", "join"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "SEMANTIC_HOME": str(home)}, timeout=300)
+    if joined.returncode != 0:
+        raise RuntimeError(joined.stderr)
+    servers = json.loads((home / "pool" / "state.json").read_text())["servers"]
+    os.kill(next(s["pid"] for s in servers if s["id"] == holder), signal.SIGKILL)
+    history.append({"role": "user", "content": "One more question: what else do I need?"})
+    restored = stream_turn(state["router"], "agent-0", system, history)
+    cold = stream_turn(state["router"], "agent-0-cold", "Y" + system[1:], history)
+    print(f"[{routing}] failover alone on {restored['server']}: {restored['ttft_s']:.2f} s to the first token, "
+          f"{restored['cached']}/{restored['prompt']} tokens from cache; a cold prefill of {cold['prompt']} tokens "
+          f"on {cold['server']}: {cold['ttft_s']:.2f} s ({cold['ttft_s'] / restored['ttft_s']:.1f}x)", flush=True)
+    return {"restored": {k: v for k, v in restored.items() if k != "reply"},
+            "cold": {k: v for k, v in cold.items() if k != "reply"}}
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +141,11 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             "steady_hit_rate": sum(t["cached"] for t in warm) / max(1, sum(t["prompt"] for t in warm)),
             "steady_median_ttft_s": statistics.median(t["ttft_s"] for t in warm),
             "first_turn_after_kill_hit_rate": sum(t["cached"] for t in after) / max(1, sum(t["prompt"] for t in after)),
-            "median_ttft_by_turn_s": by_turn, "ready_s": run["ready_s"]}
+            "median_ttft_by_turn_s": by_turn, "ready_s": run["ready_s"],
+            "failover_alone_ttft_s": run["failover_alone"]["restored"]["ttft_s"],
+            "failover_alone_hit_rate": run["failover_alone"]["restored"]["cached"] / run["failover_alone"]["restored"][
+                "prompt"],
+            "cold_same_length_ttft_s": run["failover_alone"]["cold"]["ttft_s"]}
 
 
 def main() -> None:
@@ -131,9 +163,11 @@ def main() -> None:
             for i, routing in enumerate(("affinity", "round-robin"))]
     summaries = [summarise(run) for run in runs]
     print_table(["routing", "same server (turns 1-%d)" % args.kill_after, "hit rate, turns 2-%d" % args.kill_after,
-                 "median TTFT s, turns 2-%d" % args.kill_after, "hit rate, turn after kill", "pool ready s"],
+                 "median TTFT s, turns 2-%d" % args.kill_after, "hit rate, turn after kill", "pool ready s",
+                 "failover alone: hit rate", "TTFT s", "cold, same length: TTFT s"],
                 [[s["routing"], f"{s['same_server_share']:.1%}", f"{s['steady_hit_rate']:.1%}",
-                  s["steady_median_ttft_s"], f"{s['first_turn_after_kill_hit_rate']:.1%}", s["ready_s"]]
+                  s["steady_median_ttft_s"], f"{s['first_turn_after_kill_hit_rate']:.1%}", s["ready_s"],
+                  f"{s['failover_alone_hit_rate']:.1%}", s["failover_alone_ttft_s"], s["cold_same_length_ttft_s"]]
                  for s in summaries])
     path = write_results("pool", {"agents": args.agents, "turns": args.turns, "summaries": summaries, "runs": runs})
     print(f"wrote {path}")
