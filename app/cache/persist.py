@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # What reading a cache file can raise besides DamagedFile: a file that verifies but
 # does not fit (another model's shapes, a record that disagrees with its index).
 UNUSABLE = (blockfiles.DamagedFile, KeyError, ValueError)
+# Snapshots and deletions waiting to be written, at most: past it the engine thread waits
+# for the disk (back-pressure) rather than hold ever more snapshots in memory.
+MAX_QUEUED = 256
 WRITE_ATTEMPTS = 3  # a snapshot's block files are rewritten if the worker deleted them meanwhile
 INDEX_ATTEMPTS = 4  # a locked database is waited out (with_retries: 0.1, 0.2, 0.4 s apart)
 
@@ -183,7 +186,7 @@ class Persister(threading.Thread):
         self._uploader = Uploader(files.tier) if files.tier is not None else None
         if self._uploader is not None:
             self._uploader.start()
-        self._queue: queue.Queue[tuple[Snapshot | Copy | Forget, threading.Event] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Snapshot | Copy | Forget, threading.Event] | None] = queue.Queue(MAX_QUEUED)
         self._pending = 0
         self._lock = threading.Condition()
 
@@ -192,7 +195,11 @@ class Persister(threading.Thread):
         done = threading.Event()
         with self._lock:
             self._pending += 1
-        self._queue.put((item, done))
+        try:
+            self._queue.put_nowait((item, done))
+        except queue.Full:
+            log.warning("%d cache writes are waiting for the disk: waiting for room", MAX_QUEUED)
+            self._queue.put((item, done))
         return done
 
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -78,3 +78,27 @@ def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(s
     persister._write(snapshot("c2"))
     assert files.block_path(BLOCK).exists()
     assert store_problems(tmp_path, store_url) == []
+
+
+def test_a_full_write_queue_makes_the_submitter_wait_instead_of_growing(store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from app.cache import persist
+    from app.cache.persist import Forget
+
+    sessions, files, _ = store
+    monkeypatch.setattr(persist, "MAX_QUEUED", 4)
+    persister = Persister(files, sessions)
+    disk = threading.Event()  # the disk is stuck until set
+    monkeypatch.setattr(persister, "_forget", lambda _conversation: disk.wait(30))
+    persister.start()
+    submitted: list[threading.Event] = []
+    submitter = threading.Thread(target=lambda: submitted.extend(persister.submit(Forget(f"c{i}")) for i in range(8)))
+    submitter.start()
+    submitter.join(1)
+    assert submitter.is_alive()  # 1 being written, 4 queued: the rest wait for room
+    assert persister._queue.qsize() == 4
+    disk.set()
+    submitter.join(30)
+    assert not submitter.is_alive() and persister.flush(30) and all(done.is_set() for done in submitted)
+    persister.stop()
