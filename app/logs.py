@@ -28,6 +28,8 @@ def configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
-    # Alembic logs its plug-ins and every migration step at INFO: noise in a server's log.
+    # Alembic logs its plug-ins and every migration step at INFO, huggingface_hub's HTTP client
+    # every request of a download: noise in a server's log and over a progress bar.
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+        for name in ("alembic", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)

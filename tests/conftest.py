@@ -146,9 +146,10 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(home: Path, model_dir: Path, extra_env: dict[str, str] | None = None,
+def start_server(home: Path, model: Path | str, extra_env: dict[str, str] | None = None,
                  timeout_s: float = 180) -> ServerProcess:
-    """Start `semantic serve` as a real process on a free port and wait for /health."""
+    """Start `semantic serve --model MODEL` (a directory, or any name `--model` takes) as a
+    real process on a free port and wait for /health."""
     port = free_port()
     # The worker child is off unless a test asks for it (it is tested on its own).
     env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_PORT": str(port), "SEMANTIC_WORKER": "0",
@@ -158,7 +159,7 @@ def start_server(home: Path, model_dir: Path, extra_env: dict[str, str] | None =
     home.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--model", str(model_dir)],
+            [sys.executable, "-m", "app", "serve", "--model", str(model)],
             cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", home, process, log_path)

@@ -11,6 +11,7 @@ import falcon
 
 from app import __version__
 from app.agents.service import AgentService
+from app.catalog.hf_cache import list_cached
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
 from app.settings import Settings
@@ -118,6 +119,8 @@ class ModelsResource:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         served, catalog = self._engine.model, self._engine.catalog
         created = {m.name: m.created_at for m in list_models(self._settings.models_dir) if catalog.servable(m.name)}
+        if catalog.any_installed:
+            created.update({m.repo_id: m.snapshot.stat().st_mtime for m in list_cached(catalog.hf_cache)})
         for name, path in catalog.paths.items():
             if path.exists():
                 created.setdefault(name, path.stat().st_mtime)

@@ -1,5 +1,5 @@
-"""Installed models (directories under ``$SEMANTIC_HOME/models``), and which of them a
-request's ``model`` names (``Catalog``)."""
+"""Installed models (directories under ``$SEMANTIC_HOME/models``, and MLX models of the
+Hugging Face cache by repo id), and which of them a request's ``model`` names (``Catalog``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from app.catalog import hf_cache
 from app.catalog.embedded import EMBEDDED, locate_gguf
 from app.catalog.gguf_import import import_gguf
 from app.errors import ConfigError, NotFound
@@ -25,6 +26,26 @@ class InstalledModel:
     path: Path
     created_at: float
     architecture: str
+    source: str  # where it came from (``model_source``)
+
+
+def model_source(path: Path) -> str:
+    """Where the model directory ``path`` under the home came from: an embedded model's
+    package, a GGUF file (``source.json``, written by the import) or the user's own copy."""
+    try:
+        gguf = json.loads((path / "source.json").read_text()).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        gguf = None
+    if gguf is None:
+        return "copied into the home"
+    if path.name in EMBEDDED:
+        return f"embedded, from {EMBEDDED[path.name].packages[0]}"
+    return f"imported from {gguf}"
+
+
+def hf_views(models_dir: Path) -> Path:
+    """Where the views of Hugging Face cache models are (``hf_cache.view``)."""
+    return models_dir / ".hf"
 
 
 def model_path(models_dir: Path, name_or_path: str) -> Path:
@@ -42,8 +63,16 @@ def list_models(models_dir: Path) -> list[InstalledModel]:
             arch = json.loads(config.read_text()).get("model_type", "unknown")
         except (OSError, ValueError):
             continue
-        models.append(InstalledModel(config.parent.name, config.parent, config.stat().st_mtime, arch))
+        models.append(InstalledModel(config.parent.name, config.parent, config.stat().st_mtime, arch,
+                                     model_source(config.parent)))
     return models
+
+
+def list_hf_models(models_dir: Path, hf_cache_dir: Path | None = None) -> list[InstalledModel]:
+    """The MLX models of the Hugging Face cache, each at its view (``hf_cache.view``)."""
+    return [InstalledModel(m.repo_id, hf_cache.view(m, hf_views(models_dir)), m.snapshot.stat().st_mtime,
+                           m.architecture, f"Hugging Face cache, commit {m.commit[:12]}")
+            for m in hf_cache.list_cached(hf_cache_dir)]
 
 
 def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Path:
@@ -82,6 +111,35 @@ def model_destination(models_dir: Path, name: str) -> Path:
     if not _NAME.fullmatch(name) or len(name) > 128:
         raise ConfigError(f"model name {name!r}: use letters, digits and ._- (starting with a letter or digit)")
     return models_dir / name
+
+
+def remove_model(models_dir: Path, name: str) -> Path:
+    """Delete model ``name`` from ``models_dir`` (a link there is removed, never what it
+    points at); returns the path removed.
+
+    Raises:
+        ConfigError: ``name`` is not a model name (a path, ``..``).
+        NotFound: no such model in ``models_dir``.
+    """
+    path = model_destination(models_dir, name)
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    else:
+        raise NotFound(f"no model {name!r} in {models_dir} (semantic models list)")
+    return path
+
+
+def forget_hf_model(models_dir: Path, repo_id: str) -> bool:
+    """Delete the views of ``repo_id`` (links and Semantic's records; the cache is untouched);
+    returns whether there were any."""
+    root = hf_cache.repo_folder(repo_id, hf_views(models_dir))
+    existed = root.is_dir()
+    shutil.rmtree(root, ignore_errors=True)
+    return existed
+
+
 _install_lock = threading.Lock()  # one import of an embedded model at a time
 
 
@@ -95,12 +153,13 @@ class Catalog:
 
     A name resolves, in order, as: empty or "default" -> the default model; an alias ->
     its target; the default's or an alias target's own name; with ``any_installed``, a
-    model installed under ``models_dir``. Anything else is the default model when
-    ``map_unknown`` (Claude Code asks for "claude-sonnet-...") and a 404 otherwise.
-    Requests name models, never paths: only the configuration may point at a directory
-    outside ``models_dir``, and only the configuration imports an embedded model. Each
-    swap reloads the model and sends every conversation's cache to disk, so by default a
-    client can choose only among the models the operator configured.
+    model installed under ``models_dir`` or an MLX model of the Hugging Face cache (by
+    repo id). Anything else is the default model when ``map_unknown`` (Claude Code asks
+    for "claude-sonnet-...") and a 404 otherwise. Requests name models, never paths: only
+    the configuration may point at a directory outside ``models_dir``, and only the
+    configuration imports an embedded model. Each swap reloads the model and sends every
+    conversation's cache to disk, so by default a client can choose only among the models
+    the operator configured.
     """
 
     models_dir: Path
@@ -109,30 +168,30 @@ class Catalog:
     aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> model name
     map_unknown: bool = True
     any_installed: bool = False  # requests may name any installed model (settings.serve_installed_models)
+    hf_cache: Path | None = None  # the Hugging Face hub cache (None: where huggingface_hub looks)
 
     @classmethod
     def configure(cls, models_dir: Path, default: str, aliases: Mapping[str, str] | None = None,
-                  map_unknown: bool = True, any_installed: bool = False) -> Catalog:
-        """From the settings: ``default`` and each alias target is a name or a directory.
+                  map_unknown: bool = True, any_installed: bool = False,
+                  hf_cache_dir: Path | None = None) -> Catalog:
+        """From the settings: ``default`` and each alias target is a name, a directory or a
+        Hugging Face repo id (``org/name``, found in the cache offline).
 
         Raises:
-            ConfigError: a model that is neither installed nor embedded, or an alias that
-                shadows an installed model's name.
+            ConfigError: a model that is neither installed, embedded nor in the Hugging Face
+                cache, or an alias that shadows an installed model's name.
         """
         paths: dict[str, Path] = {}
         names: dict[str, str] = {}
         for given in (default, *(aliases or {}).values()):
-            path = model_path(models_dir, given)
-            if not _installed(path) and given not in EMBEDDED:
-                raise ConfigError(f"model {given!r} is not installed in {models_dir} and is not embedded "
-                                  "(semantic models list)")
-            names[given] = path.name
-            paths[path.name] = path
+            name, path = _configured(models_dir, given, hf_cache_dir)
+            names[given] = name
+            paths[name] = path
         for alias in aliases or {}:
             if alias in paths or _installed(models_dir / alias):
                 raise ConfigError(f"model_aliases: {alias!r} is already a model's name")
         return cls(models_dir, names[default], paths, {a: names[t] for a, t in (aliases or {}).items()},
-                   map_unknown, any_installed)
+                   map_unknown, any_installed, hf_cache_dir)
 
     @classmethod
     def single(cls, name: str, path: Path) -> Catalog:
@@ -153,17 +212,35 @@ class Catalog:
             return requested
         if self.any_installed and _NAME.fullmatch(requested) and _installed(self.models_dir / requested):
             return requested
+        if self.any_installed and hf_cache.is_repo_id(requested) and self._cached(requested):
+            return requested
         if self.map_unknown:
             return self.default
         raise NotFound(f"model: {requested!r} is not a model this server serves (serving {self.default!r} "
                        "by default; GET /v1/models lists them)")
+
+    def _cached(self, repo_id: str) -> bool:
+        try:
+            hf_cache.find(repo_id, self.hf_cache)
+        except NotFound:
+            return False
+        return True
 
     def servable(self, name: str) -> bool:
         """Whether a request may name installed model ``name`` (listed by ``/v1/models``)."""
         return name in self.paths or self.any_installed
 
     def path(self, name: str) -> Path:
-        return self.paths.get(name) or self.models_dir / name
+        """The directory of model ``name`` (a Hugging Face model's view).
+
+        Raises:
+            NotFound: a repo id no longer in the Hugging Face cache.
+        """
+        if name in self.paths:
+            return self.paths[name]
+        if hf_cache.is_repo_id(name):
+            return hf_cache.view(hf_cache.find(name, self.hf_cache), hf_views(self.models_dir))
+        return self.models_dir / name
 
     def install(self, name: str) -> Path:
         """The directory of model ``name``, importing an embedded model on first use.
@@ -176,3 +253,17 @@ class Catalog:
             return path
         with _install_lock:
             return ensure_embedded(self.models_dir, name)
+
+
+def _configured(models_dir: Path, given: str, hf_cache_dir: Path | None) -> tuple[str, Path]:
+    """The name and directory of a model the configuration names (see ``Catalog.configure``)."""
+    if hf_cache.is_repo_id(given):
+        try:
+            return given, hf_cache.view(hf_cache.find(given, hf_cache_dir), hf_views(models_dir))
+        except NotFound as exc:
+            raise ConfigError(str(exc)) from None
+    path = model_path(models_dir, given)
+    if not _installed(path) and given not in EMBEDDED:
+        raise ConfigError(f"model {given!r} is not installed in {models_dir}, is not embedded and is not a "
+                          "Hugging Face repo id (semantic models list)")
+    return path.name, path

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,38 +98,53 @@ def _param_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def model_fingerprint(path: Path, kv_format: str) -> str:
-    """sha256 over the weights, tokenizer, chat template and KV format.
-
-    Hashing the weights takes a second per few hundred MB, so the weights'
-    digest is memoised in ``.fingerprint.json`` keyed by file sizes and times.
-    """
+    """sha256 over the weights, tokenizer, chat template and KV format."""
     weights = sorted(path.glob("*.safetensors"))
-    stamp = [[w.name, w.stat().st_size, w.stat().st_mtime_ns] for w in weights]
-    memo_path = path / ".fingerprint.json"
-    weights_digest = None
-    try:
-        memo = json.loads(memo_path.read_text())
-        if memo.get("stamp") == stamp:
-            weights_digest = memo["weights_sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    if weights_digest is None:
-        digest = hashlib.sha256()
-        for weight in weights:
-            with weight.open("rb") as handle:
-                while chunk := handle.read(1 << 24):
-                    digest.update(chunk)
-        weights_digest = digest.hexdigest()
-        try:
-            memo_path.write_text(json.dumps({"stamp": stamp, "weights_sha256": weights_digest}))
-        except OSError:
-            log.warning("cannot write %s; the model will be hashed again next start", memo_path)
-    final = hashlib.sha256(weights_digest.encode())
+    final = hashlib.sha256((_linked_weights_digest(weights) or _hashed_weights_digest(path, weights)).encode())
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (path / name).exists():
             final.update(name.encode() + (path / name).read_bytes())
     final.update(kv_format.encode())
     return final.hexdigest()
+
+
+def _hashed_weights_digest(path: Path, weights: list[Path]) -> str:
+    """sha256 over the weights' bytes. It takes a second per few hundred MB, so it is
+    memoised in ``.fingerprint.json`` keyed by file sizes and times."""
+    stamp = [[w.name, w.stat().st_size, w.stat().st_mtime_ns] for w in weights]
+    memo_path = path / ".fingerprint.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+        if memo.get("stamp") == stamp:
+            return str(memo["weights_sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = hashlib.sha256()
+    for weight in weights:
+        with weight.open("rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    try:
+        memo_path.write_text(json.dumps({"stamp": stamp, "weights_sha256": digest.hexdigest()}))
+    except OSError:
+        log.warning("cannot write %s; the model will be hashed again next start", memo_path)
+    return digest.hexdigest()
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _linked_weights_digest(weights: list[Path]) -> str | None:
+    """A digest of the weights read from their names alone, when every weights file is a
+    link into a ``blobs`` directory naming files by their sha256 (the Hugging Face cache
+    stores a Git LFS file, as safetensors weights are, under its sha256); else None."""
+    names = []
+    for weight in weights:
+        target = weight.resolve()
+        if not weight.is_symlink() or target.parent.name != "blobs" or not _SHA256.fullmatch(target.name):
+            return None
+        names.append(f"{weight.name}:{target.name}")
+    return hashlib.sha256(" ".join(names).encode()).hexdigest() if names else None
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:

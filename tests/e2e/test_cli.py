@@ -65,7 +65,8 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     chosen = json.loads((model_dir / "kv_calibration.json").read_text())["chosen"]
     assert f"my-smol: KV format {chosen} (auto: top-1 " in result.stdout
     listing = semantic(tmp_path, "models", "list").stdout
-    assert "my-smol\tllama" in listing and "gemma3-270m\tnot imported" in listing
+    assert f"my-smol\tllama\timported from {gguf.resolve()}\t{model_dir}\t" in listing
+    assert "gemma3-270m\tnot imported" in listing
     assert f"\tKV {chosen} (auto: top-1 " in listing and "of FP16)" in listing
     pinned = semantic(tmp_path, "models", "list", env={"SEMANTIC_KV_FORMATS": "my-smol=q8"}).stdout
     assert "\tKV q8 (set: " in pinned
