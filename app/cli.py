@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from app import __version__
-from app.errors import ConfigError, SemanticError
+from app.errors import ConfigError, NotFound, SemanticError
 from app.logs import configure_logging
 from app.settings import Settings, config_file, load_settings
 
@@ -194,17 +194,17 @@ def cmd_models_pull(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_models_rm(settings: Settings, args: argparse.Namespace) -> int:
     from app.catalog import hf_cache
     from app.catalog.embedded import EMBEDDED
-    from app.catalog.registry import forget_hf_model, model_path, remove_model
+    from app.catalog.registry import forget_hf_model, remove_model
 
     name = args.name
-    configured = {"model" if given == settings.model else f"model_aliases.{alias}"
-                  for alias, given in (("", settings.model), *settings.model_aliases.items())
-                  if given == name or model_path(settings.models_dir, given) == settings.models_dir / name}
+    configured = _configured_as(settings, name)
     if configured and not args.force:
-        raise ConfigError(f"{name} is configured ({', '.join(sorted(configured))}): change the configuration "
-                          "first, or pass --force")
+        raise ConfigError(f"{name} is configured ({', '.join(configured)}): change the configuration first, "
+                          "or pass --force")
     if hf_cache.is_repo_id(name):
         where = hf_cache.repo_folder(name, hf_cache.hub_cache())
+        if not where.is_dir():
+            raise NotFound(f"model {name!r} is not in the Hugging Face cache {hf_cache.hub_cache()}")
         if not args.hf_cache:
             print(f"semantic: {name} is in the Hugging Face cache ({where}), which Semantic only reads; "
                   f"remove it with `hf cache rm model/{name}`, or with `semantic models rm {name} --hf-cache`",
@@ -218,6 +218,15 @@ def cmd_models_rm(settings: Settings, args: argparse.Namespace) -> int:
     again = f"; `semantic models install {name}` imports it again" if name in EMBEDDED else ""
     print(f"removed {name} ({path}){again}")
     return 0
+
+
+def _configured_as(settings: Settings, name: str) -> list[str]:
+    """The settings that name model ``name`` (a repo id, or a model under the home)."""
+    from app.catalog.registry import model_path
+
+    named = [("model", settings.model), *((f"model_aliases.{a}", t) for a, t in settings.model_aliases.items())]
+    return [key for key, given in named
+            if given == name or model_path(settings.models_dir, given) == settings.models_dir / name]
 
 
 def _calibrate(settings: Settings, name: str, path: Path) -> None:

@@ -45,6 +45,8 @@ def test_rm_removes_a_model_of_the_home_and_nothing_outside_it(tmp_path: Path) -
     (outside / "config.json").write_text("{}")
     (models / "linked").symlink_to(outside, target_is_directory=True)
     home = tmp_path / "home"
+    aliased = semantic(home, "models", "rm", "mine", env={"SEMANTIC_MODEL_ALIASES": "fast=mine"})
+    assert aliased.returncode == 2 and "mine is configured (model_aliases.fast)" in aliased.stderr
     assert semantic(home, "models", "rm", "mine").returncode == 0 and not (models / "mine").exists()
     assert semantic(home, "models", "rm", "linked").returncode == 0
     assert not (models / "linked").is_symlink() and (outside / "config.json").exists()  # the link, not its target
