@@ -14,10 +14,13 @@ from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+# Long answers (a list that does not end within max_tokens): every request decodes for many
+# steps, so the requests overlap whatever the machine's speed (short answers could end
+# before the next prompt's prefill does, on a loaded machine).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 FILLER = "The committee reviewed the quarterly figures and noted steady progress across every region. "
 # Prompts of different lengths: about 40, 400, 900 and 1,500 tokens.
-PROMPTS = {f"agent-{i}": [ChatMessage("system", FILLER * words), ChatMessage("user", f"Question {i}: name a colour.")]
+PROMPTS = {f"agent-{i}": [ChatMessage("system", FILLER * words), ChatMessage("user", f"Question {i}: list twenty colours, one per line.")]
            for i, words in enumerate((1, 25, 60, 100))}
 
 
