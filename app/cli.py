@@ -345,7 +345,7 @@ $SEMANTIC_HOME/config.toml and a SEMANTIC_* variable (port: SEMANTIC_PORT=8080).
 MLX_MISSING = ("MLX is not installed; install Semantic with the extra for this machine: "
                "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)")
 # worker.tasks.JOBS, named here because importing it takes a second (a test keeps them equal).
-JOBS = ("expire", "evict", "compact", "prune")
+JOBS = ("expire", "evict", "compact", "prune", "tier_gc")
 # What `semantic sql` reads besides alembic_version (a test keeps them equal to the migrated schema).
 SQL_TABLES = ("agents", "conversations", "messages", "requests", "responses", "caches", "cache_blocks", "blocks",
               "owners", "job_runs")

@@ -99,4 +99,19 @@ def prune() -> dict[str, Any]:
         return jobs.run_prune(sessions, settings.log_retention_days)
 
 
-JOBS = {"expire": expire, "evict": evict, "compact": compact, "prune": prune}
+@huey.periodic_task(crontab(minute="29"))
+@_recorded
+def tier_gc() -> dict[str, Any]:
+    """Hourly, in a pool with a shared tier: delete the bucket's objects no row names any more."""
+    from app.cache.shared_tier import S3Tier
+    from app.cache.tier_gc import collect
+
+    started = utcnow()
+    with _store() as (_, sessions):
+        result = (collect(sessions, S3Tier(settings.block_store)) if settings.block_store
+                  else {"skipped": "no shared tier (block_store is not set)"})
+        jobs.record_run(sessions, "tier_gc", started, utcnow(), result)
+        return result
+
+
+JOBS = {"expire": expire, "evict": evict, "compact": compact, "prune": prune, "tier_gc": tier_gc}

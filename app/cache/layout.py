@@ -18,6 +18,14 @@ from app.cache.shared_tier import S3Tier
 log = logging.getLogger(__name__)
 
 
+def tier_key(stored: str | Path, fingerprint: str) -> str | None:
+    """The object key of the file an index row names (whichever server's root it is under),
+    or None if the path is not under a ``<fingerprint[:16]>`` directory."""
+    parts = Path(stored).parts
+    tag = fingerprint[:16]
+    return "/".join(parts[parts.index(tag):]) if tag in parts else None
+
+
 class FileLayout:
     def __init__(self, root: Path, fingerprint: str, tier: S3Tier | None = None) -> None:
         self.root = root
@@ -33,10 +41,8 @@ class FileLayout:
         """Where this server keeps the file an index row names (the row may have been written by
         another server of a pool: same layout, another root). Missing here and ``fetch``: copied
         from the shared tier first, if there is one and it holds the file."""
-        path = Path(stored)
-        parts = path.parts
-        tag = self.fingerprint[:16]
-        local = self.base.joinpath(*parts[parts.index(tag) + 1:]) if tag in parts else path
+        key = tier_key(stored, self.fingerprint)
+        local = self.root.joinpath(*key.split("/")) if key is not None else Path(stored)
         if fetch and self.tier is not None and not local.exists():
             try:
                 if self.tier.fetch(self.key(local), local):

@@ -19,7 +19,9 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import parse_qs, urlparse
 
 from app.errors import ConfigError
@@ -96,6 +98,24 @@ class S3Tier:
             raise
         os.replace(partial, destination)
         return True
+
+    def listing(self) -> Iterator[tuple[str, datetime]]:
+        """Every object under the prefix: (key below the prefix, when it was last written)."""
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.location.bucket, **({"Prefix": f"{self.location.prefix}/"} if self.location.prefix else {}))
+        start = len(self.location.prefix) + 1 if self.location.prefix else 0
+        for page in pages:
+            for item in page.get("Contents", []):
+                yield item["Key"][start:], item["LastModified"]
+
+    def delete(self, keys: list[str]) -> int:
+        """Delete objects (1,000 a request); returns how many the store deleted."""
+        deleted = 0
+        for start in range(0, len(keys), 1000):
+            answer = self._client.delete_objects(Bucket=self.location.bucket, Delete={
+                "Objects": [{"Key": self._key(k)} for k in keys[start:start + 1000]], "Quiet": False})
+            deleted += len(answer.get("Deleted", []))
+        return deleted
 
     def ensure_bucket(self) -> None:
         """Create the bucket if it does not exist (a local pool's own store)."""

@@ -154,7 +154,7 @@ def test_the_worker_migrates_and_its_consumer_runs_queued_jobs(tmp_path: Path) -
                        cwd=ROOT, env=env, check=True, timeout=60)
         # (A periodic run may land too when the test crosses a scheduled minute.)
         names = lambda: {name for (name,) in query(db, "SELECT name FROM job_runs")}  # noqa: E731
-        assert wait_for(lambda: names() == {"compact", "evict", "expire", "prune"}), process.stdout
+        assert wait_for(lambda: names() == {"compact", "evict", "expire", "prune", "tier_gc"}), process.stdout
     finally:
         process.terminate()
         process.wait(timeout=20)

@@ -142,3 +142,35 @@ def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(
     assert query(tmp_path / "pool.db", "SELECT server_id, epoch FROM owners") == [("a", 3)]
     a.close()
     b.close()
+
+
+def test_tier_gc_deletes_only_old_objects_no_row_names(tmp_path: Path, s3_url: str) -> None:
+    from datetime import timedelta
+
+    from app.cache.tier_gc import collect
+    from app.store import cache_index
+    from app.store.history import ensure_conversation
+
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    fingerprint = "f" * 64
+    tag = fingerprint[:16]
+    kept, gone = "a" * 64, "b" * 64
+    other_server = Path("/elsewhere/s2/blocks") / tag  # rows name the writing server's paths
+    with sessions.begin() as session:
+        ensure_conversation(session, "c1", "a", "direct", utcnow())
+        cache_index.save_cache(session, "a", "c1", fingerprint, 256, str(other_server / "conversations" / "r2.safetensors"),
+                               [cache_index.BlockRow(kept, None, 256, str(other_server / "aa" / f"{kept}.safetensors"),
+                                                     1, "")], utcnow())
+    tier = S3Tier(s3_url.replace("/pool?", "/gc-test?"))  # moto keeps one store per process: a prefix of its own
+    payload = tmp_path / "object"
+    payload.write_bytes(b"x")
+    named = {f"{tag}/aa/{kept}.safetensors", f"{tag}/conversations/r2.safetensors"}
+    orphans = {f"{tag}/bb/{gone}.safetensors", f"{tag}/conversations/r1.safetensors"}  # dropped block, old record
+    for key in named | orphans:
+        tier.put(key, payload)
+
+    assert collect(sessions, tier) == {"objects": 4, "unreferenced": 0, "deleted": 0}  # all younger than the grace
+    assert collect(sessions, tier, grace=timedelta(0)) == {"objects": 4, "unreferenced": 2, "deleted": 2}
+    assert {key for key, _ in tier.listing()} == named
