@@ -419,7 +419,7 @@ class CacheManager:
             self._to_prefetch = deque(due)
         while self._to_prefetch:
             agent_id, conversation_id = self._to_prefetch.popleft()
-            if conversation_id in self._hot:
+            if conversation_id in self._hot or not self._still_mine(agent_id):
                 continue
             cache = self._load(agent_id, conversation_id)
             if cache is None:
@@ -437,6 +437,18 @@ class CacheManager:
             log.info("conversation %s: prefetched with its working copy", conversation_id)
             return True
         return False
+
+    def _still_mine(self, agent_id: str) -> bool:
+        """Outside a pool, True. In a pool: whether this server still owns the agent (a server
+        prefetches only its own agents, and remembers the epoch it saw, as serving does)."""
+        if self._owner is None:
+            return True
+        with self._sessions() as session:
+            owner = ownership.current(session, agent_id)
+        if owner is None or owner[0] != self._owner:
+            return False
+        self._epochs[agent_id] = owner[1]
+        return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""

@@ -174,3 +174,31 @@ def test_tier_gc_deletes_only_old_objects_no_row_names(tmp_path: Path, s3_url: s
     assert collect(sessions, tier) == {"objects": 4, "unreferenced": 0, "deleted": 0}  # all younger than the grace
     assert collect(sessions, tier, grace=timedelta(0)) == {"objects": 4, "unreferenced": 2, "deleted": 2}
     assert {key for key, _ in tier.listing()} == named
+
+
+def test_a_restarted_server_prefetches_only_the_agents_it_still_owns(tmp_path: Path, s3_url: str) -> None:
+    """a served two agents, then b took one over; a restarted a brings back only the other
+    one (without the owner check it would load b's agent, whose cache b may change)."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(6)
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
+    with a._sessions.begin() as session:
+        touch_agent(session, "z", "direct", utcnow())
+    tokens = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "z")}
+    for agent, prompt in tokens.items():
+        lease = a.lease(agent, f"{agent}-c", as_prompt(prompt))
+        forward(model, lease.cache, prompt)
+        a.commit(lease, CacheRecord(*_record_fields(prompt)), lease.cache)
+    assert a.flush(60)
+    a.close()
+    b = server(tmp_path, "b", n_layers, S3Tier(s3_url), owner="b")
+    assert b.lease("z", "z-c", as_prompt(tokens["z"] + [1, 2])).n_reused == 300  # b owns z now
+    b.close()
+
+    restarted = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
+    while restarted.prefetch():
+        pass
+    assert restarted.record("a-c") is not None and restarted.record("z-c") is None
+    assert restarted._epochs == {"a": 1}
+    restarted.close()
