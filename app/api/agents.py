@@ -71,9 +71,13 @@ def render_agent(agent: AgentView, hot: dict[str, int], fingerprint: str) -> dic
     conversations = []
     for conversation in agent.conversations:
         caches = _caches(conversation.caches, hot.get(conversation.id), fingerprint)
+        hit = conversation.last_hit
         conversations.append({"id": conversation.id, "n_messages": conversation.n_messages, "tier": _tier(caches),
                               "created_at": conversation.created_at.isoformat() + "Z",
-                              "last_access_at": conversation.last_access_at.isoformat() + "Z", "caches": caches})
+                              "last_access_at": conversation.last_access_at.isoformat() + "Z", "caches": caches,
+                              "last_hit": None if hit is None else {
+                                  "at": hit.at.isoformat() + "Z", "cached_tokens": hit.cached_tokens,
+                                  "input_tokens": hit.input_tokens}})
     all_caches = [c for conversation in conversations for c in conversation["caches"]]
     return {
         "id": agent.id, "type": "agent", "origin": agent.origin, "parent_id": agent.parent_id,

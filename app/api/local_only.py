@@ -6,8 +6,10 @@ name at loopback so even reads look same-origin. So, like other local model
 servers, every request is checked before routing:
 
 - ``Origin`` (browsers send it on cross-site requests): allowed if it is a
-  loopback origin (``localhost``, ``127.0.0.1``, ``[::1]``, any port) or listed
-  in ``allowed_origins``; else 403. Clients that are not browsers send none.
+  loopback origin (``localhost``, ``127.0.0.1``, ``[::1]``, any port), listed
+  in ``allowed_origins``, or the request's own ``Host`` at a name the server
+  knows (its own pages, such as ``/agents``, served on the network); else 403.
+  Clients that are not browsers send none.
 - ``Host``: when the server listens on loopback, it must name loopback (or an
   entry of ``allowed_hosts``); a rebound name gets 403. A server bound to another
   address (``0.0.0.0``, a LAN address) also answers to its bind address, the
@@ -100,17 +102,27 @@ class LocalOnlyMiddleware:
         self._lan = not is_loopback(bind)
         self._known_hosts = LOOPBACK_HOSTS | {bind} | self._hosts | (machine_hosts() if self._lan else frozenset())
 
-    def origin_allowed(self, origin: str) -> bool:
+    def origin_allowed(self, origin: str, host_header: str | None = None) -> bool:
+        """A loopback or listed origin, or the server's own (a page it served, such as /agents,
+        calling it back) at a name it knows without ``allowed_hosts = *``."""
         origin = origin.strip().lower().rstrip("/")
         if "*" in self._origins or origin in self._origins:
             return True
         parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and (parts.hostname or "") in LOOPBACK_HOSTS
+        if parts.scheme not in ("http", "https"):
+            return False
+        if (parts.hostname or "") in LOOPBACK_HOSTS:
+            return True
+        if host_header is None or parts.netloc != host_header.strip().lower():
+            return False
+        return self._known(host_name(host_header))
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not host_header or "*" in self._hosts:
             return True
-        host = host_name(host_header)
+        return self._known(host_name(host_header))
+
+    def _known(self, host: str) -> bool:
         return host in self._known_hosts or (self._lan and is_lan_name(host))
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -119,7 +131,7 @@ class LocalOnlyMiddleware:
                             "localhost (add the name to allowed_hosts to serve it)")
         origin = req.get_header("ORIGIN")
         if origin is not None:
-            if not self.origin_allowed(origin):
+            if not self.origin_allowed(origin, req.get_header("HOST")):
                 raise Forbidden(f"origin {origin!r} is not allowed (add it to allowed_origins to let a web page "
                                 "call this server)")
             resp.set_header("Access-Control-Allow-Origin", origin)

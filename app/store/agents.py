@@ -6,12 +6,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import and_, delete, func, select
 from sqlalchemy.orm import Session
 
 from app.errors import InvalidRequest
 from app.store.history import new_conversation_id
-from app.store.models import Agent, Cache, Conversation, Message, StoredResponse
+from app.store.models import Agent, Cache, Conversation, Message, Request, StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class LastHit:
+    at: datetime
+    cached_tokens: int
+    input_tokens: int  # the whole prompt, cached part included
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +28,7 @@ class ConversationView:
     created_at: datetime
     last_access_at: datetime
     caches: tuple[tuple[str, int, str], ...]  # (model fingerprint, cached tokens, tier)
+    last_hit: LastHit | None  # its latest request that read from cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +66,21 @@ def _conversations(session: Session, agent_id: str) -> tuple[ConversationView, .
         caches.setdefault(conversation_id, []).append((fingerprint, n_tokens, tier))
     rows = session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
                            .order_by(Conversation.last_access_at.desc()))
+    hits = _last_hits(session, agent_id)
     return tuple(ConversationView(c.id, counts.get(c.id, 0), c.created_at, c.last_access_at,
-                                  tuple(caches.get(c.id, ()))) for c in rows)
+                                  tuple(caches.get(c.id, ())), hits.get(c.id)) for c in rows)
+
+
+def _last_hits(session: Session, agent_id: str) -> dict[str, LastHit]:
+    """Each conversation's latest request that read tokens from cache."""
+    hit = and_(Request.agent_id == agent_id, Request.n_cached_tokens > 0)
+    latest = (select(Request.conversation_id, func.max(Request.created_at).label("at")).where(hit)
+              .group_by(Request.conversation_id).subquery())
+    rows = session.execute(select(Request.conversation_id, Request.created_at, Request.n_cached_tokens,
+                                  Request.n_input_tokens)
+                           .join(latest, and_(Request.conversation_id == latest.c.conversation_id,
+                                              Request.created_at == latest.c.at)).where(hit))
+    return {c: LastHit(at, cached or 0, n_input or 0) for c, at, cached, n_input in rows if c is not None}
 
 
 def view(session: Session, agent_id: str) -> AgentView | None:

@@ -57,3 +57,20 @@ def test_origins() -> None:
     for refused in ("https://evil.example", "null", "http://localhost.evil.example", "file://", "chrome-extension://x"):
         assert not guard.origin_allowed(refused), refused
     assert LocalOnlyMiddleware("127.0.0.1", allowed_origins="*").origin_allowed("https://evil.example")
+
+
+def test_the_servers_own_origin_at_a_name_it_knows() -> None:
+    """A page the server served (/agents) calls it back with its own origin: allowed at a
+    name the server answers to by itself, on loopback and on the network; a foreign name
+    even under allowed_hosts = * (a rebound name) and another port stay refused."""
+    lan = LocalOnlyMiddleware("0.0.0.0")
+    assert lan.origin_allowed("http://192.168.1.20:8000", "192.168.1.20:8000")
+    assert lan.origin_allowed("http://box.local", "box.local")
+    assert not lan.origin_allowed("http://192.168.1.20:8000", "192.168.1.20:9000")
+    assert not lan.origin_allowed("http://192.168.1.20:8000", None)
+    assert not lan.origin_allowed("http://attacker.example:8000", "attacker.example:8000")
+    wildcard = LocalOnlyMiddleware("0.0.0.0", allowed_hosts="*")
+    assert wildcard.host_allowed("attacker.example:8000")
+    assert not wildcard.origin_allowed("http://attacker.example:8000", "attacker.example:8000")
+    listed = LocalOnlyMiddleware("0.0.0.0", allowed_hosts="chat.example.com")
+    assert listed.origin_allowed("https://chat.example.com", "chat.example.com")
