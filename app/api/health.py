@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 # Where ``GET /`` points: this server's pages, and the references of the APIs it speaks.
-PAGES = {"status": ("/status", "the operator page: model, memory, agents and their caches, misses, jobs"),
+PAGES = {"agents": ("/agents", "the agents: their conversations and caches; continue a conversation"),
+         "status": ("/status", "the operator page: model, memory, agents and their caches, misses, jobs"),
          "health": ("/health", "health, model and version (JSON)"),
          "metrics": ("/metrics", "Prometheus metrics"),
          "models": ("/v1/models", "the models a request may name")}

@@ -8,12 +8,16 @@ import uuid
 
 import falcon
 
+from app.api.people_page import FILES as PAGE_FILES
 from app.errors import RequestTooLarge, Unauthorized
 
 log = logging.getLogger(__name__)
 
 # Probes that must answer without a key (Claude Code's HEAD /, health checks).
-OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
+PROBES = frozenset({"/", "/health", "/metrics"})
+# What answers without a key: the probes, and the people page's files (they hold no data; its
+# script sends the key the user enters with each API call).
+OPEN_PATHS = PROBES | frozenset(PAGE_FILES)
 
 
 def protocol_of(path: str) -> str:
@@ -29,7 +33,7 @@ class RequestContextMiddleware:
     response (``x-semantic-server``: which server of a pool answered), and one log line a
     request once its status is known, errors included: method, path, status, request id,
     agent (where the URL or the body named or matched one) and client (its User-Agent).
-    Probes that succeed (``OPEN_PATHS``: health checkers, scrapers) are logged at DEBUG only."""
+    Probes that succeed (``PROBES``: health checkers, scrapers) are logged at DEBUG only."""
 
     def __init__(self, server_id: str) -> None:
         self._server_id = server_id
@@ -49,7 +53,7 @@ class RequestContextMiddleware:
                          req_succeeded: bool) -> None:
         fields = {"method": req.method, "path": req.path, "status": resp.status_code,
                   "request_id": req.context.request_id, "agent": req.context.agent, "client": req.user_agent}
-        probe = req.path in OPEN_PATHS and resp.status_code < 400
+        probe = req.path in PROBES and resp.status_code < 400
         log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d request %s agent %s client %r",
                 *fields.values(), extra=fields)
 

@@ -17,6 +17,7 @@ from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
 from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
+from app.api.people_page import FILES as PAGE_FILES, PageFileResource
 from app.api.status_page import StatusPageResource
 from app.settings import Settings
 from app.store import jobs
@@ -37,6 +38,8 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/", RootResource())
     app.add_route("/health", HealthResource(deps.engine, deps.agents, deps.settings.effective_server_id))
     app.add_route("/status", StatusPageResource(deps.engine, deps.sessions, deps.settings))
+    for path, (name, content_type) in PAGE_FILES.items():
+        app.add_route(path, PageFileResource(name, content_type))
     app.add_route("/v1/models", ModelsResource(deps.settings, deps.engine))
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))

@@ -12,10 +12,7 @@ import pytest
 from PIL import Image
 
 from conftest import ServerProcess
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--window-size=1280,900"]
+from support.webdriver import CHROMIUM_FLAGS
 
 
 def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
