@@ -11,7 +11,7 @@ the security schemes the headers ``AuthMiddleware`` accepts.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import falcon
@@ -120,12 +120,12 @@ def build_document(app: falcon.App, api_key_required: bool) -> dict[str, Any]:
     """The OpenAPI document of ``app``; ``api_key_required``: the server has an api_key."""
     served = routes(app)
     bodies = [op.body for key in served if (op := OPERATIONS.get(key)) and op.body]
-    schemas = _body_schemas(bodies)
+    schemas, refs = _body_schemas(bodies)
     schemas.update({name: _error_schema(protocol) for protocol, name in ERROR_SCHEMAS.items()})
     paths: dict[str, dict[str, Any]] = {}
     for method, template in served:
         path, names = _openapi_path(template)
-        paths.setdefault(path, {})[method.lower()] = _operation(method, template, names, api_key_required)
+        paths.setdefault(path, {})[method.lower()] = _operation(method, template, names, refs, api_key_required)
     auth = [{"apiKey": []}, {"bearer": []}] if api_key_required else []
     return {
         "openapi": "3.1.0",
@@ -148,22 +148,24 @@ def _openapi_path(template: str) -> tuple[str, list[str]]:
     return re.sub(r"{(\w+)(?::[^}]*)?}", r"{\1}", template), names
 
 
-def _operation(method: str, template: str, names: list[str], api_key_required: bool) -> dict[str, Any]:
+def _operation(method: str, template: str, names: list[str], refs: dict[Body, str],
+               api_key_required: bool) -> dict[str, Any]:
     op = OPERATIONS.get((method, template))
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
     if op is None:
         return {"summary": f"{method} {template} (undocumented)", UNDOCUMENTED: True,
+                **({"parameters": parameters} if parameters else {}),
                 "responses": {"default": _error_response(template)}}
     result: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(method, template)}
     if op.description:
         result["description"] = op.description
-    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
     parameters += [{"name": p.name, "in": "query", "required": False, "schema": p.schema,
                     "description": p.description} for p in op.query]
     if parameters:
         result["parameters"] = parameters
     if op.body is not None:
-        result["requestBody"] = {"required": not op.body.optional, "content": {"application/json": {
-            "schema": {"$ref": REF.format(model=op.body.name or op.body.model.__name__)}}}}
+        result["requestBody"] = {"required": not op.body.optional,
+                                 "content": {"application/json": {"schema": {"$ref": refs[op.body]}}}}
     success: dict[str, Any] = {"description": "the answer" if op.answers else "no body"}
     if op.answers is not None:
         success["content"] = {op.answers: {}}
@@ -189,20 +191,23 @@ def _error_response(template: str) -> dict[str, Any]:
                 model=ERROR_SCHEMAS[protocol_of(template)])}}}}
 
 
-def _body_schemas(bodies: list[Body]) -> dict[str, Any]:
-    """The request models' JSON schemas (and what they reference), plus the narrowed ones."""
+def _body_schemas(bodies: list[Body]) -> tuple[dict[str, Any], dict[Body, str]]:
+    """The request models' JSON schemas (and what they reference), plus the narrowed ones; and
+    each body's reference to its schema."""
     models = sorted({body.model for body in bodies}, key=lambda m: m.__name__)
-    _, top = models_json_schema([(model, "validation") for model in models], ref_template=REF)
+    keys, top = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     schemas: dict[str, Any] = _any_of_unions(top.get("$defs", {}))
+    refs = {body: keys[(body.model, "validation")]["$ref"] for body in bodies}
     for body in bodies:
         if body.name is None:
             continue
-        base = schemas[body.model.__name__]
+        base = schemas[refs[body].rsplit("/", 1)[-1]]
+        refs[body] = REF.format(model=body.name)
         narrowed = {**base, "title": body.name, "properties": {
             name: value for name, value in base["properties"].items() if body.keep is None or name in body.keep}}
         narrowed["required"] = list(body.required if body.required is not None else base.get("required", []))
         schemas[body.name] = narrowed
-    return schemas
+    return schemas, refs
 
 
 def _any_of_unions(node: Any) -> Any:

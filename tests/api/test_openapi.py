@@ -105,8 +105,10 @@ def test_a_route_added_without_documentation_is_marked(tmp_path: Path) -> None:
 
     app = _client(tmp_path).app
     app.add_route("/v1/extra/{item:int}", Extra())
-    extra = build_document(app, api_key_required=False)["paths"]["/v1/extra/{item}"]["put"]
+    document = build_document(app, api_key_required=False)
+    extra = document["paths"]["/v1/extra/{item}"]["put"]
     assert extra[UNDOCUMENTED] is True and extra["summary"] == "PUT /v1/extra/{item:int} (undocumented)"
+    validate_openapi(document)  # still a valid document
 
 
 def test_the_document_is_valid_openapi_3_1(document: dict[str, Any]) -> None:
