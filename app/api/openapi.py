@@ -23,6 +23,7 @@ from app import __version__
 from app.api.agents import SAMPLING_FIELDS, CreateAgent, ForkAgent
 from app.api.errors import RENDERERS, STATUS
 from app.api.middleware import OPEN_PATHS, protocol_of
+from app.api.people_page import FILES as PAGE_FILES
 from app.errors import InvalidRequest
 from app.protocol.anthropic import MessagesBody
 from app.protocol.openai import ChatBody
@@ -72,6 +73,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/status"): Operation("The operator page: engine, memory, caches by tier, agents, misses, jobs",
                                   answers="text/html"),
     ("GET", "/metrics"): Operation("Prometheus metrics", answers="text/plain"),
+    **{("GET", path): Operation(f"The agents page: {name} (a static file, served without the key)",
+                                answers=content_type.split(";")[0])
+       for path, (name, content_type) in PAGE_FILES.items()},
     ("GET", "/openapi.json"): Operation("This document"),
     ("GET", "/docs"): Operation("This document as a page", answers="text/html"),
     ("GET", "/v1/models"): Operation("The models a request may name (Anthropic and OpenAI list shapes)"),
