@@ -14,6 +14,7 @@ from typing import Sequence
 from app import __version__
 from app.errors import ConfigError, NotFound, SemanticError
 from app.logs import configure_logging
+from app.setting_flags import add_setting_flags, setting_overrides
 from app.settings import Settings, config_file, load_settings
 
 
@@ -340,7 +341,8 @@ examples:
   semantic sql "SELECT * FROM agent_turns LIMIT 5"
 
 Each command has its own --help. Settings: `semantic config` prints them; each is a key of
-$SEMANTIC_HOME/config.toml and a SEMANTIC_* variable (port: SEMANTIC_PORT=8080)."""
+$SEMANTIC_HOME/config.toml, a SEMANTIC_* variable and a flag of `semantic serve` (port:
+port = 8080, SEMANTIC_PORT=8080, --port 8080; `semantic serve --help` lists them)."""
 # MLX is a dependency on macOS only: elsewhere it comes with the extra for the machine (pyproject.toml).
 MLX_MISSING = ("MLX is not installed; install Semantic with the extra for this machine: "
                "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)")
@@ -360,16 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version", version=f"semantic {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="serve the HTTP API (and run the worker beside it)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
-    serve.add_argument("--model", help="model name under $SEMANTIC_HOME/models, a directory, or a Hugging Face "
-                                       "repo id (ORG/NAME) in the Hugging Face cache")
-    serve.add_argument("--no-worker", dest="worker", action="store_false", default=None,
-                       help="serve only; run `semantic worker` separately")
-    serve.add_argument("--insecure-no-auth", dest="insecure_no_auth", action="store_true", default=None,
-                       help="serve a non-loopback address without api_key: anyone who can reach it reads every "
-                            "agent's history (SEMANTIC_INSECURE_NO_AUTH)")
+    serve = commands.add_parser(
+        "serve", help="serve the HTTP API (and run the worker beside it)", usage="%(prog)s [--SETTING VALUE ...]",
+        description="Serve the HTTP API on the configured host and port, with the worker as a child process. "
+                    "Every setting is a flag here (below), a SEMANTIC_* variable and a key of config.toml.",
+        epilog="example: semantic serve --port 8080 --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --max-batch 4 "
+               "--no-worker")
+    add_setting_flags(serve)
     serve.set_defaults(handler=cmd_serve)
 
     worker = commands.add_parser("worker", help="run the worker alone (expire, evict, compact, prune)")
@@ -502,9 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        settings = load_settings(host=getattr(args, "host", None), port=getattr(args, "port", None),
-                                 model=getattr(args, "model", None), worker=getattr(args, "worker", None),
-                                 insecure_no_auth=getattr(args, "insecure_no_auth", None))
+        settings = load_settings(**setting_overrides(args))
         configure_logging(settings.log_level, settings.log_format)
         _keep_private(settings.home)
         return int(args.handler(settings, args))

@@ -96,7 +96,7 @@ def _serve(settings: Settings) -> None:
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
     engine.start_loading()
     threading.Thread(target=_report_loaded, args=(engine, settings), name="semantic-load-watch", daemon=True).start()
-    worker = start_worker() if settings.worker else None
+    worker = start_worker(settings) if settings.worker else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     log.info("listening on http://%s:%d (model loading; /health says when ready)", settings.host, settings.port)
     try:

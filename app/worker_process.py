@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 
+from app.settings import Settings, as_environment
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
@@ -27,9 +29,9 @@ def _die_with_parent() -> None:  # runs in the child, between fork and exec
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_worker() -> subprocess.Popen[bytes]:
-    """Start ``semantic worker`` with this process's environment (same settings)."""
-    process = subprocess.Popen([sys.executable, "-m", "app", "worker"], env=os.environ.copy(),
+def start_worker(settings: Settings) -> subprocess.Popen[bytes]:
+    """Start ``semantic worker`` with the server's settings (``serve``'s flags included)."""
+    process = subprocess.Popen([sys.executable, "-m", "app", "worker"], env={**os.environ, **as_environment(settings)},
                                preexec_fn=_die_with_parent)
     log.info("worker started (pid %d): expire, evict and compact run on their schedules", process.pid)
     return process

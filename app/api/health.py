@@ -26,6 +26,8 @@ PAGES = {"agents": ("/agents", "the agents: their conversations and caches; cont
          "status": ("/status", "the operator page: model, memory, agents and their caches, misses, jobs"),
          "health": ("/health", "health, model and version (JSON)"),
          "metrics": ("/metrics", "Prometheus metrics"),
+         "docs": ("/docs", "this server's API reference (as OpenAPI 3.1: /openapi.json)"),
+         "openapi": ("/openapi.json", "the OpenAPI 3.1 document of every route"),
          "models": ("/v1/models", "the models a request may name")}
 API_DOCS = {"POST /v1/messages": "https://docs.anthropic.com/en/api/messages",
             "POST /v1/chat/completions": "https://platform.openai.com/docs/api-reference/chat",

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.service import AgentService
 from app.api.health import HealthResource, ModelsResource, RootResource
+from app.api.api_docs import ApiDocument, DocsResource, OpenApiResource
 from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHistoryResource, AgentResource,
                             AgentsResource)
 from app.api.chat import OPENAI
@@ -55,3 +56,6 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))
     app.add_route("/v1/agents/{agent_id}/history", AgentHistoryResource(deps.agents))
     app.add_route("/v1/agents/{agent_id}/fork", AgentForkResource(deps.agents, deps.engine))
+    document = ApiDocument(app, bool(deps.settings.api_key))  # every route above, and these two
+    app.add_route("/openapi.json", OpenApiResource(document))
+    app.add_route("/docs", DocsResource(document))

@@ -104,6 +104,9 @@ class FakeEngine:
     def forget_agent(self, agent_id: str) -> None:
         pass
 
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
+        return True  # no cache to copy
+
     def status(self) -> FakeStatus:
         from app.cache.blocks import KV_FORMATS
         from app.engine.calibration import Calibration, Measured

@@ -288,3 +288,20 @@ def test_without_mlx_serve_names_the_extra_to_install(tmp_path: Path) -> None:
         assert done.stderr.splitlines()[-1] == (
             "semantic: error: MLX is not installed; install Semantic with the extra for this machine: "
             "pip install 'semantic[cpu]' (no GPU) or 'semantic[cuda]' (NVIDIA GPU)"), done.stderr
+
+
+def test_serve_help_names_every_setting_with_its_flag_and_variable(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from app.settings import Settings
+
+    result = semantic(tmp_path, "serve", "--help", env={"COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for item in fields(Settings):
+        flag, variable = "--" + item.name.replace("_", "-"), f"SEMANTIC_{item.name.upper()}"
+        [start] = [i for i, line in enumerate(lines) if line.lstrip().startswith(flag + " ") or
+                   line.lstrip() == flag or line.lstrip().startswith(flag + ",")]
+        entry = " ".join(lines[start:start + 8])  # the flag's help, wrapped
+        assert variable in entry.split(flag, 1)[1].split("  --", 1)[0], (flag, entry)
+    assert "--no-worker" in result.stdout and "example: semantic serve --port 8080" in result.stdout

@@ -8,6 +8,7 @@ import platform
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 
 import anthropic
 import httpx
@@ -135,10 +136,12 @@ def test_every_request_is_logged_with_status_request_id_and_agent(server: Server
 def test_root_links_to_the_operator_page_and_the_api_docs(server: ServerProcess) -> None:
     browser = httpx.get(f"{server.url}/", headers={"accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
     assert browser.status_code == 200 and browser.headers["content-type"].startswith("text/html")
-    for href in ("/status", "/health", "/metrics", "https://docs.anthropic.com/en/api/messages",
-                 "https://platform.openai.com/docs/api-reference/chat"):
+    for href in ("/status", "/health", "/metrics", "/docs", "/openapi.json",
+                 "https://docs.anthropic.com/en/api/messages", "https://platform.openai.com/docs/api-reference/chat"):
         assert f'href="{href}"' in browser.text, href
-    assert httpx.get(f"{server.url}/status").status_code == 200  # the link leads somewhere
+    assert httpx.get(f"{server.url}/status").status_code == 200  # the links lead somewhere
+    assert "/v1/agents/{agent_id}/generate" in httpx.get(f"{server.url}/docs").text
+    assert httpx.get(f"{server.url}/openapi.json").json()["info"]["version"] == version("semantic")
     program = httpx.get(f"{server.url}/").json()  # Accept: */*
     assert program["status"] == "/status" and program["health"] == "/health"
     assert set(program["api_docs"]) == {"POST /v1/messages", "POST /v1/chat/completions", "POST /v1/responses"}

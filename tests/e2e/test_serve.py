@@ -67,6 +67,32 @@ def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smoll
     assert "worker stopped" in (tmp_path / "serve.log").read_text()
 
 
+def test_flags_reach_the_server_and_its_worker(tmp_path: Path, smollm2_dir: Path) -> None:
+    """The variables name one home and port, the flags others: the server and the worker
+    child it starts both use the flags' (the worker reads its settings from its environment)."""
+    env_home, flag_home, port = tmp_path / "env-home", tmp_path / "flag-home", free_port()
+    env = semantic_env(env_home, 1)
+    with (tmp_path / "serve.log").open("wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(smollm2_dir), "--home",
+                                   str(flag_home), "--port", str(port), "--server-id", "from-a-flag", "--worker"],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        health = None
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (health and (flag_home / "huey.db").exists()):
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert health is not None and health["server_id"] == "from-a-flag", (tmp_path / "serve.log").read_text()
+        assert (flag_home / "semantic.db").exists() and (flag_home / "huey.db").exists()  # the worker's queue
+        assert not env_home.exists()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+
+
 def test_a_busy_port_is_a_one_line_error(tmp_path: Path, smollm2_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
