@@ -16,6 +16,7 @@ from collections import OrderedDict
 import numpy as np
 
 BUSY_WEIGHT = 1e6  # the load key: requests in flight first, then agents held
+NONE: list[int] = []  # nothing dropped (not to be changed)
 
 
 def system_key(prompt: int) -> int:
@@ -51,7 +52,8 @@ class Server:
 
     def keep(self, key: int, tokens: int, size: int) -> list[int]:
         """Hold ``key`` in memory as the most recently used; what no longer fits moves to
-        disk, and out of the disk's budget. Returns the keys dropped altogether."""
+        disk, and out of the disk's budget. Returns the keys dropped altogether (``NONE``,
+        shared, when there are none)."""
         old = self.memory.pop(key, None)
         if old is not None:
             self.memory_used -= old[1]
@@ -61,6 +63,8 @@ class Server:
                 self.disk_used -= old[1]
         self.memory[key] = (tokens, size)
         self.memory_used += size
+        if self.memory_used <= self.memory_tokens:
+            return NONE
         dropped: list[int] = []
         while self.memory_used > self.memory_tokens and len(self.memory) > 1:
             out, entry = self.memory.popitem(last=False)

@@ -161,6 +161,7 @@ class Simulation:
         router.bind(self.cluster, self.agents, seed)
         self.tier = SharedTier(self.cluster.servers, n_agents, n_prompts) if router.tier else None
         self.shared = [t // BLOCK_TOKENS * BLOCK_TOKENS for t in plan.system_tokens]  # full blocks of each prompt
+        self._prompt_upload_s = [costs.tier_fetch_s(t) for t in self.shared]
         self.context = [0] * n_agents  # tokens of the conversation before its next user message
         self.turn = [0] * n_agents
         self.sequence = [0] * n_agents  # of the agent's current request: a reply from an older one is void
@@ -270,7 +271,7 @@ class Simulation:
         if self.tier is not None:
             new = conversation - min(self.tier.tokens(a, self.now), conversation)
             self.tier.upload(a, conversation, done + self.costs.tier_fetch_s(new), server)
-            self.tier.upload_prompt(prompt, done + self.costs.tier_fetch_s(shared))
+            self.tier.upload_prompt(prompt, done + self._prompt_upload_s[prompt])
 
     def _done(self, a: int, sequence: int) -> None:
         if sequence != self.sequence[a]:
