@@ -52,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", type=int, default=1000)
     parser.add_argument("--agents", type=int, default=100_000)
-    parser.add_argument("--quick", action="store_true", help="20 servers, 2,000 agents (the same load per server)")
+    parser.add_argument("--quick", action="store_true",
+                        help="20 servers, 2,000 agents (the same load per server); prints, writes no results")
     parser.add_argument("--hours", type=float, default=2.0, help="the window over which agents arrive")
     parser.add_argument("--think-s", type=float, default=30.0, help="mean pause between turns")
     parser.add_argument("--seed", type=int, default=0)
@@ -114,6 +115,8 @@ def main() -> None:
                  "p90 s, steady", "p90 s, failures"], llm_d_rows(runs))
     print("Caveat: llm-d's numbers are its own workload on 16 H100 GPUs serving Qwen3-32B; these are a simulation "
           "of this 2-core CPU serving SmolLM2-135M, so compare each side's ratios, not seconds.")
+    if args.quick:
+        return
     path = write_results("pool_sim", {
         "args": vars(args), "workload": dataclasses.asdict(workload), "pool": dataclasses.asdict(pool),
         "faults": {name: dataclasses.asdict(f) for name, f in scenarios.items()},
