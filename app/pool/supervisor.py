@@ -239,7 +239,8 @@ def pool_join(settings: Settings) -> ServerEntry:
         port = int(probe.getsockname()[1])
     _, entry = _start_server(settings, server_id, port, state.server_env)
     RuntimeAPI(state.admin_socket).add_server(Backend(server_id, "127.0.0.1", port))
-    _write_state(settings, replace(_running(settings), servers=[*_running(settings).servers, entry]))
+    current = _running(settings)  # read again: the state may have changed while the server started
+    _write_state(settings, replace(current, servers=[*current.servers, entry]))
     return entry
 
 
