@@ -6,9 +6,9 @@ Pure: no MLX, no database, no threads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Callable, Literal
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 
 MAX_STOP_SEQUENCES = 16  # each checked on every generated token
 MAX_STOP_CHARS = 256
@@ -20,11 +20,43 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of a tool: found in a reply, or an earlier one of the conversation."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""  # the client's id of an earlier call ("" for one found in a reply)
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One message as the chat template sees it (content already flattened to text)."""
+    """One message as the chat template sees it (content already flattened to text).
+
+    ``tool_calls`` and role "tool" appear only for a model whose template writes tool calls
+    itself (``ToolSyntax``); otherwise calls and results are text in ``content``.
+    """
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str = ""  # role "tool": the id of the call this result answers
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How a model writes tool calls, when its chat template defines tools: the markers
+    around a call and the ``mlx_lm.tool_parsers`` function that reads what is between
+    them (as ``mlx_lm.server`` picks them for the tokenizer)."""
+
+    parser: str  # the mlx_lm.tool_parsers module, e.g. "json_tools"
+    call_start: str
+    call_end: str  # "": a call runs to the end of the reply (Mistral)
+    # What the template writes from the start of a reply up to a called tool's name (None: the
+    # template did not show it), and from the name to where its arguments start: a forced call
+    # starts the reply with them.
+    call_head: str | None
+    name_tail: str
+    parse: Callable[[str, Any], Any] = field(compare=False, repr=False)  # (text, tools) -> call dict(s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +72,15 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class RequestOptions:
     """How the server reads requests (settings): what it fills in or bounds when a request
-    leaves it open, and which prompt transformations it applies."""
+    leaves it open, which prompt transformations it applies, and the tool format of the
+    model a request is served by."""
 
     max_output_tokens: int = 131072  # the largest max_tokens accepted
     default_temperature: float = 1.0  # for requests that name none
     default_max_tokens: int = 512  # for requests that name none (OpenAI, direct API)
     stable_prompts: bool = True  # app.protocol.claude_code: volatile spans made stable
     fit: bool = False  # drop optional sections (set when a prompt does not fit the context)
+    tool_syntax: ToolSyntax | None = None  # the served model's own tool format (None: the generic one)
 
 
 @dataclass(frozen=True, slots=True)

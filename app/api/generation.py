@@ -46,6 +46,27 @@ def chat_entry(message: dict[str, Any]) -> tuple[str, Any]:
     return message["role"], message.get("content") if rest.keys() <= {"content"} else rest
 
 
+def parse_for_model(parse: Callable[[Any, RequestOptions], ParsedTurn], body: Any, options: RequestOptions,
+                    engine: Engine) -> tuple[ParsedTurn, str, RequestOptions]:
+    """``body`` parsed for the model it names (parsed once more, in the model's own tool
+    format, when its chat template has one), that model's name, and the options used.
+
+    Raises:
+        InvalidRequest, NotFound.
+    """
+    parsed = parse(body, options)
+    info = engine.resolve(parsed.model)
+    if info.tool_syntax is not None:
+        options = replace(options, tool_syntax=info.tool_syntax)
+        parsed = parse(body, options)
+    return parsed, info.name, options
+
+
+def render_turn(engine: Engine, parsed: ParsedTurn, model: str) -> Prompt:
+    """The prompt ``model`` sees for ``parsed``."""
+    return engine.render(parsed.messages, parsed.reply_start, model, parsed.tool_specs)
+
+
 @dataclass(frozen=True)
 class Dialect:
     """How one protocol speaks. Every function is pure."""
@@ -138,15 +159,14 @@ class GenerationResource:
         Raises:
             InvalidRequest, ContextTooLong, NotFound.
         """
-        options = self._settings.request_options
-        parsed = self._dialect.parse(body, options)
-        model = self._engine.resolve(parsed.model).name
+        parsed, model, options = parse_for_model(self._dialect.parse, body, self._settings.request_options,
+                                                 self._engine)
         target = self._agents.resolve(agent or self._dialect.named_agent(req.headers, parsed),
                                       parsed.system_digest, parsed.message_digests)
         req.context.agent = target.agent.agent_id
         parsed = parsed.with_snapshot(target.snapshot)
         try:
-            prompt = self._engine.render(parsed.messages, parsed.reply_start, model)
+            prompt = render_turn(self._engine, parsed, model)
             self._engine.check_fits(prompt, model)
         except ContextTooLong as too_long:
             if not self._settings.fit_prompts:
@@ -154,7 +174,7 @@ class GenerationResource:
             fitted = self._dialect.parse(body, replace(options, fit=True)).with_snapshot(target.snapshot)
             if fitted.messages == parsed.messages:
                 raise
-            parsed, prompt = fitted, self._engine.render(fitted.messages, fitted.reply_start, model)
+            parsed, prompt = fitted, render_turn(self._engine, fitted, model)
             log.info("request %s: prompt of %d tokens fitted to the context: optional sections dropped, %d left",
                      req.context.request_id, too_long.n_tokens, prompt.n_tokens)
             self._engine.check_fits(prompt, model)

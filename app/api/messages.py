@@ -8,7 +8,7 @@ import falcon
 
 from app.agents.identity import AgentKey, anthropic_agent
 from app.api.body import read_json
-from app.api.generation import Dialect
+from app.api.generation import Dialect, parse_for_model, render_turn
 from app.api.sse import frame
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
@@ -52,6 +52,5 @@ class CountTokensResource:
         body = read_json(req)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # not required here
-        parsed = anthropic.parse_request(body, self._defaults)
-        model = self._engine.resolve(parsed.model).name
-        resp.media = {"input_tokens": self._engine.render(parsed.messages, parsed.reply_start, model).n_tokens}
+        parsed, model, _ = parse_for_model(anthropic.parse_request, body, self._defaults, self._engine)
+        resp.media = {"input_tokens": render_turn(self._engine, parsed, model).n_tokens}

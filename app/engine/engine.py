@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,7 +23,7 @@ from app.engine.model import KVChoice, LoadedModel, ModelSpec, backend_name, loa
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
 from app.engine.runner import EngineCounters, Job, Runner, working_bytes
 from app.errors import EngineUnavailable, MemoryExhausted
-from app.types import ChatMessage, GenerationRequest, Prompt
+from app.types import ChatMessage, GenerationRequest, Prompt, ToolSyntax
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,7 @@ class ModelInfo:
     path: Path
     fingerprint: str  # weights, tokenizer, template and KV format: caches of another never match
     context_length: int
+    tool_syntax: ToolSyntax | None = None  # its own tool-call format (None: the generic one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +169,13 @@ class Engine:
                                               self._kv_format_for(name))
             return self._specs[name]
 
-    def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None) -> Prompt:
-        """The prompt ``model`` (default: the default model) would see for ``messages``."""
+    def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None,
+               tools: Sequence[dict[str, Any]] = ()) -> Prompt:
+        """The prompt ``model`` (default: the default model) would see for ``messages``
+        (``tools``: definitions for a template that writes them, see ``ModelInfo.tool_syntax``)."""
         spec = self._spec(model)
         return render_chat(spec.tokenizer, messages, reply_prefix, max_tokens=spec.context_length - 1,
-                           max_token_chars=spec.token_bytes.longest)
+                           max_token_chars=spec.token_bytes.longest, tools=tools)
 
     def render_start(self, system: str, model: str | None = None) -> Prompt | None:
         """What every conversation under ``system`` starts with; None when the
@@ -252,7 +255,8 @@ class Engine:
         return True
 
     def _info(self, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(spec.name, spec.path, scoped_fingerprint(spec.fingerprint, self._scope), spec.context_length)
+        return ModelInfo(spec.name, spec.path, scoped_fingerprint(spec.fingerprint, self._scope), spec.context_length,
+                         spec.tool_syntax)
 
     def flush_caches(self, timeout_s: float = 60) -> bool:
         """Wait until the caches of finished turns are committed and on disk."""

@@ -24,7 +24,9 @@ from app.engine import attention, calibration, cores
 from app.engine.calibration import Calibration, Measured
 from app.engine.cores import CoreSplit
 from app.engine.token_text import TokenBytes
+from app.engine.tool_syntax import tool_syntax
 from app.errors import InvalidModelFile
+from app.types import ToolSyntax
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class ModelSpec:
     kv_bytes_per_token: int  # a float working cache's bytes per token (keys and values, every layer)
     vocab_size: int
     kv: KVChoice  # the stored KV format (part of ``fingerprint``)
+    tool_syntax: ToolSyntax | None  # its own tool-call format (None: the generic one)
 
     @property
     def kv_format(self) -> KVFormat:
@@ -237,7 +240,7 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
     kv = kv_choice(path, kv_format)
     return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv.format.fingerprint),
                      TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
-                     int(config.get("vocab_size") or len(tokenizer.vocab)), kv)
+                     int(config.get("vocab_size") or len(tokenizer.vocab)), kv, tool_syntax(tokenizer))
 
 
 def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto",
@@ -265,7 +268,8 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
         model.set_dtype(target)
     mx.eval(model.parameters())
     used = _param_dtype(model)
-    log.info("loaded model %s from %s (context %d, dtype %s)", name, path, spec.context_length, used)
+    log.info("loaded model %s from %s (context %d, dtype %s, tool calls: %s)", name, path, spec.context_length, used,
+             f"its own format ({spec.tool_syntax.parser})" if spec.tool_syntax else "the generic format")
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:

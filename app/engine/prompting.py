@@ -7,6 +7,7 @@ it), so the text and the ids always describe the same prompt.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from functools import lru_cache
 from typing import Any, Sequence
@@ -43,21 +44,54 @@ def neutralize(tokenizer: Any, text: str) -> str:
     return pattern.sub(lambda m: m.group(0)[0] + BREAK + m.group(0)[1:], text)
 
 
-def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def template_call_id(client_id: str) -> str:
+    """The id a template is given for a call (and the result answering it): 9 letters and
+    digits derived from the client's id, the one shape every template accepts (Mistral's
+    refuse any other), and the same every turn."""
+    number = int.from_bytes(hashlib.sha256(client_id.encode()).digest()[:8], "big")
+    return "".join(ID_ALPHABET[(number >> (6 * i)) % len(ID_ALPHABET)] for i in range(9))
+
+
+def template_messages(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as chat templates take them: calls as OpenAI-style ``tool_calls`` (the text
+    before them without trailing whitespace: templates put their own separator there), a
+    ``tool`` result with the id and name of the call it answers, untrusted text neutralized."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": neutralize(tokenizer, m.content)
+                                 if m.role in UNTRUSTED_ROLES else m.content}
+        if m.tool_calls:
+            entry["content"] = entry["content"].rstrip()
+            entry["tool_calls"] = [{"id": template_call_id(c.id), "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            names.update((c.id, c.name) for c in m.tool_calls)
+        if m.role == "tool":
+            entry["tool_call_id"] = template_call_id(m.tool_call_id)
+            if m.tool_call_id in names:
+                entry["name"] = names[m.tool_call_id]
+        out.append(entry)
+    return out
+
+
+def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage], tools: Sequence[dict[str, Any]] = ()) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
-    conversation = [{"role": m.role, "content": neutralize(tokenizer, m.content) if m.role in UNTRUSTED_ROLES
-                     else m.content} for m in messages]
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(template_messages(tokenizer, messages), tools=list(tools) or None,
+                                             tokenize=False, add_generation_prompt=True)
     except TemplateError as exc:
         raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: str = "",
-                max_tokens: int | None = None, max_token_chars: int = 1) -> Prompt:
-    """Render ``messages`` with the model's chat template, ready for a reply
-    that starts with ``reply_prefix``.
+                max_tokens: int | None = None, max_token_chars: int = 1,
+                tools: Sequence[dict[str, Any]] = ()) -> Prompt:
+    """Render ``messages`` (and ``tools``, for a template that defines them) with the
+    model's chat template, ready for a reply that starts with ``reply_prefix``.
 
     With ``max_tokens``, a text that cannot fit is refused before it is tokenized
     (no token spells more than ``max_token_chars`` characters): a huge body costs
@@ -68,7 +102,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: s
             conversation (e.g. roles that must alternate).
         ContextTooLong: the text alone proves the prompt longer than ``max_tokens``.
     """
-    text = _apply_template(tokenizer, messages) + reply_prefix
+    text = _apply_template(tokenizer, messages, tools) + reply_prefix
     at_least = -(-len(text) // max_token_chars)
     if max_tokens is not None and at_least > max_tokens:
         raise ContextTooLong(at_least, max_tokens)

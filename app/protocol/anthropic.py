@@ -17,12 +17,12 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import claude_code, tools
+from app.protocol import claude_code, tool_format, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, RequestOptions,
-                       SamplingParams, Started, TextDelta)
+                       SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,30 @@ def _flatten(content: str | list[Any], where: str) -> str:
     return "\n".join(parts)
 
 
+def _for_template(message: MessageIn, flat: str, syntax: ToolSyntax) -> list[ChatMessage]:
+    """A message as a template that writes tool calls itself sees it: an assistant's
+    ``tool_use`` blocks as its calls, a user's ``tool_result`` blocks as ``tool`` messages
+    (before the rest of the message). ``flat``: the message in the generic format (it is
+    valid: ``_flatten`` checked it)."""
+    if isinstance(message.content, str) or not any(isinstance(b, (ToolUseBlock, ToolResultBlock))
+                                                    for b in message.content):
+        return [ChatMessage(message.role, flat)]
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[ChatMessage] = []
+    for block in message.content:
+        if isinstance(block, ToolUseBlock) and message.role == "assistant":
+            calls.append(ToolCall(block.name, block.input, block.id))
+        elif isinstance(block, ToolResultBlock) and message.role != "assistant":
+            content = _flatten(block.content, "content")
+            results.append(ChatMessage("tool", tool_format.result_text(content, block.is_error, syntax),
+                                       tool_call_id=block.tool_use_id))
+        else:
+            texts.append(_flatten([block], "content"))
+    text = "\n".join(texts)
+    return [*results, *([ChatMessage(message.role, text, tuple(calls))] if text or calls else [])]
+
+
 def system_digest(system_text: str) -> str:
     """What identifies a conversation's start besides its messages: the system prompt with
     the tools section (as rendered; "" for none)."""
@@ -198,19 +222,25 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         )
     messages: list[ChatMessage] = []
     system = _system_parts(parsed.system, options)
+    syntax = options.tool_syntax
     choice = parsed.tool_choice or ToolChoice(type="auto")
     use_tools = bool(parsed.tools) and choice.type != "none"
     offered = claude_code.canonical_tools(parsed.tools or []) if options.stable_prompts else parsed.tools or []
+    # The tools as the generic format writes them: in the system prompt, or (a model's own
+    # format: the template writes them) only in the conversation's identity.
     tools_text = tools.render_tools_system([t.model_dump() for t in offered]) if use_tools else ""
-    system_text = "\n\n".join(p for p in (system.stable + system.snapshot, tools_text) if p)
+    in_system = tools_text if syntax is None else ""
+    system_text = "\n\n".join(p for p in (system.stable + system.snapshot, in_system) if p)
     if system_text:
         messages.append(ChatMessage("system", system_text))
-    parts = [("system", system.stable + system.snapshot), ("tools", tools_text)]
-    for i, message in enumerate(parsed.messages):
-        messages.append(ChatMessage(message.role, _flatten(message.content, f"messages.{i}.content")))
-        parts.append((f"messages.{i}", messages[-1].content))
-    digests = tuple(content_digest(m.role, m.content) for m in messages[-len(parsed.messages):])
-    forced = _forced_call(choice, parsed.tools or [])
+    parts = [("system", system.stable + system.snapshot), ("tools", in_system)]
+    flat = [_flatten(message.content, f"messages.{i}.content") for i, message in enumerate(parsed.messages)]
+    for i, (message, text) in enumerate(zip(parsed.messages, flat)):
+        pieces = [ChatMessage(message.role, text)] if syntax is None else _for_template(message, text, syntax)
+        messages += pieces
+        parts += [(f"messages.{i}", piece.content) for piece in pieces]
+    digests = tuple(content_digest(m.role, text) for m, text in zip(parsed.messages, flat))
+    forced = _forced_call(choice, parsed.tools or [], syntax)
     prefill = _prefill(messages, len(parsed.messages) - 1, forced)
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
@@ -218,8 +248,9 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         top_k=parsed.top_k or 0,
         max_tokens=parsed.max_tokens,
         stop_sequences=tuple(parsed.stop_sequences),
-        end_after=(tools.CALL_END,) if use_tools else (),
+        end_after=tool_format.end_markers(syntax) if use_tools else (),
     )
+    specs = tuple(tool_format.tool_spec(t.name, t.description, t.input_schema) for t in offered)
     return ParsedTurn(
         model=parsed.model,
         messages=tuple(messages),
@@ -236,6 +267,8 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         snapshot=system.snapshot,
         message_digests=digests,
         parts=tuple((label, text) for label, text in parts if text),
+        tool_syntax=syntax,
+        tool_specs=specs if use_tools and syntax is not None else (),
     )
 
 
@@ -244,6 +277,9 @@ def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
     it; the response holds only the continuation). Removed from ``messages``."""
     if messages[-1].role != "assistant":
         return ""
+    if messages[-1].tool_calls:
+        raise InvalidRequest(f"messages.{last}.content: a final assistant message with tool_use blocks cannot be "
+                             "continued", f"messages.{last}.content")
     text = messages.pop().content
     if text != text.rstrip():
         raise InvalidRequest(f"messages.{last}.content: final assistant content cannot end with trailing whitespace",
@@ -254,17 +290,17 @@ def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
     return text
 
 
-def _forced_call(choice: ToolChoice, offered: list[ToolDefinition]) -> str:
+def _forced_call(choice: ToolChoice, offered: list[ToolDefinition], syntax: ToolSyntax | None) -> str:
     """``tool_choice`` any / tool: the reply is made to start a tool call."""
     if choice.type in ("auto", "none"):
         return ""
     if not offered:
         raise InvalidRequest(f"tool_choice: type '{choice.type}' requires tools", "tool_choice")
     if choice.type == "any":
-        return tools.forced_prefix(None)
+        return tool_format.forced_start(syntax, None)
     if choice.name not in {t.name for t in offered}:
         raise InvalidRequest(f"tool_choice.name: {choice.name!r} is not one of the tools offered", "tool_choice.name")
-    return tools.forced_prefix(choice.name)
+    return tool_format.forced_start(syntax, choice.name)
 
 
 CACHE_TTLS = {"5m": 300, "1h": 3600}

@@ -3,7 +3,9 @@
 Tools use the generic text format of ``app.protocol.tools``: ``tools`` are
 described in the system prompt, assistant ``tool_calls`` and ``tool`` role
 results are rendered back as the same text, and calls in the reply come back
-as ``tool_calls`` (finish_reason ``tool_calls``).
+as ``tool_calls`` (finish_reason ``tool_calls``). A model with its own tool
+format (``app.protocol.tool_format``) gets the tools, calls and ``tool``
+messages as they are, for its chat template to write.
 
 Extensions (SPEC): ``session_id`` names the agent (also the ``X-Session-ID``
 header); ``cache_mode`` ``"full"`` (default) reuses everything the agent's
@@ -23,12 +25,12 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import tools
+from app.protocol import tool_format, tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, ChatMessage, Finished, Heartbeat,
-                       RequestOptions, SamplingParams, Started, TextDelta)
+                       RequestOptions, SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
 
 
 class _Strict(BaseModel):
@@ -162,6 +164,19 @@ def _rendered(message: MessageIn, where: str) -> ChatMessage:
     return ChatMessage("user", tools.render_result(text, False) if isinstance(message, ToolMessage) else text)
 
 
+def _for_template(message: MessageIn, one: ChatMessage, where: str, syntax: ToolSyntax) -> ChatMessage:
+    """One message as a template that writes tool calls itself sees it (``one``: as the
+    generic format renders it, which checked it)."""
+    if isinstance(message, AssistantMessage) and message.tool_calls:
+        calls = tuple(ToolCall(c.function.name, tool_format.as_arguments(_arguments(c, f"{where}.tool_calls.{j}")),
+                               c.id) for j, c in enumerate(message.tool_calls))
+        return ChatMessage("assistant", _text(message.content, f"{where}.content"), calls)
+    if isinstance(message, ToolMessage):
+        text = tool_format.result_text(_text(message.content, f"{where}.content"), False, syntax)
+        return ChatMessage("tool", text, tool_call_id=message.tool_call_id)
+    return one
+
+
 def _chat_messages(messages: list[MessageIn], rendered: list[ChatMessage]) -> list[ChatMessage]:
     """What the chat template sees. Tool results are the user's side of the
     conversation: consecutive ones, and a user message right after them, are one turn."""
@@ -182,8 +197,8 @@ def message_digest(message: dict[str, Any]) -> str:
     return content_digest(one.role, one.content)
 
 
-def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
-    """(the tools' system prompt section, the forced start of the reply)."""
+def _tool_setup(parsed: ChatBody, syntax: ToolSyntax | None) -> tuple[str, str]:
+    """(the tools in the generic format's system prompt section, the forced start of the reply)."""
     choice = parsed.tool_choice or "auto"
     if not parsed.tools or choice == "none":
         if choice not in ("auto", "none"):
@@ -195,9 +210,9 @@ def _tool_setup(parsed: ChatBody) -> tuple[str, str]:
         if choice.function.name not in {t["name"] for t in offered}:
             raise InvalidRequest(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
                                  "tool_choice.function.name")
-        forced = tools.forced_prefix(choice.function.name)
+        forced = tool_format.forced_start(syntax, choice.function.name)
     else:
-        forced = tools.forced_prefix(None) if choice == "required" else ""
+        forced = tool_format.forced_start(syntax, None) if choice == "required" else ""
     return tools.render_tools_system(offered), forced
 
 
@@ -212,27 +227,35 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     limit = parsed.max_completion_tokens or parsed.max_tokens or options.default_max_tokens
     if limit > options.max_output_tokens:
         raise InvalidRequest(f"max_tokens: {limit} > {options.max_output_tokens}, the maximum allowed", "max_tokens")
+    syntax = options.tool_syntax
     rendered = [_rendered(m, f"messages.{i}") for i, m in enumerate(parsed.messages)]
-    messages = _chat_messages(parsed.messages, rendered)
-    tools_system, forced = _tool_setup(parsed)
-    if tools_system:
-        if messages[0].role == "system":
-            messages[0] = ChatMessage("system", f"{messages[0].content}\n\n{tools_system}")
-        else:
-            messages.insert(0, ChatMessage("system", tools_system))
+    tools_system, forced = _tool_setup(parsed, syntax)
+    if syntax is None:
+        messages = _chat_messages(parsed.messages, rendered)
+        if tools_system:
+            if messages[0].role == "system":
+                messages[0] = ChatMessage("system", f"{messages[0].content}\n\n{tools_system}")
+            else:
+                messages.insert(0, ChatMessage("system", tools_system))
+    else:
+        messages = [_for_template(m, one, f"messages.{i}", syntax)
+                    for i, (m, one) in enumerate(zip(parsed.messages, rendered))]
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        max_tokens=limit, stop_sequences=stops, end_after=(tools.CALL_END,) if tools_system else (),
+        max_tokens=limit, stop_sequences=stops,
+        end_after=tool_format.end_markers(syntax) if tools_system else (),
     )
+    specs = tuple(t.model_dump() for t in parsed.tools or ()) if tools_system and syntax is not None else ()
     return ParsedTurn(parsed.model, tuple(messages), sampling, parsed.stream, parsed.session_id,
                       tuple(body["messages"]),
                       include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
                       parse_tools=bool(tools_system), reply_prefix=forced, ttl_seconds=parsed.ttl,
                       cache_mode=parsed.cache_mode, system_digest=content_digest("tools", tools_system),
                       message_digests=tuple(content_digest(m.role, m.content) for m in rendered),
-                      parts=_parts(rendered, tools_system))
+                      parts=_parts(rendered, tools_system) if syntax is None else _parts(messages, ""),
+                      tool_syntax=syntax, tool_specs=specs)
 
 
 def _parts(rendered: list[ChatMessage], tools_system: str) -> tuple[tuple[str, str], ...]:

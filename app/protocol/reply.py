@@ -2,7 +2,8 @@
 
 A reply may open with ``<think>...</think>`` (reasoning models write it; the
 Anthropic API returns it as a ``thinking`` block) and may contain tool calls
-in the format of ``app.protocol.tools``. ``ReplyParser`` splits text arriving
+in the generic format of ``app.protocol.tools`` or the model's own
+(``app.protocol.tool_format``). ``ReplyParser`` splits text arriving
 in arbitrary pieces into those parts, holding back only what could still be
 the start of a tag.
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from app.protocol.tools import ToolCall, ToolCallParser, partial_suffix
+from app.protocol.tool_format import ToolSpec, call_parser
+from app.protocol.tools import partial_suffix
 from app.protocol.turn import ParsedTurn
+from app.types import ToolCall, ToolSyntax
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -33,19 +36,22 @@ class ReplyParser:
     """Splits a streamed reply into text, ``Thinking`` and ``ToolCall`` parts.
 
     ``prefix`` is text the reply already starts with in the prompt (a forced
-    tool call); it is parsed as if the model had written it.
+    tool call); it is parsed as if the model had written it. Tool calls are
+    read in ``syntax`` (None: the generic format), with the tools ``specs``.
     """
 
-    def __init__(self, *, thinking: bool, tools: bool, prefix: str = "") -> None:
+    def __init__(self, *, thinking: bool, tools: bool, prefix: str = "", syntax: ToolSyntax | None = None,
+                 specs: tuple[ToolSpec, ...] = ()) -> None:
         self._state = "start" if thinking else "body"
         self._buffer = ""
         self._strip = False  # drop whitespace between </think> and the answer
-        self._calls = ToolCallParser() if tools else None
+        self._calls = call_parser(syntax, specs) if tools else None
         self._prefix = prefix
 
     @classmethod
     def for_turn(cls, turn: ParsedTurn) -> ReplyParser:
-        return cls(thinking=turn.parse_thinking, tools=turn.parse_tools, prefix=turn.reply_prefix)
+        return cls(thinking=turn.parse_thinking, tools=turn.parse_tools, prefix=turn.reply_prefix,
+                   syntax=turn.tool_syntax, specs=turn.tool_specs)
 
     def feed(self, text: str) -> list[Part]:
         text, self._prefix = self._prefix + text, ""

@@ -13,9 +13,11 @@ developer/system items and the tools section), then user and assistant turns, ea
 run of same-side items merged into one turn (tool results are the user's side; a
 later developer message joins the user's turn), so templates that require
 alternating roles (Gemma) accept what Codex sends. Tools use the generic text format
-of ``app.protocol.tools``: ``function`` tools as they are, ``custom`` tools (free-form
-or grammar input) as a tool with one string argument ``input``, the tools of a
-``namespace`` as ``<namespace>.<name>``; hosted tools (``web_search``, ...) the model
+of ``app.protocol.tools`` (a model with its own format, ``app.protocol.tool_format``,
+gets them as definitions, calls and ``tool`` messages for its template to write):
+``function`` tools as they are, ``custom`` tools (free-form or grammar input) as a
+tool with one string argument ``input``, the tools of a ``namespace`` as
+``<namespace>.<name>``; hosted tools (``web_search``, ...) the model
 cannot run are left out, with a log line. ``app.protocol.responses_output`` turns the
 reply back into items (calls with their kind and namespace).
 
@@ -34,10 +36,10 @@ from typing import Annotated, Any, Literal, Mapping, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.errors import InvalidRequest
-from app.protocol import codex, tools
+from app.protocol import codex, tool_format, tools
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import ChatMessage, RequestOptions, SamplingParams
+from app.types import ChatMessage, RequestOptions, SamplingParams, ToolCall, ToolSyntax
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +304,18 @@ def _text(content: Content, where: str) -> str:
     return "\n".join(texts)
 
 
+def _call_arguments(item: FunctionCallItem | CustomToolCallItem, where: str) -> Any:
+    if isinstance(item, CustomToolCallItem):
+        return {"input": item.input}
+    try:
+        return json.loads(item.arguments)
+    except ValueError:
+        raise InvalidRequest(f"{where}.arguments: not valid JSON", f"{where}.arguments") from None
+
+
 def _rendered(item: Any, where: str) -> tuple[Side, str]:
-    """One validated item (not a reasoning item) as the model sees it, on its own.
+    """One validated item (not a reasoning item) as the model sees it, on its own, in the
+    generic tool format.
 
     Raises:
         InvalidRequest: an unsupported item or part, or call arguments that are not JSON.
@@ -311,18 +323,24 @@ def _rendered(item: Any, where: str) -> tuple[Side, str]:
     if isinstance(item, MessageItem):
         side: Side = "system" if item.role in ("system", "developer") else item.role
         return side, _text(item.content, f"{where}.content")
-    if isinstance(item, FunctionCallItem):
-        try:
-            arguments = json.loads(item.arguments)
-        except ValueError:
-            raise InvalidRequest(f"{where}.arguments: not valid JSON", f"{where}.arguments") from None
-        return "assistant", tools.render_call(flat_name(item.name, item.namespace), arguments)
-    if isinstance(item, CustomToolCallItem):
-        return "assistant", tools.render_call(flat_name(item.name, item.namespace), {"input": item.input})
+    if isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+        return "assistant", tools.render_call(flat_name(item.name, item.namespace), _call_arguments(item, where))
     if isinstance(item, ToolOutputItem):
         return "user", tools.render_result(_text(item.output, f"{where}.output"), False)
     assert isinstance(item, UnsupportedItem), item
     raise InvalidRequest(f"{where}.type: '{item.type}' items are not supported by this server", f"{where}.type")
+
+
+def _for_template(item: Any, side: Side, text: str, where: str, syntax: ToolSyntax) -> ChatMessage:
+    """One item as a template that writes tool calls itself sees it (``side`` and ``text``:
+    as ``_rendered`` found it, which checked it)."""
+    if isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+        arguments = tool_format.as_arguments(_call_arguments(item, where))
+        return ChatMessage("assistant", "", (ToolCall(flat_name(item.name, item.namespace), arguments, item.call_id),))
+    if isinstance(item, ToolOutputItem):
+        return ChatMessage("tool", tool_format.result_text(_text(item.output, f"{where}.output"), False, syntax),
+                           tool_call_id=item.call_id or "")
+    return ChatMessage(side, text)
 
 
 class _OneItem(_Strict):
@@ -357,8 +375,10 @@ def _offered(body: ResponsesBody, stable: bool) -> list[tuple[OfferedTool, str, 
     return offered
 
 
-def _tool_setup(body: ResponsesBody, stable: bool) -> tuple[str, str, dict[str, OfferedTool]]:
-    """(the tools' system prompt section, the forced start of the reply, the tools by flat name).
+def _tool_setup(body: ResponsesBody, stable: bool,
+                syntax: ToolSyntax | None) -> tuple[str, str, dict[str, OfferedTool], tuple[dict[str, Any], ...]]:
+    """(the tools in the generic format's system prompt section, the forced start of the reply,
+    the tools by flat name, the tools as chat templates take them).
 
     Raises:
         InvalidRequest: a tool choice naming a tool that is not offered, or a hosted tool.
@@ -376,32 +396,39 @@ def _tool_setup(body: ResponsesBody, stable: bool) -> tuple[str, str, dict[str, 
     if choice == "none" or not offered:
         if choice not in ("auto", "none") and not isinstance(choice, AllowedTools):
             raise InvalidRequest("tool_choice: requires tools", "tool_choice")
-        return "", "", {}
+        return "", "", {}, ()
     forced = ""
     if isinstance(choice, NamedChoice):
         named = [flat for flat, t in by_name.items() if choice.name in (flat, t.name) and t.kind == choice.type]
         if len(named) != 1:
             raise InvalidRequest(f"tool_choice.name: {choice.name!r} is not one of the {choice.type} tools offered",
                                  "tool_choice.name")
-        forced = tools.forced_prefix(named[0])
+        forced = tool_format.forced_start(syntax, named[0])
     elif choice == "required" or (isinstance(choice, AllowedTools) and choice.mode == "required"):
-        forced = tools.forced_prefix(None)
+        forced = tool_format.forced_start(syntax, None)
     section = tools.render_tools_system([{"name": flat_name(t.name, t.namespace), "description": description,
                                           "input_schema": schema} for t, description, schema in offered])
-    return section, forced, by_name
+    specs = tuple(tool_format.tool_spec(flat_name(t.name, t.namespace), description, schema)
+                  for t, description, schema in offered)
+    return section, forced, by_name, specs
 
 
-def _chat_messages(rendered: list[tuple[Side, str]], system: list[str]) -> list[ChatMessage]:
+def _chat_messages(pieces: list[ChatMessage], system: list[str]) -> list[ChatMessage]:
     """The conversation as the chat template sees it: ``system`` (instructions, leading
     developer items, tools) as one message, then alternating turns, each run of same-side
-    items merged (a later developer message joins the user's side)."""
+    items merged (a later developer message joins the user's side; an assistant's calls join
+    its text; ``tool`` results stay apart)."""
     out = [ChatMessage("system", "\n\n".join(system))] if system else []
-    for side, text in rendered:
-        role = "user" if side == "system" else side
-        if out and out[-1].role == role:
-            out[-1] = ChatMessage(role, f"{out[-1].content}\n{text}")
+    for piece in pieces:
+        role = "user" if piece.role == "system" else piece.role
+        if out and out[-1].role == role and role != "tool":
+            last = out[-1]
+            calls = last.tool_calls + piece.tool_calls
+            text = "\n".join(t for t in (last.content, piece.content) if t) if calls \
+                else f"{last.content}\n{piece.content}"
+            out[-1] = ChatMessage(role, text, calls)
         else:
-            out.append(ChatMessage(role, text))
+            out.append(ChatMessage(role, piece.content, piece.tool_calls, piece.tool_call_id))
     return out
 
 
@@ -440,23 +467,27 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
             if not isinstance(item, ReasoningItem)]
     if not kept:
         raise InvalidRequest("input: a non-empty string or list of items is required", "input")
-    seen = [(f"input.{i}", *_rendered(item, f"input.{i}")) for i, _, item in kept]  # (label, side, text)
-    digests = tuple(content_digest(side, text) for _, side, text in seen)  # as sent, fitted or not
-    tools_text, forced, by_name = _tool_setup(parsed, options.stable_prompts)
+    syntax = options.tool_syntax
+    seen = [(f"input.{i}", *_rendered(item, f"input.{i}"), item) for i, _, item in kept]  # (label, side, text, item)
+    digests = tuple(content_digest(side, text) for _, side, text, _ in seen)  # as sent, fitted or not
+    tools_text, forced, by_name, specs = _tool_setup(parsed, options.stable_prompts, syntax)
     instructions = parsed.instructions or ""
     if options.fit:
         instructions = codex.drop_optional_sections(instructions)
-        seen = [(label, side, codex.drop_optional_sections(text) if side == "system" else text)
-                for label, side, text in seen if not (side == "system" and codex.is_optional_message(text))]
-    lead = next((n for n, (_, side, _) in enumerate(seen) if side != "system"), len(seen))
-    system = [text for text in (instructions, *(t for _, _, t in seen[:lead]), tools_text) if text]
-    messages = _chat_messages([(side, text) for _, side, text in seen[lead:]], system)
-    parts = [("instructions", instructions), *((label, t) for label, _, t in seen[:lead]), ("tools", tools_text),
-             *((label, t) for label, _, t in seen[lead:])]
+        seen = [(label, side, codex.drop_optional_sections(text) if side == "system" else text, item)
+                for label, side, text, item in seen if not (side == "system" and codex.is_optional_message(text))]
+    in_system = tools_text if syntax is None else ""
+    lead = next((n for n, (_, side, _, _) in enumerate(seen) if side != "system"), len(seen))
+    system = [text for text in (instructions, *(t for _, _, t, _ in seen[:lead]), in_system) if text]
+    pieces = [ChatMessage(side, text) if syntax is None else _for_template(item, side, text, label, syntax)
+              for label, side, text, item in seen[lead:]]
+    messages = _chat_messages(pieces, system)
+    parts = [("instructions", instructions), *((label, t) for label, _, t, _ in seen[:lead]), ("tools", in_system),
+             *((label, piece.content) for (label, _, _, _), piece in zip(seen[lead:], pieces))]
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        max_tokens=limit, end_after=(tools.CALL_END,) if tools_text else (),
+        max_tokens=limit, end_after=tool_format.end_markers(syntax) if tools_text else (),
     )
     details = ResponsesDetails(by_name, _echo(body, parsed), parsed.store is not False, parsed.previous_response_id,
                                bounded=parsed.max_output_tokens is not None)
@@ -465,4 +496,5 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
                       parse_thinking=bool(parsed.reasoning) and (parsed.reasoning or {}).get("effort") != "none",
                       system_digest=content_digest("system", f"{parsed.instructions or ''}\0{tools_text}"),
                       message_digests=digests,
-                      parts=tuple((label, text) for label, text in parts if text), details=details)
+                      parts=tuple((label, text) for label, text in parts if text), details=details,
+                      tool_syntax=syntax, tool_specs=specs if syntax is not None else ())

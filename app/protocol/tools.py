@@ -11,13 +11,16 @@ style). Earlier calls and their results are rendered back the same way, with
 results inside ``<tool_response>`` tags. ``ToolCallParser`` finds calls in
 streamed text split at arbitrary points. The turn ends after a call's closing
 tag (the model waits for the result, as on the real APIs): one call per turn.
+The same splitter reads a model's own format (``app.protocol.tool_format``) with
+that format's markers and parser.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
+
+from app.types import ToolCall
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -70,43 +73,63 @@ def render_result(content: str, is_error: bool) -> str:
     return f"{RESULT_START}\n{'Error: ' if is_error else ''}{content}\n{RESULT_END}"
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-
 Segment = Union[str, ToolCall]
+# Reads the text between a call's markers: the calls it holds, or None if it is no call.
+# ``closed``: the closing marker came (else generation ended inside the call).
+Reader = Callable[[str, bool], Optional[list[ToolCall]]]
 
 
 UNCLOSED_BRACES = 2  # small models often forget the outer closing brace(s)
 
 
-def _as_call(body: str, repair: bool = True) -> ToolCall | None:
-    """The call ``body`` holds; ``repair`` adds forgotten closing braces (only
-    for a call whose closing tag came: an unfinished one may be cut anywhere)."""
-    data = None
-    for closing in range(UNCLOSED_BRACES + 1 if repair else 1):
-        try:
-            data = json.loads(body.strip() + "}" * closing)
-            break
-        except ValueError:
-            continue
+def repaired(read: Callable[[str], Optional[list[ToolCall]]], body: str, closed: bool) -> list[ToolCall] | None:
+    """What ``read`` finds in a call's ``body``; in a call whose closing marker came, with
+    up to ``UNCLOSED_BRACES`` forgotten closing braces added if it finds nothing (an
+    unfinished call may be cut anywhere: never repaired)."""
+    for closing in range(UNCLOSED_BRACES + 1 if closed else 1):
+        calls = read(body.rstrip() + "}" * closing if closing else body)
+        if calls:
+            return calls
+    return None
+
+
+def call_from(data: Any) -> ToolCall | None:
+    """A call from its JSON shape: ``name`` and ``arguments`` (or ``parameters``; an
+    arguments object sent as JSON text is read; another value is wrapped as ``value``)."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str) and arguments.lstrip().startswith("{"):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
     return ToolCall(data["name"], arguments if isinstance(arguments, dict) else {"value": arguments})
+
+
+def _json_call(body: str) -> list[ToolCall] | None:
+    try:
+        call = call_from(json.loads(body))
+    except ValueError:
+        return None
+    return [call] if call is not None else None
+
+
+def read_generic(body: str, closed: bool) -> list[ToolCall] | None:
+    return repaired(_json_call, body, closed)
 
 
 class ToolCallParser:
     """Split streamed text into plain text and complete tool calls.
 
-    Text that might be the start of ``<tool_call>`` is held back; a call is
-    emitted once its closing tag arrives. A call whose body is not a JSON
-    object with a name is passed through as text.
+    Text that might be the start of the ``start`` marker is held back; calls are
+    emitted once the ``end`` marker arrives (an empty ``end``: when the text ends).
+    Defaults: the generic format. A call ``read`` finds nothing in is passed
+    through as text.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start: str = CALL_START, end: str = CALL_END, read: Reader = read_generic) -> None:
+        self._start, self._end, self._read = start, end, read
         self._buffer = ""
         self._inside = False
 
@@ -115,22 +138,25 @@ class ToolCallParser:
         out: list[Segment] = []
         while True:
             if self._inside:
-                end = self._buffer.find(CALL_END)
+                end = self._buffer.find(self._end) if self._end else -1
                 if end < 0:
                     return out
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_END):]
+                body, self._buffer = self._buffer[:end], self._buffer[end + len(self._end):]
                 self._inside = False
-                call = _as_call(body)
-                out.append(call if call else CALL_START + body + CALL_END)
+                calls = self._read(body, True)
+                if calls:
+                    out.extend(calls)
+                else:
+                    out.append(self._start + body + self._end)
                 continue
-            start = self._buffer.find(CALL_START)
+            start = self._buffer.find(self._start)
             if start >= 0:
                 if start:
                     out.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(CALL_START):]
+                self._buffer = self._buffer[start + len(self._start):]
                 self._inside = True
                 continue
-            keep = partial_suffix(self._buffer, CALL_START)
+            keep = partial_suffix(self._buffer, self._start)
             ready = self._buffer[:len(self._buffer) - keep]
             self._buffer = self._buffer[len(self._buffer) - keep:]
             if ready:
@@ -138,13 +164,13 @@ class ToolCallParser:
             return out
 
     def finish(self) -> list[Segment]:
-        """Whatever is left when generation ends. A call cut off before its
-        closing tag still counts if its body is complete JSON; else it is text."""
-        call = _as_call(self._buffer, repair=False) if self._inside else None
-        rest = (CALL_START if self._inside else "") + self._buffer
+        """Whatever is left when generation ends. A call cut off before its closing
+        marker (or one that has none) still counts if it reads whole; else it is text."""
+        calls = self._read(self._buffer, False) if self._inside else None
+        rest = (self._start if self._inside else "") + self._buffer
         self._buffer, self._inside = "", False
-        if call is not None:
-            return [call]
+        if calls:
+            return list(calls)
         return [rest] if rest else []
 
 

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from app.types import ChatMessage, SamplingParams
+from app.types import ChatMessage, SamplingParams, ToolSyntax
 
 CacheMode = Literal["full", "prefix"]
 
@@ -44,6 +44,10 @@ class ParsedTurn:
     # A snapshot closing the system prompt that the conversation keeps from its first
     # request (Claude Code's git status; app.protocol.claude_code). "" if none.
     snapshot: str = ""
+    # The served model's own tool format (None: the generic text format) and, in it, the
+    # tools offered as its chat template takes them (app.protocol.tool_format).
+    tool_syntax: ToolSyntax | None = None
+    tool_specs: tuple[dict[str, Any], ...] = ()
     # What one protocol's renderers need beyond the above (the Responses API: its tools'
     # kinds and namespaces, the request fields its response object repeats).
     details: Any = None

@@ -79,7 +79,8 @@ class FakeEngine:
         assert self.catalog.resolve(requested) == "fake"
         return self.model
 
-    def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "", model: str | None = None) -> Prompt:
+    def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "", model: str | None = None,
+               tools: tuple[dict, ...] = ()) -> Prompt:
         text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + reply_prefix
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
