@@ -137,10 +137,12 @@ class CacheManager:
         cache = self._hot.get(conversation_id)
         return cache.record if cache else None
 
-    def hot_tokens(self, agent_id: str) -> dict[str, int]:
-        """Cached tokens of the agent's conversations that are in memory."""
-        hot = list(self._hot.values())  # one step under the GIL: safe from another thread
-        return {c.conversation_id: c.record.n_tokens for c in hot if c.agent_id == agent_id}
+    def hot_by_agent(self) -> dict[str, dict[str, int]]:
+        """Cached tokens of the conversations in memory, by agent and conversation."""
+        hot: dict[str, dict[str, int]] = {}
+        for cache in self._hot.values():
+            hot.setdefault(cache.agent_id, {})[cache.conversation_id] = cache.record.n_tokens
+        return hot
 
     # -- lease -----------------------------------------------------------------------------
 
