@@ -25,6 +25,7 @@ from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import Prompt
 from support.dbcheck import query
+from support.pool_check import check_pool
 
 VOCAB = 300
 FAMILIES = {
@@ -357,7 +358,7 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
     assert caches.record("main") is not None and caches.record("third") is not None
     rows = query(tmp_path / "semantic.db", "SELECT conversation_id FROM caches ORDER BY conversation_id")
     assert rows == [("main",), ("third",)]
-    caches._pool.check()
+    check_pool(caches._pool)
     caches.close()
 
 
