@@ -122,7 +122,7 @@ class StatusPageResource:
             agents = overview.agents(session)
             misses = overview.recent_misses(session)
             tiers = cache_index.caches_by_tier(session)
-            disk = jobs.disk_bytes(session)
+            disk = cache_index.disk_bytes(session)
             runs = jobs.last_runs(session)
         hot = {c: n for agent in agents for c, n in self._engine.hot_tokens(agent.id).items()}
         resp.content_type = "text/html; charset=utf-8"

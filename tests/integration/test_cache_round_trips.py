@@ -444,7 +444,7 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     for agent, tokens in prompts.items():
         store_turn(caches, model, agent + "-c", tokens)
     caches.close()
-    with caches._sessions.begin() as session:
+    with caches._index.sessions.begin() as session:
         session.execute(update(Cache).where(Cache.conversation_id == "b-c")
                         .values(last_access_at=utcnow() - timedelta(hours=2)))
 

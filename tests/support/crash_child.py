@@ -29,7 +29,7 @@ CRASH_EXIT = 70
 def arm(point: str | None) -> Counter[str]:
     """Count calls of each step; die at ``point`` ("name:n")."""
     from app.cache import persist
-    from app.store import blockfiles
+    from app.cache import files as blockfiles
 
     calls: Counter[str] = Counter()
     target = (point.split(":")[0], int(point.split(":")[1])) if point else None
