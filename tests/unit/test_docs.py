@@ -20,6 +20,7 @@ import pytest
 
 from app.cli import build_parser
 from app.settings import BOUNDS, Settings
+from support import import_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -203,6 +204,13 @@ def test_no_import_runs_back_up() -> None:
 
     for package in PACKAGES:
         visit(package, ())
+
+
+def test_no_module_import_points_up_or_closes_a_circle() -> None:
+    """Module by module, type-only imports included (docs/layout.md#the-import-graph)."""
+    graph = import_graph.edges()
+    assert len(graph) > 200, "the import graph was not read"
+    assert import_graph.bad_edges(graph) == {}
 
 
 def test_mlx_is_imported_at_module_level_only_where_layout_says() -> None:
