@@ -51,7 +51,7 @@ def collect(settings: Settings, url: str) -> StatusReport:
         try:
             with make_session_factory(engine)() as session:
                 tiers = cache_index.caches_by_tier(session)
-                disk = jobs.disk_bytes(session)
+                disk = cache_index.disk_bytes(session)
                 runs = jobs.last_runs(session)
         finally:
             engine.dispose()

@@ -1,4 +1,4 @@
-"""Periodic jobs. Each is a few lines around an ``app.store.jobs`` function.
+"""Periodic jobs. Each is a few lines around an ``app.cache.upkeep`` or ``app.store.jobs`` function.
 
 Every run leaves a ``job_runs`` row: ``ok`` (written by the job with its
 result), ``error`` (the exception, written here, then re-raised for Huey to
@@ -21,6 +21,7 @@ from huey.exceptions import TaskLockedException
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.cache import upkeep
 from app.store import jobs
 from app.store.db import make_engine, make_session_factory
 from app.store.history import utcnow
@@ -72,7 +73,7 @@ def _recorded(job: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]
 def expire() -> dict[str, Any]:
     """Every 10 minutes: caches unused for longer than their TTL go cold (files deleted, history kept)."""
     with _store() as (_, sessions):
-        return jobs.run_expire(sessions, settings.cache_ttl_seconds)
+        return upkeep.run_expire(sessions, settings.cache_ttl_seconds)
 
 
 @huey.periodic_task(crontab(minute="5-59/10"))
@@ -80,7 +81,7 @@ def expire() -> dict[str, Any]:
 def evict() -> dict[str, Any]:
     """Every 10 minutes: least recently used caches go cold until the files fit the disk budget."""
     with _store() as (_, sessions):
-        return jobs.run_evict(sessions, settings.disk_budget_bytes)
+        return upkeep.run_evict(sessions, settings.disk_budget_bytes)
 
 
 @huey.periodic_task(crontab(minute="17"))
@@ -88,7 +89,7 @@ def evict() -> dict[str, Any]:
 def compact() -> dict[str, Any]:
     """Hourly: delete unreferenced blocks, orphan and temporary files, verify a sample of checksums, VACUUM."""
     with _store() as (engine, sessions):
-        return jobs.run_compact(engine, sessions, settings.blocks_dir)
+        return upkeep.run_compact(engine, sessions, settings.blocks_dir)
 
 
 @huey.periodic_task(crontab(hour="3", minute="41"))

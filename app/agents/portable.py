@@ -31,14 +31,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import __version__
-from app.cache.layout import FileLayout
+from app.cache import files as cache_files
+from app.cache.files import CacheFiles
 from app.cache.shared_tier import S3Tier
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
-from app.store import blockfiles, cache_index
+from app.store import cache_index
 from app.store.db import write_locked
 from app.store.history import new_conversation_id, utcnow
-from app.store.models import Agent, Cache, Conversation, Message
+from app.store.models import Agent, Conversation, Message
 
 FORMAT = "semantic-agent"
 VERSION = 1
@@ -88,12 +89,10 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
                                             .order_by(Conversation.created_at, Conversation.id)):
             messages = agents_store.history(session, agent_id, conversation.id)
             caches = []
-            for cache in session.scalars(select(Cache).where(Cache.conversation_id == conversation.id)):
-                entry = cache_index.load_cache(session, conversation.id, cache.model_fingerprint)
-                if entry is not None:
-                    described = _export_cache(FileLayout(root, cache.model_fingerprint, tier), entry, files)
-                    if described is not None:
-                        caches.append({"fingerprint": cache.model_fingerprint, **described})
+            for fingerprint, entry in cache_index.conversation_caches(session, conversation.id):
+                described = _export_cache(CacheFiles(root, fingerprint, tier), entry, files)
+                if described is not None:
+                    caches.append({"fingerprint": fingerprint, **described})
             conversations.append({
                 "id": conversation.id, "system_digest": conversation.system_digest,
                 "snapshot": conversation.snapshot, "thread": conversation.thread,
@@ -117,7 +116,7 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
     return manifest
 
 
-def _export_cache(layout: FileLayout, entry: cache_index.CacheEntry,
+def _export_cache(layout: CacheFiles, entry: cache_index.CacheEntry,
                   files: dict[str, bytes]) -> dict[str, Any] | None:
     try:
         record = layout.local(entry.record_path).read_bytes()
@@ -218,7 +217,7 @@ def _stage(root: Path, cache: dict[str, Any], members: dict[str, bytes],
         The cache's description, its record's final path and its block rows.
     """
     fingerprint = str(cache["fingerprint"])
-    layout = FileLayout(root, fingerprint)
+    layout = CacheFiles(root, fingerprint)
     rows = []
     for parent, block in zip([None, *cache["blocks"]], cache["blocks"]):
         block_id = str(block["hash"])
@@ -226,13 +225,15 @@ def _stage(root: Path, cache: dict[str, Any], members: dict[str, bytes],
             raise InvalidRequest(f"archive: block {block_id!r} is not a block id of its chain", "archive")
         final = layout.block_path(block_id)
         meta = _verify(members, f"blocks/{block_id}.safetensors", final, staged, block.get("checksum") or None)
-        if meta.get("fingerprint") != fingerprint or meta.get("hash") != block_id:
-            raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive")
+        try:
+            cache_files.check_block(meta, fingerprint, block_id)
+        except ValueError:
+            raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive") from None
         rows.append(cache_index.BlockRow(block_id, block["parent_hash"], int(block["n_tokens"]), str(final),
                                          len(members[f"blocks/{block_id}.safetensors"]), block.get("checksum") or ""))
     record = layout.record_path(new_conversation_id())
     meta = _verify(members, str(cache["record"]), record, staged, None)
-    if json.loads(meta.get("chain", "null")) != [row.hash for row in rows]:
+    if cache_files.record_chain(meta) != [row.hash for row in rows]:
         raise InvalidRequest("archive: a record and its block list disagree", "archive")
     return cache, record, rows
 
@@ -241,13 +242,13 @@ def _verify(members: dict[str, bytes], name: str, final: Path, staged: list[tupl
             checksum: str | None) -> dict[str, str]:
     if name not in members:
         raise InvalidRequest(f"archive: {name} is missing", "archive")
-    temporary = final.with_name(f"{final.name}.import{blockfiles.TEMP_SUFFIX}")
+    temporary = final.with_name(f"{final.name}.import{cache_files.TEMP_SUFFIX}")
     temporary.parent.mkdir(parents=True, exist_ok=True)
     temporary.write_bytes(members[name])
     staged.append((temporary, final))
     try:
-        _, meta = blockfiles.read(temporary, checksum)
-    except blockfiles.DamagedFile as exc:
+        _, meta = cache_files.read(temporary, checksum)
+    except cache_files.DamagedFile as exc:
         raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
     return meta
 
@@ -273,17 +274,11 @@ def _insert(session: Session, agent: dict[str, Any], agent_id: str,
                         for m in conversation["messages"])
         n_messages += len(conversation["messages"])
         for cache, record, rows in caches:
-            _rewrite_record(record, agent_id, conversation_id)
+            cache_files.readdress_record(record, record, agent_id, conversation_id)  # this home's ids now
             cache_index.save_cache(session, agent_id, conversation_id, str(cache["fingerprint"]),
                                    int(cache["n_tokens"]), str(record), rows, now)
             n_tokens += int(cache["n_tokens"])
     return n_messages, n_tokens
-
-
-def _rewrite_record(record: Path, agent_id: str, conversation_id: str) -> None:
-    """The record names its agent and conversation: this home's ids now."""
-    arrays, meta = blockfiles.read(record)
-    blockfiles.write(record, arrays, {**meta, "agent_id": agent_id, "conversation_id": conversation_id})
 
 
 def _parse(value: Any) -> datetime:
@@ -299,7 +294,7 @@ def _upload(tier: S3Tier, root: Path, plan: list[tuple[dict[str, Any], list[_Sta
     try:
         for _, caches in plan:
             for cache, record, rows in caches:
-                layout = FileLayout(root, str(cache["fingerprint"]), tier)
+                layout = CacheFiles(root, str(cache["fingerprint"]), tier)
                 for row in rows:
                     tier.put(layout.key(Path(row.path)), Path(row.path), once=True)
                 tier.put(layout.key(record), record)

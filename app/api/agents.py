@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import falcon
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +26,7 @@ from app.store.agents import AgentView
 from app.types import MAX_TTL_SECONDS, SESSION_ID_PATTERN, Finished, GenerationRequest, Prompt, SamplingParams
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
+    from app.engine.surface import EngineSurface
 
 SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
                    "tools", "tool_choice", "thinking")
@@ -66,7 +66,7 @@ def _tier(caches: list[dict]) -> str:
     return "hot" if "hot" in tiers else "warm" if tiers - {"cold"} else "cold"
 
 
-def render_agent(agent: AgentView, hot: dict[str, int], fingerprint: str) -> dict[str, Any]:
+def render_agent(agent: AgentView, hot: Mapping[str, int], fingerprint: str) -> dict[str, Any]:
     """An agent's status; ``hot`` maps its conversations in memory to their cached tokens."""
     conversations = []
     for conversation in agent.conversations:
@@ -97,7 +97,7 @@ def _object(body: Any) -> dict[str, Any]:
 
 
 class _AgentsBase:
-    def __init__(self, agents: AgentService, engine: Engine) -> None:
+    def __init__(self, agents: AgentService, engine: EngineSurface) -> None:
         self._agents = agents
         self._engine = engine
 

@@ -26,8 +26,7 @@ from app.store.history import StoredMessage
 from app.types import Finished, GenerationEvent, GenerationRequest, Prompt, RequestOptions, ReuseReport, TextDelta
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
-    from app.engine.runner import Job
+    from app.engine.surface import EngineSurface, GenerationJob
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Turn:
 
 
 class GenerationResource:
-    def __init__(self, dialect: Dialect, settings: Settings, engine: Engine, agents: AgentService,
+    def __init__(self, dialect: Dialect, settings: Settings, engine: EngineSurface, agents: AgentService,
                  metrics: Metrics) -> None:
         self._dialect = dialect
         self._metrics = metrics
@@ -127,9 +126,9 @@ class GenerationResource:
         resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
 
     def _start(self, req: falcon.Request, body: Callable[[], Any],
-               agent: AgentKey | Callable[[], AgentKey | None] | None) -> tuple[Turn, Job]:
+               agent: AgentKey | Callable[[], AgentKey | None] | None) -> tuple[Turn, GenerationJob]:
         request_id = req.context.request_id
-        job: Job | None = None
+        job: GenerationJob | None = None
         try:
             received = body()
             parsed, model, prompt, target = self._prepare(req, received, agent() if callable(agent) else agent)
@@ -198,7 +197,7 @@ class GenerationResource:
         self._metrics.observe(self._dialect.name, finished)
         _log_turn(turn, finished, reuse)
 
-    def _collect(self, turn: Turn, job: Job, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:
+    def _collect(self, turn: Turn, job: GenerationJob, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:
         parts: list[str] = []
         try:
             for event in job.events(client_gone):
@@ -213,7 +212,7 @@ class GenerationResource:
             raise
         raise AssertionError("engine events ended without Finished")
 
-    def _stream(self, turn: Turn, job: Job, client_gone: Callable[[], bool] | None) -> Iterator[bytes]:
+    def _stream(self, turn: Turn, job: GenerationJob, client_gone: Callable[[], bool] | None) -> Iterator[bytes]:
         parts: list[str] = []
 
         def observed() -> Iterator[GenerationEvent]:

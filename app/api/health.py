@@ -17,8 +17,7 @@ from app.engine.blas import blas_in_use
 from app.settings import Settings
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
-    from app.engine.model import KVChoice
+    from app.engine.surface import EngineSurface, KVChoice
 
 
 # Where ``GET /`` points: this server's pages, and the references of the APIs it speaks.
@@ -54,7 +53,7 @@ class RootResource:
 
 
 class HealthResource:
-    def __init__(self, engine: Engine, agents: AgentService, server_id: str) -> None:
+    def __init__(self, engine: EngineSurface, agents: AgentService, server_id: str) -> None:
         self._engine = engine
         self._agents = agents
         self._server_id = server_id
@@ -115,7 +114,7 @@ class ModelsResource:
     """Installed models and the aliases of the configuration, in a shape both the
     Anthropic and OpenAI SDKs read."""
 
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(self, settings: Settings, engine: EngineSurface) -> None:
         self._settings = settings
         self._engine = engine
 

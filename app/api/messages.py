@@ -15,7 +15,7 @@ from app.protocol.turn import ParsedTurn
 from app.types import GenerationEvent, RequestOptions
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
+    from app.engine.surface import EngineSurface
 
 
 def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
@@ -44,7 +44,7 @@ ANTHROPIC = Dialect(
 class CountTokensResource:
     """The exact number of tokens the messages endpoint would prefill cold."""
 
-    def __init__(self, engine: Engine, defaults: RequestOptions) -> None:
+    def __init__(self, engine: EngineSurface, defaults: RequestOptions) -> None:
         self._engine = engine
         self._defaults = defaults
 

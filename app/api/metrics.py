@@ -16,7 +16,7 @@ from app import __version__
 from app.types import Finished
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
+    from app.engine.surface import EngineSurface
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
@@ -42,7 +42,7 @@ class JobRunsCollector(Collector):
 class Metrics:
     """Counters and histograms the generation endpoints feed, and gauges read at scrape time."""
 
-    def __init__(self, engine: Engine, job_counts: JobCounts) -> None:
+    def __init__(self, engine: EngineSurface, job_counts: JobCounts) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(JobRunsCollector(job_counts))

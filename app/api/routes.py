@@ -24,13 +24,13 @@ from app.settings import Settings
 from app.store import jobs
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
+    from app.engine.surface import EngineSurface
 
 
 @dataclass(frozen=True)
 class Deps:
     settings: Settings
-    engine: Engine
+    engine: EngineSurface
     agents: AgentService
     sessions: sessionmaker[Session]
 

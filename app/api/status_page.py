@@ -16,7 +16,7 @@ from app.settings import Settings
 from app.store import cache_index, jobs, overview
 
 if TYPE_CHECKING:
-    from app.engine.engine import Engine
+    from app.engine.surface import EngineSurface
 
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1d2330;background:#fafbfc}
@@ -106,7 +106,7 @@ def render_page(data: PageData) -> str:
 
 
 class StatusPageResource:
-    def __init__(self, engine: Engine, sessions: sessionmaker[Session], settings: Settings) -> None:
+    def __init__(self, engine: EngineSurface, sessions: sessionmaker[Session], settings: Settings) -> None:
         self._engine = engine
         self._sessions = sessions
         self._settings = settings
@@ -122,7 +122,7 @@ class StatusPageResource:
             agents = overview.agents(session)
             misses = overview.recent_misses(session)
             tiers = cache_index.caches_by_tier(session)
-            disk = jobs.disk_bytes(session)
+            disk = cache_index.disk_bytes(session)
             runs = jobs.last_runs(session)
         hot = {c: n for agent in agents for c, n in self._engine.hot_tokens(agent.id).items()}
         resp.content_type = "text/html; charset=utf-8"

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from app.cache.hashing import BLOCK_TOKENS
@@ -166,6 +167,16 @@ class KVBlock:
         """Flat name -> array mapping, for safetensors."""
         return {f"{i}.{name}": array for i, layer in enumerate(self.layers)
                 for name, array in zip(self.names, layer)}
+
+    def to_numpy(self, prefix: str = "") -> dict[str, np.ndarray]:
+        """``to_arrays`` as numpy arrays, each name after ``prefix`` (for the files)."""
+        return {prefix + name: np.array(array, copy=False) for name, array in self.to_arrays().items()}
+
+    @classmethod
+    def from_numpy(cls, arrays: dict[str, np.ndarray], n_layers: int, n_tokens: int) -> KVBlock:
+        """Inverse of ``to_numpy`` (without a prefix). Raises KeyError or ValueError if the
+        arrays are not such a block's."""
+        return cls.from_arrays({name: mx.array(array) for name, array in arrays.items()}, n_layers, n_tokens)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array], n_layers: int, n_tokens: int) -> KVBlock:
@@ -378,3 +389,17 @@ def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int,
         layer.keys[..., start:end, :] = keys
         layer.values[..., start:end, :] = values
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+
+
+def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
+    """A working cache of its own holding the first ``n_tokens`` of ``cache`` (which is
+    left as it was: writes to either never reach the other)."""
+    if n_tokens == 0:
+        return [KVCache() for _ in cache]
+    return working_cache(len(cache), lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
+                         n_tokens)
+
+
+def cache_nbytes(cache: list[KVCache]) -> int:
+    """Memory a float working cache holds (its allocated buffers)."""
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache if layer.keys is not None)

@@ -8,6 +8,10 @@ It returns a float working cache holding that prefix. ``commit`` turns the
 working cache after a turn back into 4-bit blocks (only the blocks that
 changed) as that conversation's cache, updates the pool and hands a snapshot
 to the background persister. Other conversations are never touched.
+
+It holds the model's files (``files.CacheFiles``: format, verification, quarantine) and
+its index (``cache_index.CacheIndex``) and opens no database session itself; the MLX
+array work is ``blocks.py``'s.
 """
 
 from __future__ import annotations
@@ -19,25 +23,27 @@ from collections import OrderedDict, deque
 from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import mlx.core as mx
-from mlx_lm.models.cache import KVCache
-from sqlalchemy.orm import Session, sessionmaker
-
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, join_blocks, overwrite_with_stored,
-                              quantize_span, requantize_start, slice_block, to_working_cache,
-                              with_room, working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, cache_nbytes, copy_prefix,
+                              join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
+                              to_working_cache)
+from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileUnavailable, StoredConversation
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
-from app.cache.persist import UNUSABLE, CacheFiles, ConversationCache, Copy, Forget, Persister, Snapshot
-from app.cache.shared_tier import S3Tier
-from app.store import ownership
+from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
-from app.cache.records import CacheRecord
-from app.store import blockfiles, cache_index
+from app.cache.records import CacheRecord, ConversationCache
+from app.store.cache_index import CacheEntry, CacheIndex
 from app.store.history import utcnow
 from app.types import Prompt, ReuseReport
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from app.cache.shared_tier import S3Tier
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +104,8 @@ class CacheManager:
         self.enabled = enabled
         self._n_layers = n_layers
         self._dtype = dtype
-        self._sessions = sessions
-        self._files = CacheFiles(blocks_dir, fingerprint, n_layers, tier)
+        self._index = CacheIndex(sessions, fingerprint)
+        self._files = CacheFiles(blocks_dir, fingerprint, tier)
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
         self._hot: dict[str, ConversationCache] = {}
@@ -137,10 +143,12 @@ class CacheManager:
         cache = self._hot.get(conversation_id)
         return cache.record if cache else None
 
-    def hot_tokens(self, agent_id: str) -> dict[str, int]:
-        """Cached tokens of the agent's conversations that are in memory."""
-        hot = list(self._hot.values())  # one step under the GIL: safe from another thread
-        return {c.conversation_id: c.record.n_tokens for c in hot if c.agent_id == agent_id}
+    def hot_by_agent(self) -> dict[str, dict[str, int]]:
+        """Cached tokens of the conversations in memory, by agent and conversation."""
+        hot: dict[str, dict[str, int]] = {}
+        for cache in self._hot.values():
+            hot.setdefault(cache.agent_id, {})[cache.conversation_id] = cache.record.n_tokens
+        return hot
 
     # -- lease -----------------------------------------------------------------------------
 
@@ -178,7 +186,7 @@ class CacheManager:
         reached (the turn runs cold)."""
         assert self._owner is not None
         try:
-            epoch = ownership.claim(self._sessions, agent_id, self._owner, utcnow())
+            epoch = self._index.claim(agent_id, self._owner, utcnow())
         except Exception as exc:
             log.warning("agent %s: ownership not claimed (%s); no cache this turn", agent_id, exc)
             return False
@@ -213,15 +221,14 @@ class CacheManager:
         hot = sorted((c for c in self._hot.values() if c.agent_id == agent_id),
                      key=lambda c: c.conversation_id != conversation_id)
         yield from ((c.conversation_id, c.record.text) for c in hot)
-        with self._sessions() as session:
-            stored = cache_index.agent_caches(session, agent_id, self.fingerprint)
+        stored = self._index.agent_caches(agent_id)
         stored.sort(key=lambda row: row[0] != conversation_id)
         for other, path in stored[:self._max_conversations + 1]:
             if other in self._hot:
                 continue
             try:
                 yield other, self._files.read_text(path)
-            except (blockfiles.DamagedFile, blockfiles.FileUnavailable):
+            except (DamagedFile, FileUnavailable):
                 continue
 
     @staticmethod
@@ -285,13 +292,12 @@ class CacheManager:
 
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""
-        with self._sessions() as session:
-            found = cache_index.block_file(session, block)
+        found = self._index.block_file(block)
         if found is None:
             return False
         try:
-            data = self._files.read_block(block, found[0], found[1])
-        except (*UNUSABLE, blockfiles.FileUnavailable) as exc:
+            data = KVBlock.from_numpy(self._files.read_block(block, found[0], found[1]), self._n_layers, BLOCK_TOKENS)
+        except (*UNUSABLE, FileUnavailable) as exc:
             log.warning("shared block %s unusable: %s", block, exc)
             return False
         self._blocks[block] = data
@@ -353,8 +359,7 @@ class CacheManager:
         recently used conversation beyond ``max_conversations`` (only that one)."""
         order = self._conversations.get(agent_id)
         if order is None:
-            with self._sessions() as session:
-                stored = cache_index.agent_caches(session, agent_id, self.fingerprint)
+            stored = self._index.agent_caches(agent_id)
             order = self._conversations[agent_id] = OrderedDict((c, None) for c, _ in reversed(stored))
         order[conversation_id] = None
         order.move_to_end(conversation_id)
@@ -385,8 +390,7 @@ class CacheManager:
     def forget_agent(self, agent_id: str) -> None:
         """Delete every conversation cache of this agent: memory, files, rows (blocks other
         conversations still reference stay: they are theirs too)."""
-        with self._sessions() as session:
-            stored = {c for c, _ in cache_index.agent_caches(session, agent_id, self.fingerprint)}
+        stored = {c for c, _ in self._index.agent_caches(agent_id)}
         known = set(self._conversations.pop(agent_id, {}))
         hot = {c.conversation_id for c in self._hot.values() if c.agent_id == agent_id}
         for conversation_id in stored | known | hot:
@@ -413,9 +417,7 @@ class CacheManager:
         if self._to_prefetch is None:
             due = []
             if self.enabled and self._working_copies > 0:
-                with self._sessions() as session:
-                    due = cache_index.recent_caches(session, self.fingerprint, utcnow() - PREFETCH_WINDOW,
-                                                    self._working_copies)
+                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._working_copies)
             self._to_prefetch = deque(due)
         while self._to_prefetch:
             agent_id, conversation_id = self._to_prefetch.popleft()
@@ -428,7 +430,7 @@ class CacheManager:
             working = to_working_cache(blocks, self._n_layers, cache.record.n_tokens, self._dtype, self.kv_format)
             self._working[conversation_id] = working
             self._working.move_to_end(conversation_id, last=False)  # loaded most recent first
-            self._pool.set_private(conversation_id, cache.private_bytes + _nbytes(working))
+            self._pool.set_private(conversation_id, cache.private_bytes + cache_nbytes(working))
             if self._pool.over_budget():
                 self._spill(conversation_id, "no room to prefetch it")
                 self._free_arrays(self._pool.evict_free())
@@ -443,8 +445,7 @@ class CacheManager:
         prefetches only its own agents, and remembers the epoch it saw, as serving does)."""
         if self._owner is None:
             return True
-        with self._sessions() as session:
-            owner = ownership.current(session, agent_id)
+        owner = self._index.owner(agent_id)
         if owner is None or owner[0] != self._owner:
             return False
         self._epochs[agent_id] = owner[1]
@@ -463,7 +464,7 @@ class CacheManager:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""
         if self._owner is not None:
             try:
-                released = ownership.release_all(self._sessions, self._owner, utcnow())
+                released = self._index.release_all(self._owner, utcnow())
                 log.info("released %d agent(s) to the pool", released)
             except Exception as exc:  # the store is down: the next server's claim takes them anyway
                 log.warning("agents not released (%s)", exc)
@@ -479,7 +480,7 @@ class CacheManager:
         overwrite_with_stored(cache, computed, start, self.kv_format)
         self._working[conversation_id] = cache
         self._working.move_to_end(conversation_id)
-        self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + _nbytes(cache))
+        self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + cache_nbytes(cache))
         while len(self._working) > self._working_copies:
             self._drop_working_copy(next(iter(self._working)))
 
@@ -518,13 +519,12 @@ class CacheManager:
 
     def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
-        with self._sessions() as session:
-            entry = cache_index.load_cache(session, conversation_id, self.fingerprint)
+        entry = self._index.load(conversation_id)
         if entry is None:
             return None
         try:
-            cache, loaded = self._files.read_conversation(entry, agent_id, conversation_id, self._blocks)
-        except blockfiles.FileUnavailable as exc:  # nothing says it is damaged: a miss now, kept for later
+            cache, loaded = self._decode(agent_id, conversation_id, self._files.read_conversation(entry, self._blocks))
+        except FileUnavailable as exc:  # nothing says it is damaged: a miss now, kept for later
             log.warning("conversation %s: cache on disk unreadable just now (%s); a miss", conversation_id, exc)
             return None
         except Exception as exc:  # whatever else went wrong reading it, the cache is not used
@@ -538,27 +538,16 @@ class CacheManager:
         log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
         return cache
 
-    def _discard(self, conversation_id: str, entry: cache_index.CacheEntry) -> None:
+    def _decode(self, agent_id: str, conversation_id: str,
+                stored: StoredConversation) -> tuple[ConversationCache, dict[str, KVBlock]]:
+        """A conversation's cache and the blocks read for it, as arrays of this model's
+        layers. Raises KeyError or ValueError if the arrays are not its blocks'."""
+        blocks = {block: KVBlock.from_numpy(arrays, self._n_layers, BLOCK_TOKENS)
+                  for block, arrays in stored.blocks.items()}
+        tail = KVBlock.from_numpy(stored.tail, self._n_layers, stored.tail_tokens) if stored.tail is not None else None
+        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail), blocks
+
+    def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""
-        for path in [self._files.local(p, fetch=False) for p in (entry.record_path, *(b.path for b in entry.blocks))]:
-            try:
-                blockfiles.read(path)
-            except blockfiles.DamagedFile:
-                blockfiles.quarantine(path, self._files.root)
-            except blockfiles.FileUnavailable:
-                continue
+        self._files.quarantine_damaged(entry)
         self._persister.submit(Forget(conversation_id))
-
-
-def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
-    """A working cache of its own holding the first ``n_tokens`` of ``cache`` (which is
-    left as it was: writes to either never reach the other)."""
-    if n_tokens == 0:
-        return [KVCache() for _ in cache]
-    return working_cache(len(cache), lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
-                         n_tokens)
-
-
-def _nbytes(cache: list[KVCache]) -> int:
-    """Memory a float working cache holds (its allocated buffers)."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache if layer.keys is not None)

@@ -1,11 +1,5 @@
-"""Conversation caches on disk, both ways: the file format, reading it back, and the
-background thread that writes it.
-
-Where the files go is ``app.cache.layout``. A block file holds the six arrays of every
-layer, metadata fingerprint / hash / n_tokens; a record file (one per conversation, a
-new file each time, the previous one deleted once the index points to the new) holds
-token ids and char ends as arrays, the private tail block's arrays, metadata text /
-chain / tail_tokens. Every file carries a checksum (``app.store.blockfiles``).
+"""The background thread that writes conversation caches to their files (``files.py``) and
+their index rows, copies them for forks, and deletes them.
 
 The engine thread hands over immutable snapshots after a response; the
 persister writes them in order, so persistence never adds to a response's
@@ -16,56 +10,33 @@ a cache deleted after it.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
-import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock
-from app.cache.layout import FileLayout
-from app.cache.records import CacheRecord
-from app.cache.shared_tier import S3Tier, Upload, Uploader
-from app.store import blockfiles, cache_index, ownership
+from app.cache.files import CacheFiles
+from app.cache.hashing import BLOCK_TOKENS
+from app.cache.records import ConversationCache
+from app.cache.shared_tier import Upload, Uploader
+from app.store import cache_index, ownership
 from app.store.db import with_retries, write_locked
 from app.store.history import ensure_conversation, utcnow
 
+if TYPE_CHECKING:
+    from app.cache.blocks import KVBlock
+
 log = logging.getLogger(__name__)
 
-# What reading a cache file can raise besides DamagedFile: a file that verifies but
-# does not fit (another model's shapes, a record that disagrees with its index).
-UNUSABLE = (blockfiles.DamagedFile, KeyError, ValueError)
 # Snapshots and deletions waiting to be written, at most: past it the engine thread waits
 # for the disk (back-pressure) rather than hold ever more snapshots in memory.
 MAX_QUEUED = 256
 WRITE_ATTEMPTS = 3  # a snapshot's block files are rewritten if the worker deleted them meanwhile
 INDEX_ATTEMPTS = 4  # a locked database is waited out (with_retries: 0.1, 0.2, 0.4 s apart)
-
-
-@dataclass(frozen=True)
-class ConversationCache:
-    """A conversation's cache as it stands after a turn: the record, its full blocks
-    (by id, in order) and its private partial block."""
-
-    agent_id: str
-    conversation_id: str
-    record: CacheRecord
-    chain: tuple[str, ...]
-    tail: KVBlock | None
-
-    @property
-    def private_bytes(self) -> int:
-        return self.tail.nbytes if self.tail else 0
-
-    @property
-    def n_grouped(self) -> int:
-        """Tokens whose keys are quantized (per-channel keys: all but the newest, in the tail)."""
-        return len(self.chain) * BLOCK_TOKENS + (self.tail.n_grouped if self.tail else 0)
 
 
 @dataclass(frozen=True)
@@ -94,87 +65,6 @@ class Forget:
     """Delete a conversation's cache: its record file, its row, blocks nobody else references."""
 
     conversation_id: str
-
-
-class CacheFiles(FileLayout):
-    """A model's cache files: their layout, and their format both ways."""
-
-    def __init__(self, root: Path, fingerprint: str, n_layers: int, tier: S3Tier | None = None) -> None:
-        super().__init__(root, fingerprint, tier)
-        self._n_layers = n_layers
-
-    def write_block(self, block: str, data: KVBlock) -> tuple[Path, str]:
-        """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""
-        path = self.block_path(block)
-        if path.exists():
-            return path, ""
-        digest, _ = blockfiles.write(path, _numpy(data), {
-            "fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)})
-        return path, digest
-
-    def write_record(self, cache: ConversationCache) -> Path:
-        arrays = {"tokens": np.array(cache.record.tokens, dtype=np.int64),
-                  "ends": np.array(cache.record.ends, dtype=np.int64)}
-        if cache.tail is not None:
-            arrays.update(_numpy(cache.tail, "tail."))
-        path = self.record_path(cache.conversation_id)
-        blockfiles.write(path, arrays, {
-            "agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
-            "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
-        return path
-
-    def read_block(self, block: str, path: str | Path, checksum: str | None) -> KVBlock:
-        """A stored full block, verified to be this model's and this id's.
-
-        Raises:
-            One of UNUSABLE.
-        """
-        path = self.local(path)
-        arrays, meta = blockfiles.read(path, checksum)
-        if meta.get("fingerprint") != self.fingerprint or meta.get("hash") != block:
-            raise ValueError(f"block file {path} belongs to another model or block")
-        return KVBlock.from_arrays(_to_mx(arrays), self._n_layers, BLOCK_TOKENS)
-
-    def read_conversation(self, entry: cache_index.CacheEntry, agent_id: str, conversation_id: str,
-                          in_memory: dict[str, KVBlock]) -> tuple[ConversationCache, dict[str, KVBlock]]:
-        """A conversation's cache from its record file and the block files its index row
-        lists (blocks already ``in_memory`` are not read again).
-
-        Returns:
-            The cache and the blocks read from disk.
-
-        Raises:
-            One of UNUSABLE: a file is missing or damaged, or the files disagree.
-        """
-        arrays, meta = blockfiles.read(self.local(entry.record_path))
-        record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
-                             tuple(int(e) for e in arrays["ends"]))
-        chain = tuple(json.loads(meta["chain"]))
-        if chain != tuple(b.hash for b in entry.blocks):
-            raise ValueError("record file and index disagree on the block chain")
-        loaded = {row.hash: self.read_block(row.hash, row.path, row.checksum or None)
-                  for row in entry.blocks if row.hash not in in_memory}
-        tail_tokens = int(meta["tail_tokens"])
-        tail = None
-        if tail_tokens:
-            tail_arrays = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")}
-            tail = KVBlock.from_arrays(_to_mx(tail_arrays), self._n_layers, tail_tokens)
-        if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
-            raise ValueError("blocks do not cover the record")
-        return ConversationCache(agent_id, conversation_id, record, chain, tail), loaded
-
-    def read_text(self, record_path: str) -> str:
-        """The text a stored record spells (its header only, unverified: for matching;
-        the whole file is verified before its KV data is used). Raises DamagedFile."""
-        return blockfiles.read_metadata(self.local(record_path)).get("text", "")
-
-
-def _numpy(block: KVBlock, prefix: str = "") -> dict[str, np.ndarray]:
-    return {prefix + name: np.array(array, copy=False) for name, array in block.to_arrays().items()}
-
-
-def _to_mx(arrays: dict[str, np.ndarray]) -> dict[str, mx.array]:
-    return {name: mx.array(array) for name, array in arrays.items()}
 
 
 class Persister(threading.Thread):
@@ -290,10 +180,7 @@ class Persister(threading.Thread):
             entry = cache_index.load_cache(session, item.source, fingerprint)
             if entry is None:
                 return
-            arrays, meta = blockfiles.read(self._files.local(entry.record_path))
-            record_path = self._files.record_path(item.conversation_id)
-            blockfiles.write(record_path, arrays, {**meta, "agent_id": item.agent_id,
-                                                   "conversation_id": item.conversation_id})
+            record_path = self._files.copy_record(entry.record_path, item.agent_id, item.conversation_id)
             ensure_conversation(session, item.conversation_id, item.agent_id, "direct", utcnow())
             cache_index.save_cache(session, item.agent_id, item.conversation_id, fingerprint, entry.n_tokens,
                                    str(record_path), entry.blocks, utcnow())

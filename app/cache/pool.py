@@ -35,9 +35,6 @@ class BlockPool:
     def n_free_blocks(self) -> int:
         return len(self._free)
 
-    def contains(self, block: str) -> bool:
-        return block in self._sizes
-
     def add_block(self, block: str, nbytes: int) -> None:
         """A block now held in memory, referenced by nobody yet (most recent free block)."""
         if block not in self._sizes:
@@ -100,9 +97,3 @@ class BlockPool:
             if self._refs[block] == 0:
                 del self._refs[block]
                 self._free[block] = None
-
-    def check(self) -> None:
-        """Internal invariants (tests): every block is referenced or free, never both."""
-        assert set(self._refs) | set(self._free) == set(self._sizes)
-        assert not set(self._refs) & set(self._free)
-        assert all(n > 0 for n in self._refs.values())

@@ -1,4 +1,5 @@
-"""CacheRecord: what is in a KV cache, token by token (SPEC Invariant 1). Pure.
+"""CacheRecord: what is in a KV cache, token by token (SPEC Invariant 1); ConversationCache:
+a conversation's cache as it stands after a turn. Pure.
 
 For the tokens whose keys and values are in the cache, in order: the ids fed
 to the model, the exact text they spell in the rendered conversation, and the
@@ -12,7 +13,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from app.cache.hashing import BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from app.cache.blocks import KVBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +56,24 @@ class CacheRecord:
         base = len(self.text)
         return CacheRecord(self.tokens + tuple(tokens), self.text + text,
                            self.ends + tuple(base + e for e in ends))
+
+
+@dataclass(frozen=True)
+class ConversationCache:
+    """A conversation's cache as it stands after a turn: the record, its full blocks
+    (by id, in order) and its private partial block."""
+
+    agent_id: str
+    conversation_id: str
+    record: CacheRecord
+    chain: tuple[str, ...]
+    tail: KVBlock | None
+
+    @property
+    def private_bytes(self) -> int:
+        return self.tail.nbytes if self.tail else 0
+
+    @property
+    def n_grouped(self) -> int:
+        """Tokens whose keys are quantized (per-channel keys: all but the newest, in the tail)."""
+        return len(self.chain) * BLOCK_TOKENS + (self.tail.n_grouped if self.tail else 0)

@@ -15,22 +15,19 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.layout import tier_key
+from app.cache.files import tier_key
 from app.cache.shared_tier import S3Tier
-from app.store.models import Block, Cache
+from app.store import cache_index
 
 GRACE = timedelta(minutes=10)
 
 
 def referenced_keys(session: Session) -> set[str]:
     """The object keys of every file a row names (blocks and conversation records)."""
-    rows = [*session.execute(select(Block.path, Block.model_fingerprint).where(Block.path.is_not(None))),
-            *session.execute(select(Cache.record_path, Cache.model_fingerprint)
-                             .where(Cache.record_path.is_not(None)))]
-    return {key for path, fingerprint in rows if (key := tier_key(path, fingerprint)) is not None}
+    return {key for path, fingerprint in cache_index.files_by_model(session)
+            if (key := tier_key(path, fingerprint)) is not None}
 
 
 def collect(sessions: sessionmaker[Session], tier: S3Tier, grace: timedelta = GRACE,

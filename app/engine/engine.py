@@ -1,8 +1,9 @@
-"""Engine: the public surface of inference (submit, render, stats, health).
+"""Engine: inference behind the ``EngineSurface`` (``surface.py``) the API sees.
 
-Everything MLX lives behind this class; the API layer holds one Engine and sees
-only plain values through it (``ModelInfo``, ``EngineStatus``, prompts, jobs),
-so the API can be tested against a fake engine.
+Everything MLX lives behind this class: it owns the engine thread (``runner.py``), renders
+prompts with each model's tokenizer on the caller's thread, refuses what can never run
+(``admission.py``), and answers status questions from the snapshot the engine thread last
+published.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.hashing import scoped_fingerprint
 from app.cache.shared_tier import S3Tier
-from app.cache.manager import CacheManager, CacheStats
+from app.cache.manager import CacheManager
 from app.catalog.registry import Catalog
-from app.engine.model import KVChoice, LoadedModel, ModelSpec, backend_name, load_model, load_spec
+from app.engine.admission import Admission
+from app.engine.channel import Job
+from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_conversation_start
-from app.engine.runner import EngineCounters, Job, Runner, working_bytes
+from app.engine.runner import Runner
+from app.engine.surface import EngineStatus, ModelInfo
 from app.errors import EngineUnavailable, MemoryExhausted
 from app.types import ChatMessage, GenerationRequest, Prompt, ToolSyntax
 
@@ -48,36 +52,9 @@ class CacheConfig:
                             owner=self.owner)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """The served model, as the API needs to know it."""
-
-    name: str
-    path: Path
-    fingerprint: str  # weights, tokenizer, template and KV format: caches of another never match
-    context_length: int
-    tool_syntax: ToolSyntax | None = None  # its own tool-call format (None: the generic one)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatus:
-    healthy: bool
-    loading: bool  # a model is being loaded (at start, or swapped in for a request)
-    model: str | None  # the loaded model, or the one being loaded
-    backend: str
-    dtype: str | None
-    context_length: int | None
-    queue_depth: int
-    n_active: int
-    cache: CacheStats | None
-    counters: EngineCounters
-    swaps: int  # models swapped in since start
-    split_cores: bool  # batched decode steps are split over both CPU cores (cores.py)
-    kv: KVChoice | None = None  # the loaded model's stored KV format, and why
-
-
 class Engine:
-    """Owns the engine thread. Start it, then render prompts and submit them."""
+    """Owns the engine thread. Start it, then render prompts and submit them. Implements
+    ``surface.EngineSurface``; ``loaded`` and ``caches`` are for tests and benchmarks."""
 
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
@@ -91,13 +68,12 @@ class Engine:
         self._kv_format_for = cache.kv_format_for
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
-        self._memory_bytes = cache.budget_bytes
+        self._admission = Admission(cache.budget_bytes, max_batch)
         self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
                                                       cache.kv_format_for(name), split_cores),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
-                              repetition_penalty=repetition_penalty, max_batch=max_batch,
-                              memory_bytes=cache.budget_bytes)
+                              admission=self._admission, repetition_penalty=repetition_penalty)
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:
@@ -130,7 +106,8 @@ class Engine:
 
     @property
     def loaded(self) -> LoadedModel:
-        """The loaded model itself (for tests and benchmarks; the API uses ``model``)."""
+        """The loaded model itself, the engine thread's (for tests and benchmarks; the API
+        uses ``model``)."""
         if self._runner.loaded is None:
             raise EngineUnavailable("the model is still loading" if not self._runner.ready.is_set()
                                     else "the model is not loaded")
@@ -144,8 +121,9 @@ class Engine:
     @property
     def model(self) -> ModelInfo:
         """The loaded model, or the one being swapped in. Raises EngineUnavailable at start."""
-        loaded = self._runner.loaded
-        return self._info(loaded if loaded is not None else self._spec(self._runner.loading or self._catalog.default))
+        published = self._runner.snapshot
+        loaded = published.loaded
+        return self._info(loaded if loaded is not None else self._spec(published.loading or self._catalog.default))
 
     def resolve(self, requested: str | None) -> ModelInfo:
         """The model a request's ``model`` names (see ``Catalog.resolve``).
@@ -158,7 +136,7 @@ class Engine:
     def _spec(self, name: str | None) -> ModelSpec:
         """Tokenizer side of model ``name`` (default: the default model), from any thread."""
         name = name or self._catalog.default
-        loaded = self._runner.loaded
+        loaded = self._runner.snapshot.loaded
         if loaded is not None and loaded.name == name:
             return loaded
         if name == self._catalog.default and not self._runner.ready.is_set():
@@ -194,10 +172,9 @@ class Engine:
         spec = self._spec(request.model)
         request = replace(request, model=spec.name)
         self.check_fits(request.prompt, spec.name)
-        need = working_bytes(request, spec)
-        if need > self._memory_bytes:
-            raise MemoryExhausted(f"this request needs {need / 2**20:.0f} MiB of working memory for its KV cache; "
-                                  f"the memory budget (cache_memory_bytes) is {self._memory_bytes / 2**20:.0f} MiB")
+        refusal = self._admission.refusal(request, spec)
+        if refusal is not None:
+            raise MemoryExhausted(refusal)
         return self._runner.submit(request)
 
     def check_fits(self, prompt: Prompt, model: str | None = None) -> None:
@@ -205,19 +182,20 @@ class Engine:
         check_fits(prompt, self._spec(model).context_length)
 
     def status(self) -> EngineStatus:
-        loaded = self._runner.loaded
+        published = self._runner.snapshot
+        loaded = published.loaded
         return EngineStatus(
             healthy=self._runner.is_alive() and self._runner.ready.is_set() and self._runner.load_error is None,
-            loading=not self._runner.ready.is_set() or self._runner.loading is not None,
-            model=loaded.name if loaded else self._runner.loading,
+            loading=not self._runner.ready.is_set() or published.loading is not None,
+            model=loaded.name if loaded else published.loading,
             backend=backend_name(),
             dtype=loaded.dtype if loaded else None,
             context_length=loaded.context_length if loaded else None,
             queue_depth=self._runner.queue_depth,
-            n_active=self._runner.n_active,
-            cache=self._runner.caches.stats() if self._runner.caches else None,
-            counters=self._runner.counters.snapshot(),
-            swaps=self._runner.swaps,
+            n_active=published.n_active,
+            cache=published.cache,
+            counters=published.counters,
+            swaps=published.swaps,
             split_cores=loaded is not None and loaded.cores is not None,
             kv=loaded.kv if loaded else None,
         )
@@ -229,10 +207,9 @@ class Engine:
             raise EngineUnavailable("the engine is not running")
         return self._runner.caches
 
-    def hot_tokens(self, agent_id: str) -> dict[str, int]:
+    def hot_tokens(self, agent_id: str) -> Mapping[str, int]:
         """Cached tokens of the agent's conversations held in memory, by conversation id."""
-        caches = self._runner.caches
-        return caches.hot_tokens(agent_id) if caches is not None else {}
+        return self._runner.snapshot.hot.get(agent_id, {})
 
     def forget_agent(self, agent_id: str) -> None:
         """Delete the agent's caches: memory, files and index rows (engine thread)."""
@@ -245,20 +222,6 @@ class Engine:
         done = self._runner.call(lambda caches: caches.fork(source, agent_id, conversation_id))
         return done.wait(timeout_s)
 
-    def wait_idle(self, timeout_s: float = 60) -> bool:
-        """Wait until queued generations are done, their caches committed included."""
-        deadline = time.monotonic() + timeout_s
-        while self._runner.n_active or self._runner.queue_depth:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     def _info(self, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(spec.name, spec.path, scoped_fingerprint(spec.fingerprint, self._scope), spec.context_length,
                          spec.tool_syntax)
-
-    def flush_caches(self, timeout_s: float = 60) -> bool:
-        """Wait until the caches of finished turns are committed and on disk."""
-        return self.wait_idle(timeout_s) and (self._runner.caches.flush(timeout_s) if self._runner.caches else True)
-

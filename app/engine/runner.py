@@ -1,12 +1,12 @@
-"""The one thread that owns the model: it loads it, then serves every admitted generation
-together (continuous batching).
+"""The engine thread: it owns the model, its cache manager and every generation in flight,
+and runs the admitted ones together (continuous batching).
 
-HTTP threads never touch MLX. They put a job on a bounded queue and read events
-from the job's own queue; if this thread dies, readers notice (``Job.events``
-raises) instead of hanging. Each loop iteration of this thread:
+HTTP threads never touch MLX nor anything this thread owns: they hand it jobs and calls
+over the channel (``channel.py``) and read what it publishes (``RunnerSnapshot``, replaced
+whole, never changed). Each loop iteration of this thread:
 
 1. runs cache-manager calls (``Call``), drops queued jobs whose client left, and
-   admits queued jobs up to ``max_batch`` (a lease on each one's conversation cache);
+   admits queued jobs (``admission.Admission``; a lease on each one's conversation cache);
    when the oldest waiting job wants another model, nothing behind it is admitted, and
    once the batch has drained the model is swapped (``_swap``);
 2. gives every decoding sequence its next token in one batched forward pass;
@@ -27,172 +27,41 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 
-from app.cache.manager import CacheManager
+from app.cache.manager import CacheManager, CacheStats
+from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
-from app.engine.model import LoadedModel, ModelSpec
+from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
+from app.engine.model import LoadedModel
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
-from app.engine.token_text import spells
-from app.errors import EngineUnavailable, Overloaded
-from app.types import Finished, GenerationEvent, GenerationRequest, Heartbeat, Started
+from app.engine.surface import EngineCounters
+from app.errors import EngineUnavailable
+from app.types import GenerationRequest, Started
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5
-# A turn's end is reported once its cache is on disk (a kill right after the reply loses
-# nothing), unless writing it takes longer than this.
-DURABLE_WAIT_S = 5.0
 IDLE_CHECK_S = 10.0  # how often an idle engine looks for caches past their hot TTL
 
 
 @dataclass(frozen=True, slots=True)
-class Failed:
-    """The generation raised; ``message`` says why."""
+class RunnerSnapshot:
+    """What the engine thread last published for other threads to read."""
 
-    message: str
-
-
-@dataclass
-class Job:
-    """A queued generation and the channel its events come back on."""
-
-    request: GenerationRequest
-    runner: "Runner"
-    _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-    stored: threading.Event | None = None  # set once the turn's cache is on disk (None: not persisted)
-
-    def cancel(self) -> None:
-        """Stop as soon as possible (the client went away): dropped if still queued, stopped
-        between prefill chunks, or removed from the batch at the next token."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def put(self, event: GenerationEvent | Failed) -> None:
-        self._events.put(event)
-
-    def events(self, client_gone: Callable[[], bool] | None = None,
-               heartbeat_s: float | None = None) -> Iterator[GenerationEvent]:
-        """Events as the engine produces them, ending with ``Finished``.
-
-        ``client_gone`` is polled while waiting: once it says the client left, the
-        job is cancelled and the events end with a cancelled ``Finished``. With
-        ``heartbeat_s``, a ``Heartbeat`` comes after that long without an event.
-
-        Raises:
-            EngineUnavailable: the generation failed or the engine thread died.
-        """
-        last = time.monotonic()
-        while True:
-            if client_gone is not None and not self.cancelled and client_gone():
-                self.cancel()
-            try:
-                event = self._events.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self.runner.is_alive():
-                    raise EngineUnavailable("the engine thread stopped") from None
-                if heartbeat_s is not None and time.monotonic() - last >= heartbeat_s:
-                    last = time.monotonic()
-                    yield Heartbeat()
-                continue
-            last = time.monotonic()
-            if isinstance(event, Failed):
-                raise EngineUnavailable(event.message)
-            if isinstance(event, Finished) and self.stored is not None and not self.stored.wait(DURABLE_WAIT_S):
-                log.warning("request %s: its cache is not on disk after %.0f s; answering anyway",
-                            self.request.request_id, DURABLE_WAIT_S)
-            yield event
-            if isinstance(event, Finished):
-                return
-
-
-@dataclass(frozen=True)
-class Call:
-    """Work on the cache manager that must run on the engine thread (between steps)."""
-
-    fn: Callable[[CacheManager], Any]
-    result: Future = field(default_factory=Future)
-
-
-class JobQueue:
-    """Jobs waiting for a place in the batch: bounded, and a job whose client left is
-    dropped from anywhere in it (it holds no place)."""
-
-    def __init__(self, max_waiting: int) -> None:
-        self._jobs: deque[Job] = deque()
-        self._lock = threading.Lock()
-        self.max_waiting = max_waiting
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def put(self, job: Job) -> None:
-        """Raises Overloaded when ``max_waiting`` jobs already wait."""
-        with self._lock:
-            if sum(not j.cancelled for j in self._jobs) >= self.max_waiting:
-                raise Overloaded(f"{self.max_waiting} requests are already waiting")
-            self._jobs.append(job)
-
-    def take(self, ready: Callable[[Job], bool], barrier: Callable[[Job], bool] = lambda _: False) -> Job | None:
-        """The first waiting job that is ``ready`` to start (others keep their places),
-        looking no further than the first job that is a ``barrier``."""
-        with self._lock:
-            for job in self._jobs:
-                if barrier(job) and not job.cancelled:
-                    return None
-                if ready(job):
-                    self._jobs.remove(job)
-                    return job
-            return None
-
-    def first(self) -> Job | None:
-        """The oldest waiting job whose client has not left."""
-        with self._lock:
-            return next((j for j in self._jobs if not j.cancelled), None)
-
-    def take_all(self, which: Callable[[Job], bool]) -> list[Job]:
-        with self._lock:
-            taken = [j for j in self._jobs if which(j)]
-            self._jobs = deque(j for j in self._jobs if not which(j))
-        return taken
-
-    def drop_cancelled(self) -> list[Job]:
-        with self._lock:
-            gone = [j for j in self._jobs if j.cancelled]
-            if gone:
-                self._jobs = deque(j for j in self._jobs if not j.cancelled)
-        return gone
-
-
-@dataclass
-class EngineCounters:
-    """Work the engine thread did since it started (read by /health and /metrics)."""
-
-    decode_steps: int = 0
-    split_steps: int = 0  # decode steps split over both CPU cores (``cores.py``)
-    decode_tokens: int = 0  # tokens generated by batched decode steps
-    decode_s: float = 0.0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    # decode steps and their seconds by the number of sequences in the step
-    steps_by_batch: dict[int, int] = field(default_factory=dict)
-    seconds_by_batch: dict[int, float] = field(default_factory=dict)
-
-    def snapshot(self) -> "EngineCounters":
-        """A copy another thread can read while this one counts on."""
-        return replace(self, steps_by_batch=dict(self.steps_by_batch), seconds_by_batch=dict(self.seconds_by_batch))
+    loaded: LoadedModel | None = None  # read for its spec (frozen) only: its weights are this thread's
+    loading: str | None = None  # the model being loaded
+    n_active: int = 0
+    cache: CacheStats | None = None
+    hot: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # agent -> conversation -> tokens
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    swaps: int = 0  # models swapped in since start
 
 
 class Runner(threading.Thread):
@@ -200,8 +69,8 @@ class Runner(threading.Thread):
     when waiting requests name another one."""
 
     def __init__(self, load: Callable[[str], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
-                 default: str, max_queue: int, prefill_step_size: int, repetition_penalty: float = 1.0,
-                 max_batch: int = 8, memory_bytes: int = 1 << 62) -> None:
+                 default: str, max_queue: int, prefill_step_size: int, admission: Admission,
+                 repetition_penalty: float = 1.0) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._make_caches = make_caches
@@ -214,18 +83,18 @@ class Runner(threading.Thread):
         self._policy = PrefillPolicy(step_tokens=prefill_step_size)
         self._processors = make_logits_processors(repetition_penalty=repetition_penalty) \
             if repetition_penalty != 1.0 else []
-        self._max_batch = max_batch
-        self._memory_bytes = memory_bytes  # the working caches of admitted sequences stay within it
+        self._admission = admission
         self._prefilling: list[Sequence] = []
         self._decoding: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None
         self._uids = iter(range(1 << 62))
-        self.counters = EngineCounters()
+        self._counters = EngineCounters()
+        self._swaps = 0
+        self._loading: str | None = None  # the model being loaded
         self.ready = threading.Event()
         self.loaded: LoadedModel | None = None
-        self.loading: str | None = None  # the model being loaded
         self.load_error: BaseException | None = None  # the default model failed to load
-        self.swaps = 0
+        self.snapshot = RunnerSnapshot()  # replaced by this thread (``_publish``), read by any
 
     @property
     def queue_depth(self) -> int:
@@ -244,7 +113,7 @@ class Runner(threading.Thread):
         """
         if not self.is_alive() or not self.ready.is_set():
             raise EngineUnavailable("the engine is not running")
-        job = Job(request, self)
+        job = Job(request, self.is_alive)
         self._queue.put(job)
         self._wake.set()
         return job
@@ -275,6 +144,7 @@ class Runner(threading.Thread):
         while True:
             self._run_calls()
             self._admit()
+            self._publish()
             if not self.n_active:
                 waiting = self._queue.first()
                 if waiting is not None and self._model_of(waiting) != self.loaded.name:
@@ -292,9 +162,19 @@ class Runner(threading.Thread):
         self.caches.close()
         self.caches.release_agents()
 
+    def _publish(self) -> None:
+        """Replace the snapshot other threads read (called between steps, and before a turn's
+        ``Finished`` or a call's result is handed over, so its reader sees what it did)."""
+        caches = self.caches
+        hot = MappingProxyType({agent: MappingProxyType(conversations)
+                                for agent, conversations in caches.hot_by_agent().items()}) if caches else {}
+        self.snapshot = RunnerSnapshot(self.loaded, self._loading, self.n_active, caches.stats() if caches else None,
+                                       hot, self._counters, self._swaps)
+
     def _install(self, name: str) -> None:
         """Load model ``name`` with its own cache manager."""
-        self.loading = name
+        self._loading = name
+        self._publish()
         try:
             loaded = self._load(name)
             self._warm_up(loaded)
@@ -302,7 +182,8 @@ class Runner(threading.Thread):
             self._batch = DecodeBatch(loaded.model)
             self.loaded = loaded
         finally:
-            self.loading = None
+            self._loading = None
+            self._publish()
 
     def _swap(self, name: str) -> None:
         """Unload the model (its caches are flushed to disk and stay there) and load ``name``.
@@ -326,7 +207,8 @@ class Runner(threading.Thread):
                 job.put(Failed(f"model {name} failed to load: {exc}"))
             self._install(previous)
             return
-        self.swaps += 1
+        self._swaps += 1
+        self._publish()
         log.info("model %s loaded in %.1f s", name, time.perf_counter() - start)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -336,7 +218,9 @@ class Runner(threading.Thread):
         after a start the recently used conversations come back from disk, one at a time."""
         assert self.caches is not None
         self.caches.expire_hot()
-        if self.caches.prefetch():
+        prefetched = self.caches.prefetch()
+        self._publish()
+        if prefetched:
             return
         self._wake.wait(IDLE_CHECK_S)
         self._wake.clear()
@@ -352,20 +236,28 @@ class Runner(threading.Thread):
                 self._stopping = True
                 continue
             try:
-                call.result.set_result(call.fn(self.caches))
+                result = call.fn(self.caches)
             except Exception as exc:  # handed to the caller
+                self._publish()
                 call.result.set_exception(exc)
+            else:
+                self._publish()
+                call.result.set_result(result)
 
     def _admit(self) -> None:
         for job in self._queue.drop_cancelled():
             log.info("request %s: cancelled while queued", job.request.request_id)
-            job.put(_cancelled_in_queue(job))
-        assert self.loaded is not None
-        name = self.loaded.name
-        while self.n_active < self._max_batch and \
-                (job := self._queue.take(self._can_start, lambda j: self._model_of(j) != name)) is not None:
+            job.put(cancelled_in_queue(job))
+        loaded = self.loaded
+        assert loaded is not None
+
+        def can_start(job: Job) -> bool:
+            running = [s.job.request for s in (*self._prefilling, *self._decoding.values())]
+            return self._admission.can_start(job.request, running, loaded)
+
+        while (job := self._queue.take(can_start, lambda j: self._model_of(j) != loaded.name)) is not None:
             if job.cancelled:
-                job.put(_cancelled_in_queue(job))
+                job.put(cancelled_in_queue(job))
                 continue
             try:
                 self._prefilling.append(self._start(job))
@@ -376,40 +268,13 @@ class Runner(threading.Thread):
     def _model_of(self, job: Job) -> str:
         return job.request.model or self._default
 
-    def _can_start(self, job: Job) -> bool:
-        """Whether ``job`` may join the batch now: its conversation is not running (two turns
-        of one conversation never share its cache: the later waits for the earlier's commit),
-        and its working cache fits beside the running ones' (one always runs)."""
-        assert self.loaded is not None
-        running = [*self._prefilling, *self._decoding.values()]
-        conversation = job.request.conversation_id
-        if conversation is not None and any(s.job.request.conversation_id == conversation for s in running):
-            return False
-        used = sum(working_bytes(s.job.request, self.loaded) for s in running)
-        return not running or used + working_bytes(job.request, self.loaded) <= self._memory_bytes
-
     def _start(self, job: Job) -> Sequence:
-        """A lease on the conversation's cache and the prompt tokens still to compute.
-
-        The lease holds the prompt's first tokens exactly as the prompt's own tokenization
-        has them (``cache.matcher``), so the rest are the prompt's own tokens too: warm
-        computes the token sequence a cold prefill computes (Invariants 2 and 3).
-        """
+        """A lease on the conversation's cache, and the generation that continues it."""
         loaded, caches, request = self.loaded, self.caches, job.request
         assert loaded is not None and caches is not None
-        prompt = request.prompt
-        lease = caches.lease(request.agent_id, request.conversation_id, prompt, whole_blocks=request.whole_blocks)
-        n = lease.n_reused
-        assert lease.record.tokens == prompt.token_ids[:n], "a lease reuses the prompt's own tokens"
-        start = prompt.ends[n - 1] if n else 0
-        ids, ends = prompt.token_ids[n:], tuple(end - start for end in prompt.ends[n:])
-        storable = bool(prompt.ends) and spells(loaded.token_bytes, prompt.token_ids, prompt.text)
-        sampling = request.sampling
-        sequence = Sequence(job, lease, tuple(ids), tuple(ends), storable,
-                            max_new=min(sampling.max_tokens, loaded.context_length - lease.n_reused - len(ids)),
-                            sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
-                                                 top_k=sampling.top_k if sampling.top_k < loaded.vocab_size else 0),
-                            token_bytes=loaded.token_bytes, stop_ids=loaded.stop_token_ids)
+        lease = caches.lease(request.agent_id, request.conversation_id, request.prompt,
+                             whole_blocks=request.whole_blocks)
+        sequence = Sequence.begin(job, lease, loaded)
         job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
         return sequence
 
@@ -430,15 +295,8 @@ class Runner(threading.Thread):
         done = []
         start = time.perf_counter()
         tokens = self._batch.step()
-        self.counters.decode_steps += 1
-        if self.loaded is not None and self.loaded.cores is not None and self.loaded.cores.active:
-            self.counters.split_steps += 1
-        elapsed = time.perf_counter() - start
-        self.counters.decode_tokens += len(tokens)
-        self.counters.decode_s += elapsed
-        rows = len(tokens)
-        self.counters.steps_by_batch[rows] = self.counters.steps_by_batch.get(rows, 0) + 1
-        self.counters.seconds_by_batch[rows] = self.counters.seconds_by_batch.get(rows, 0.0) + elapsed
+        split = self.loaded is not None and self.loaded.cores is not None and self.loaded.cores.active
+        self._counters = self._counters.after_decode(len(tokens), time.perf_counter() - start, split)
         for uid, token in tokens:
             if self._decoding[uid].accept(token):
                 done.append(uid)
@@ -451,6 +309,7 @@ class Runner(threading.Thread):
             self._prefilling.remove(sequence)
             log.info("request %s: cancelled during prefill", sequence.job.request.request_id)
             sequence.reason = "cancelled"
+            self._publish()
             sequence.put(sequence.finished(committed=False))
         if not self._prefilling:
             return
@@ -465,8 +324,7 @@ class Runner(threading.Thread):
             elapsed = time.perf_counter() - start
             sequence.seconds_per_token = elapsed / n
             sequence.n_prefilled += n
-            self.counters.prefill_tokens += n
-            self.counters.prefill_s += elapsed
+            self._counters = self._counters.after_prefill(n, elapsed)
         if sequence.n_pending <= 0:
             self._prefilling.remove(sequence)
             if sequence.max_new > 0:
@@ -490,17 +348,14 @@ class Runner(threading.Thread):
         if sequence.reason == "cancelled":
             log.info("request %s: cancelled after %d output tokens", request.request_id, len(sequence.output))
         sequence.flush_text()
-        committed = sequence.storable and sequence.lease.conversation_id is not None
+        committed = sequence.committable
         if committed:
-            lease = sequence.lease
-            unreused = request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
-            record = lease.record.extend(sequence.prompt_ids, unreused, sequence.prompt_ends) \
-                .extend(sequence.output, sequence.tracker.text, sequence.tracker.ends)
             try:
-                sequence.job.stored = caches.commit(lease, record, cache, persist=request.persist,
-                                                    hot_ttl_s=request.hot_ttl_s)
+                sequence.job.stored = caches.commit(sequence.lease, sequence.record(), cache,
+                                                    persist=request.persist, hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
+        self._publish()
         sequence.put(sequence.finished(committed))
 
     def _fail_all(self, message: str) -> None:
@@ -511,21 +366,10 @@ class Runner(threading.Thread):
         self._decoding.clear()
         assert self.loaded is not None
         self._batch = DecodeBatch(self.loaded.model)
+        self._publish()
 
     @staticmethod
     def _warm_up(loaded: LoadedModel) -> None:
         """One tiny forward pass, so the first request does not pay for kernel setup."""
         cache = make_prompt_cache(loaded.model)
         mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))
-
-
-def working_bytes(request: GenerationRequest, model: ModelSpec) -> int:
-    """The float working cache a request fills at most: its prompt and its output."""
-    n_tokens = min(request.prompt.n_tokens + request.sampling.max_tokens, model.context_length)
-    return n_tokens * model.kv_bytes_per_token
-
-
-def _cancelled_in_queue(job: Job) -> Finished:
-    """The end of a job dropped before it started: nothing computed, nothing stored."""
-    return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=job.request.prompt.n_tokens,
-                    n_cached_tokens=0, n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=0.0)

@@ -1,20 +1,23 @@
-"""One generation in flight on the engine thread: its prompt still to prefill, its output so
-far, when it ends and how. Holds no MLX arrays of its own but its working cache.
+"""One generation in flight on the engine thread: how it starts from its cache lease, its
+prompt still to prefill, its output so far, when it ends and how, and the record of what its
+cache then holds. Holds no MLX arrays of its own but its working cache.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
+
+from mlx_lm.sample_utils import make_sampler
 
 from app.cache.manager import Lease
+from app.cache.records import CacheRecord
+from app.engine.channel import Job
+from app.engine.model import ModelSpec
 from app.engine.stopping import EndMatcher, StopMatcher
-from app.engine.token_text import TextTracker, TokenBytes
+from app.engine.token_text import TextTracker, TokenBytes, spells
 from app.types import Finished, GenerationEvent, StopReason, TextDelta
-
-if TYPE_CHECKING:
-    from app.engine.runner import Job
 
 
 @dataclass
@@ -36,6 +39,26 @@ class Sequence:
     reason: StopReason = "max_tokens"
     stop_sequence: str | None = None
 
+    @classmethod
+    def begin(cls, job: Job, lease: Lease, model: ModelSpec) -> Sequence:
+        """The generation of ``job`` on ``model``, after the ``lease``'s reused tokens.
+
+        The lease holds the prompt's first tokens exactly as the prompt's own tokenization
+        has them (``cache.matcher``), so the rest are the prompt's own tokens too: warm
+        computes the token sequence a cold prefill computes (Invariants 2 and 3).
+        """
+        prompt, sampling = job.request.prompt, job.request.sampling
+        n = lease.n_reused
+        assert lease.record.tokens == prompt.token_ids[:n], "a lease reuses the prompt's own tokens"
+        start = prompt.ends[n - 1] if n else 0
+        ids, ends = prompt.token_ids[n:], tuple(end - start for end in prompt.ends[n:])
+        storable = bool(prompt.ends) and spells(model.token_bytes, prompt.token_ids, prompt.text)
+        return cls(job, lease, tuple(ids), tuple(ends), storable,
+                   max_new=min(sampling.max_tokens, model.context_length - n - len(ids)),
+                   sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
+                                        top_k=sampling.top_k if sampling.top_k < model.vocab_size else 0),
+                   token_bytes=model.token_bytes, stop_ids=model.stop_token_ids)
+
     def __post_init__(self) -> None:
         self.tracker = TextTracker(self.token_bytes)
         self.stops = StopMatcher(self.job.request.sampling.stop_sequences)
@@ -52,7 +75,7 @@ class Sequence:
     @property
     def n_written(self) -> int:
         """Prompt tokens this turn adds to the conversation's cache."""
-        return len(self.prompt_ids) if self.storable and self.lease.conversation_id is not None else 0
+        return len(self.prompt_ids) if self.committable else 0
 
     @property
     def n_pending(self) -> int:
@@ -103,6 +126,19 @@ class Sequence:
                 self.put(TextDelta(rest))
         elif self.reason == "end_turn" and (held := self.stops.flush()):
             self.put(TextDelta(held))
+
+    @property
+    def committable(self) -> bool:
+        """Its cache may be stored as its conversation's (the tokens spell the prompt, and
+        there is a conversation)."""
+        return self.storable and self.lease.conversation_id is not None
+
+    def record(self) -> CacheRecord:
+        """What its cache holds once it has ended: the reused prefix, its prompt, its output."""
+        lease = self.lease
+        unreused = self.job.request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
+        return lease.record.extend(self.prompt_ids, unreused, self.prompt_ends) \
+            .extend(self.output, self.tracker.text, self.tracker.ends)
 
     def finished(self, committed: bool) -> Finished:
         """The turn's last event; ``committed``: its cache was stored."""

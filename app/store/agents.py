@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 
 from app.errors import InvalidRequest
 from app.store.history import new_conversation_id
-from app.store.models import Agent, Cache, Conversation, Message, Request, StoredResponse
+from app.store import cache_index
+from app.store.models import Agent, Conversation, Message, Request, StoredResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +61,7 @@ def _conversations(session: Session, agent_id: str) -> tuple[ConversationView, .
         select(Message.conversation_id, func.count()).where(Message.agent_id == agent_id)
         .group_by(Message.conversation_id))}
     caches: dict[str, list[tuple[str, int, str]]] = {}
-    for conversation_id, fingerprint, n_tokens, tier in session.execute(
-            select(Cache.conversation_id, Cache.model_fingerprint, Cache.n_tokens, Cache.tier)
-            .where(Cache.agent_id == agent_id)):
+    for conversation_id, fingerprint, n_tokens, tier in cache_index.agents_caches(session, [agent_id]):
         caches.setdefault(conversation_id, []).append((fingerprint, n_tokens, tier))
     rows = session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
                            .order_by(Conversation.last_access_at.desc()))

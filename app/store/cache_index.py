@@ -1,19 +1,23 @@
-"""The SQL index of cache files: which agent holds which blocks of which model.
+"""The SQL index of cache files: which agent holds which blocks of which model. Every
+query of the cache tables is here.
 
 Functions take a Session and do not commit. Reference counts are recomputed
 from ``cache_blocks`` for the blocks a change touched, so they cannot drift.
+``CacheIndex`` asks the questions of the cache manager, each in a short session of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Iterable, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from app.store.models import Block, Cache, CacheBlock
+from app.store import ownership
+from app.store.models import Agent, Block, Cache, CacheBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +178,152 @@ def count_caches(session: Session, fingerprint: str) -> int:
     """Agents with a stored (warm or hot) cache for this model."""
     return session.scalar(select(func.count()).select_from(Cache).where(
         Cache.model_fingerprint == fingerprint, Cache.tier != "cold")) or 0
+
+
+def conversation_caches(session: Session, conversation_id: str) -> list[tuple[str, CacheEntry]]:
+    """(model fingerprint, entry) of the conversation's stored caches, one per model."""
+    found = []
+    for fingerprint in session.scalars(select(Cache.model_fingerprint).where(Cache.conversation_id == conversation_id)):
+        entry = load_cache(session, conversation_id, fingerprint)
+        if entry is not None:
+            found.append((fingerprint, entry))
+    return found
+
+
+def agents_caches(session: Session, agent_ids: Sequence[str]) -> list[tuple[str, str, int, str]]:
+    """(conversation id, model fingerprint, tokens, tier) of every cache of these agents."""
+    return [(c, fp, n, tier) for c, fp, n, tier in session.execute(
+        select(Cache.conversation_id, Cache.model_fingerprint, Cache.n_tokens, Cache.tier)
+        .where(Cache.agent_id.in_(agent_ids)))]
+
+
+# -- what the worker's jobs ask ---------------------------------------------------------------
+
+def _file_size(path: str | None) -> int:
+    try:
+        return Path(path).stat().st_size if path else 0
+    except FileNotFoundError:
+        return 0
+
+
+def disk_bytes(session: Session) -> int:
+    """Bytes of cache files the index points to (blocks and records)."""
+    blocks = session.scalar(select(func.coalesce(func.sum(Block.nbytes), 0)).where(Block.path.is_not(None))) or 0
+    records = session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None)))
+    return int(blocks) + sum(_file_size(path) for path in records)
+
+
+def files_size(paths: Iterable[str]) -> int:
+    """Bytes the files among ``paths`` that exist hold."""
+    return sum(_file_size(path) for path in paths)
+
+
+def expired_caches(session: Session, default_ttl_s: int, now: datetime) -> list[Cache]:
+    """The warm caches whose agent was last used longer ago than its TTL (the agent's
+    ``ttl_seconds``, else ``default_ttl_s``)."""
+    rows = session.execute(select(Cache, Agent.ttl_seconds, Agent.last_access_at)
+                           .join(Agent, Agent.id == Cache.agent_id).where(Cache.tier != "cold")).all()
+    return [cache for cache, ttl, agent_access in rows
+            if max(cache.last_access_at, agent_access) + timedelta(seconds=default_ttl_s if ttl is None else ttl) <= now]
+
+
+def warm_caches_oldest_first(session: Session) -> Iterator[Cache]:
+    """The warm caches, least recently used first."""
+    return iter(session.scalars(select(Cache).where(Cache.tier != "cold").order_by(Cache.last_access_at)))
+
+
+def unreferenced_blocks(session: Session, before: datetime) -> list[str]:
+    """Hashes of blocks no cache references (an agent's chain moved on), unused since ``before``."""
+    return list(session.scalars(select(Block.hash).where(Block.ref_count == 0, Block.last_access_at < before)))
+
+
+def drop_blocks(session: Session, hashes: list[str], before: datetime) -> list[str]:
+    """Delete those of ``hashes`` still unreferenced and unused (the server may have
+    taken one back since they were read); returns their files."""
+    paths = []
+    for start in range(0, len(hashes), 500):  # SQLite bounds the parameters of one statement
+        stale = list(session.scalars(select(Block).where(Block.hash.in_(hashes[start:start + 500]),
+                                                         Block.ref_count == 0, Block.last_access_at < before)))
+        for block in stale:
+            session.delete(block)
+        paths += [b.path for b in stale if b.path]
+    return paths
+
+
+def files_by_model(session: Session) -> list[tuple[str, str]]:
+    """(path, model fingerprint) of every file a block or cache row points to."""
+    return [*session.execute(select(Block.path, Block.model_fingerprint).where(Block.path.is_not(None))),
+            *session.execute(select(Cache.record_path, Cache.model_fingerprint).where(Cache.record_path.is_not(None)))]
+
+
+def known_paths(session: Session) -> set[str]:
+    """Every file a block or cache row points to."""
+    known = set(session.scalars(select(Block.path).where(Block.path.is_not(None))))
+    return known | set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
+
+
+def block_files(session: Session) -> list[tuple[str, str, str | None]]:
+    """(hash, path, checksum) of every block with a file."""
+    return [(h, p, c) for h, p, c in session.execute(
+        select(Block.hash, Block.path, Block.checksum).where(Block.path.is_not(None)))]
+
+
+def record_files(session: Session) -> list[tuple[int, str]]:
+    """(cache id, path) of every record file."""
+    return [(i, p) for i, p in session.execute(select(Cache.id, Cache.record_path)
+                                                .where(Cache.record_path.is_not(None)))]
+
+
+def caches_needing(session: Session, damaged_blocks: list[tuple[str, str]],
+                   damaged_records: list[tuple[int, str]]) -> set[Cache]:
+    """The caches that still need one of these (hash, path) block files or (cache id, path)
+    record files: their row still points at that file (a turn that wrote new files since
+    does not)."""
+    hashes = [h for h, path in damaged_blocks if session.scalar(select(Block.path).where(Block.hash == h)) == path]
+    users = set(session.scalars(select(Cache).join(CacheBlock, CacheBlock.cache_id == Cache.id)
+                                .where(CacheBlock.block_hash.in_(hashes)))) if hashes else set()
+    for cache_id, path in damaged_records:
+        users |= set(session.scalars(select(Cache).where(Cache.id == cache_id, Cache.record_path == path)))
+    return users
+
+
+class CacheIndex:
+    """One model's cache index (``fingerprint``) as the cache manager reads it, and the
+    ownership of agents in a pool (``app.store.ownership``)."""
+
+    def __init__(self, sessions: sessionmaker[Session], fingerprint: str) -> None:
+        self.sessions = sessions  # also the background writer's (``cache.persist``)
+        self.fingerprint = fingerprint
+
+    def agent_caches(self, agent_id: str) -> list[tuple[str, str]]:
+        """See ``agent_caches``."""
+        with self.sessions() as session:
+            return agent_caches(session, agent_id, self.fingerprint)
+
+    def load(self, conversation_id: str) -> CacheEntry | None:
+        """The conversation's stored cache, if it has one (see ``load_cache``)."""
+        with self.sessions() as session:
+            return load_cache(session, conversation_id, self.fingerprint)
+
+    def block_file(self, block_hash: str) -> tuple[str, str | None] | None:
+        """See ``block_file``."""
+        with self.sessions() as session:
+            return block_file(session, block_hash)
+
+    def recent(self, since: datetime, limit: int) -> list[tuple[str, str]]:
+        """See ``recent_caches``."""
+        with self.sessions() as session:
+            return recent_caches(session, self.fingerprint, since, limit)
+
+    def owner(self, agent_id: str) -> tuple[str, int] | None:
+        """See ``ownership.current``."""
+        with self.sessions() as session:
+            return ownership.current(session, agent_id)
+
+    def claim(self, agent_id: str, server_id: str, now: datetime) -> int:
+        """See ``ownership.claim``."""
+        return ownership.claim(self.sessions, agent_id, server_id, now)
+
+    def release_all(self, server_id: str, now: datetime) -> int:
+        """See ``ownership.release_all``."""
+        return ownership.release_all(self.sessions, server_id, now)

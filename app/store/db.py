@@ -111,7 +111,7 @@ def write_locked(sessions: sessionmaker[Session]) -> Iterator[Session]:
     """A transaction that holds the store's write lock from its start, so nothing it reads
     can change before it commits. Cache files are created and deleted by different
     processes (servers, worker); each checks the rows and the files under this lock
-    (``Persister``, ``jobs.delete_unreferenced``). SQLite: BEGIN IMMEDIATE (its one write
+    (``cache.persist.Persister``, ``cache.upkeep.delete_unreferenced``). SQLite: BEGIN IMMEDIATE (its one write
     lock); PostgreSQL: a transaction-level advisory lock that every such writer takes."""
     with sessions.begin() as session:
         if is_postgres(session):

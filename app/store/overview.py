@@ -9,7 +9,8 @@ from datetime import datetime
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from app.store.models import Agent, Cache, Conversation, Message
+from app.store import cache_index
+from app.store.models import Agent, Conversation, Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,7 @@ def agents(session: Session, limit: int = 50) -> list[AgentRow]:
     counts: dict[str, int] = {c: n for c, n in session.execute(
         select(Message.conversation_id, func.count()).where(Message.agent_id.in_(ids)).group_by(Message.conversation_id))}
     caches: dict[str, tuple[int, str]] = {}
-    for conversation_id, n_tokens, tier in session.execute(
-            select(Cache.conversation_id, Cache.n_tokens, Cache.tier).where(Cache.agent_id.in_(ids))):
+    for conversation_id, _, n_tokens, tier in cache_index.agents_caches(session, ids):
         caches[conversation_id] = (max(n_tokens, caches.get(conversation_id, (0, ""))[0]), tier)
     conversations: dict[str, list[ConversationRow]] = {}
     for c in session.scalars(select(Conversation).where(Conversation.agent_id.in_(ids))

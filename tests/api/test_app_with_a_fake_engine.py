@@ -4,10 +4,11 @@ tested end to end in tests/e2e."""
 
 from __future__ import annotations
 
+import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import falcon.testing
 import pytest
@@ -15,15 +16,13 @@ import pytest
 from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.catalog.registry import Catalog
+from app.engine.surface import EngineCounters, EngineStatus, EngineSurface, GenerationJob, ModelInfo
 from app.errors import ContextTooLong, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import ChatMessage, Finished, GenerationRequest, Prompt, Started, TextDelta
+from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
 from support.dbcheck import query
-
-if TYPE_CHECKING:
-    from app.engine.engine import ModelInfo
 
 CONTEXT = 64
 
@@ -43,31 +42,10 @@ class FakeJob:
         self.cancelled = True
 
 
-@dataclass
-class FakeStatus:
-    healthy: bool = True
-    loading: bool = False
-    model: str | None = "fake"
-    backend: str = "none"
-    dtype: str | None = "float32"
-    context_length: int | None = CONTEXT
-    queue_depth: int = 0
-    n_active: int = 0
-    cache: None = None
-    swaps: int = 0
-    split_cores: bool = False
-    kv: object = None
-    counters: object = field(default_factory=lambda: type("C", (), {
-        "decode_steps": 0, "split_steps": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0,
-        "steps_by_batch": {}, "seconds_by_batch": {}})())
-
-
 class FakeEngine:
     """The Engine's surface, with words for tokens."""
 
     def __init__(self, path: Path) -> None:
-        from app.engine.engine import ModelInfo
-
         self.model = ModelInfo("fake", path, "fp-fake", CONTEXT)
         self.catalog = Catalog.single("fake", path)
         self.started_at = time.time()
@@ -108,14 +86,33 @@ class FakeEngine:
     def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
         return True  # no cache to copy
 
-    def status(self) -> FakeStatus:
+    def status(self) -> EngineStatus:
         from app.cache.blocks import KV_FORMATS
         from app.engine.calibration import Calibration, Measured
         from app.engine.model import KVChoice
 
         calibration = Calibration("key", "k6v4", {"k6v4": Measured(0.986, 0.0033, 0.0011, 0.34375)}, 36.5)
         kv = None if self.loading else KVChoice(KV_FORMATS["k6v4"], "calibration", calibration)
-        return FakeStatus(healthy=not self.loading, loading=self.loading, kv=kv)
+        return EngineStatus(healthy=not self.loading, loading=self.loading, model="fake", backend="none",
+                            dtype="float32", context_length=CONTEXT, queue_depth=0, n_active=0, cache=None,
+                            counters=EngineCounters(), swaps=0, split_cores=False, kv=kv)
+
+
+def test_the_fake_engine_and_the_engine_have_the_surface_the_api_sees(tmp_path: Path) -> None:
+    """Both implement ``EngineSurface``: every member, methods with the parameters it declares."""
+    from app.engine.engine import Engine
+
+    fake = FakeEngine(tmp_path)
+    job = fake.submit(GenerationRequest("r", fake.render(()), SamplingParams(max_tokens=1)))
+    assert isinstance(fake, EngineSurface) and isinstance(job, GenerationJob)
+    for name in [*(n for n in dir(EngineSurface) if not n.startswith("_")), *EngineSurface.__annotations__]:
+        declared = getattr(EngineSurface, name, None)
+        assert hasattr(Engine, name) or f"self.{name} = " in inspect.getsource(Engine.__init__), name
+        if inspect.isfunction(declared):
+            expected = [(k, p.default) for k, p in inspect.signature(declared).parameters.items()]
+            for method in (getattr(Engine, name), getattr(fake, name).__func__):
+                assert [(k, p.default) for k, p in inspect.signature(method).parameters.items()] == expected, \
+                    f"{method.__qualname__}{inspect.signature(method)}"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from app.cache.shared_tier import S3Tier
-from app.store import blockfiles
+from app.cache import files as blockfiles
 from conftest import free_port, start_server, stop_server
 from support.dbcheck import query
 

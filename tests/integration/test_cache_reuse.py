@@ -245,7 +245,7 @@ def test_agents_with_the_same_system_prompt_share_blocks(engine: Engine, home: P
     new_full_blocks = (fb.n_prompt_tokens + fb.n_output_tokens) // BLOCK_TOKENS - shared_blocks
     assert stats.n_blocks == blocks_after_a + new_full_blocks  # shared blocks are held once
     assert stats.pool_bytes - pool_after_a < 0.8 * pool_after_a
-    assert engine.flush_caches(60)
+    assert engines.flush_caches(engine, 60)
     rows = query(home / "semantic.db", "SELECT ref_count FROM blocks ORDER BY ref_count DESC LIMIT 1")
     assert rows[0][0] >= 2
 

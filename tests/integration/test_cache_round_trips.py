@@ -25,6 +25,7 @@ from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import Prompt
 from support.dbcheck import query
+from support.pool_check import check_pool
 
 VOCAB = 300
 FAMILIES = {
@@ -357,7 +358,7 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
     assert caches.record("main") is not None and caches.record("third") is not None
     rows = query(tmp_path / "semantic.db", "SELECT conversation_id FROM caches ORDER BY conversation_id")
     assert rows == [("main",), ("third",)]
-    caches._pool.check()
+    check_pool(caches._pool)
     caches.close()
 
 
@@ -443,7 +444,7 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     for agent, tokens in prompts.items():
         store_turn(caches, model, agent + "-c", tokens)
     caches.close()
-    with caches._sessions.begin() as session:
+    with caches._index.sessions.begin() as session:
         session.execute(update(Cache).where(Cache.conversation_id == "b-c")
                         .values(last_access_at=utcnow() - timedelta(hours=2)))
 

@@ -183,7 +183,7 @@ def test_a_restarted_server_prefetches_only_the_agents_it_still_owns(tmp_path: P
     n_layers = len(model.layers)
     rng = np.random.default_rng(6)
     a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
-    with a._sessions.begin() as session:
+    with a._index.sessions.begin() as session:
         touch_agent(session, "z", "direct", utcnow())
     tokens = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "z")}
     for agent, prompt in tokens.items():

@@ -29,7 +29,7 @@ CRASH_EXIT = 70
 def arm(point: str | None) -> Counter[str]:
     """Count calls of each step; die at ``point`` ("name:n")."""
     from app.cache import persist
-    from app.store import blockfiles
+    from app.cache import files as blockfiles
 
     calls: Counter[str] = Counter()
     target = (point.split(":")[0], int(point.split(":")[1])) if point else None
@@ -63,6 +63,7 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     load_fast_blas("")
     from app.catalog.registry import Catalog
     from app.engine.engine import CacheConfig, Engine
+    from engines import flush_caches  # tests/support/engines.py: this script's directory is on sys.path
     from app.store.db import make_engine, make_session_factory, upgrade
     from app.store.history import touch_agent, utcnow
     from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
@@ -82,7 +83,7 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     events = list(job.events())
     finished = events[-1]
     assert isinstance(finished, Finished)
-    assert engine.flush_caches()
+    assert flush_caches(engine)
     engine.stop()
     print(json.dumps({"text": "".join(e.text for e in events if isinstance(e, TextDelta)),
                       "n_prompt": finished.n_prompt_tokens, "n_cached": finished.n_cached_tokens,

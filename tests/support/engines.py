@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -42,5 +43,21 @@ def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], samplin
     events = list(job.events())
     finished = events[-1]
     assert isinstance(finished, Finished)
-    assert engine.wait_idle()
+    assert wait_idle(engine)
     return "".join(e.text for e in events if isinstance(e, TextDelta)), finished
+
+
+def wait_idle(engine: Engine, timeout_s: float = 60) -> bool:
+    """Wait until the engine runs and queues no generation (a finished one's cache is
+    committed before its ``Finished``). Polls the status the engine thread publishes."""
+    deadline = time.monotonic() + timeout_s
+    while (status := engine.status()).n_active or status.queue_depth:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def flush_caches(engine: Engine, timeout_s: float = 60) -> bool:
+    """Wait until the caches of finished turns are committed and on disk."""
+    return wait_idle(engine, timeout_s) and engine.caches.flush(timeout_s)

@@ -14,7 +14,7 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.pool import NullPool
 
-from app.store import blockfiles
+from app.cache import files as blockfiles
 from app.store.db import make_engine
 
 

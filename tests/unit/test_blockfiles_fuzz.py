@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.store import blockfiles
+from app.cache import files as blockfiles
 
 ARRAYS = {"0.k_w": np.arange(64, dtype=np.uint32).reshape(1, 1, 4, 16),
           "0.k_s": np.linspace(0, 1, 4, dtype=np.float16).reshape(1, 1, 4, 1)}

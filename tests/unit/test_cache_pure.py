@@ -11,6 +11,7 @@ from app.cache.matcher import common_prefix_length, match_prompt
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord
 from app.types import Prompt
+from support.pool_check import check_pool, holds
 
 
 def chars(text: str) -> CacheRecord:
@@ -96,16 +97,16 @@ def test_pool_counts_shared_blocks_once_and_keeps_unreferenced_ones_free() -> No
     pool.assign("B", ["s", "b"], private_bytes=10)
     assert pool.nbytes == 3 * 100 + 20 and pool.n_free_blocks == 0
     pool.remove_owner("A", ["s", "a"])
-    assert pool.n_free_blocks == 1 and pool.contains("a")  # "a" stays cached, free; "s" is still B's
+    assert pool.n_free_blocks == 1 and holds(pool, "a")  # "a" stays cached, free; "s" is still B's
     pool.remove_owner("B", ["s", "b"])
     assert pool.n_free_blocks == 3 and pool.nbytes == 300
-    pool.check()
+    check_pool(pool)
     assert pool.evict_free() == []  # within budget: kept for sharing
     pool.budget_bytes = 150
     pool.touch_block("a")
     assert pool.evict_free() == ["s", "b"]  # least recently used free blocks first
-    assert pool.nbytes == 100 and pool.contains("a")
-    pool.check()
+    assert pool.nbytes == 100 and holds(pool, "a")
+    check_pool(pool)
 
 
 def test_pool_lru_order_and_budget() -> None:

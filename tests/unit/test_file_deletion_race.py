@@ -13,11 +13,12 @@ import pytest
 from sqlalchemy import select
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock
-from app.cache.persist import CacheFiles, ConversationCache, Persister, Snapshot
-from app.cache.records import CacheRecord
+from app.cache.files import CacheFiles
+from app.cache.persist import Persister, Snapshot
+from app.cache.records import CacheRecord, ConversationCache
 from app.store import cache_index
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.jobs import delete_unreferenced
+from app.cache.upkeep import delete_unreferenced
 from app.store.models import Cache
 from support.store_check import store_problems
 
@@ -38,7 +39,7 @@ def store(tmp_path: Path, store_url: str) -> tuple[Any, CacheFiles, Persister]:
     url = store_url
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
-    files = CacheFiles(tmp_path / "blocks", "f" * 64, n_layers=1)
+    files = CacheFiles(tmp_path / "blocks", "f" * 64)
     return sessions, files, Persister(files, sessions)
 
 

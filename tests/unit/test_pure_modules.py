@@ -10,7 +10,8 @@ PURE = [
     "app.protocol.responses_output", "app.protocol.codex", "app.store.responses",
     "app.catalog.gguf_tokenizer", "app.catalog.gguf_import", "app.store.models",
     "app.store.history", "worker.tasks", "app.cache.records", "app.cache.matcher", "app.cache.hashing",
-    "app.cache.pool", "app.engine.token_text", "app.store.blockfiles", "app.store.cache_index", "app.main",
+    "app.cache.pool", "app.engine.token_text", "app.cache.files", "app.store.cache_index", "app.main",
+    "app.cache.upkeep", "app.engine.surface", "app.engine.admission", "app.engine.channel", "app.agents.portable",
 ]
 
 

@@ -37,7 +37,7 @@ def _store(url: str):  # type: ignore[no-untyped-def]
 def _file(path: Path) -> str:
     import numpy as np
 
-    from app.store import blockfiles
+    from app.cache import files as blockfiles
 
     blockfiles.write(path, {"x": np.arange(8, dtype=np.float32)}, {"kind": "test"})
     return str(path)
@@ -51,7 +51,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
 
     from app.store import cache_index
     from app.store.history import ensure_conversation, utcnow
-    from app.store.jobs import _damaged_sample, _retire_damaged
+    from app.cache.upkeep import _damaged_sample, _retire_damaged
     from app.store.models import Cache
 
     sessions = _store(store_url)
@@ -83,7 +83,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
 def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path, store_url: str) -> None:
     """A dangling link is a file rglob lists and stat() cannot find, as one deleted
     between the listing and the stat."""
-    from app.store.jobs import _orphan_files, remove_stale_temp_files
+    from app.cache.upkeep import _orphan_files, remove_stale_temp_files
 
     sessions = _store(store_url)
     root = tmp_path / "blocks"

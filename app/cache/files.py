@@ -1,0 +1,350 @@
+"""The cache files, all of them: where they live, their format both ways, verification and
+quarantine. No MLX: arrays are numpy here (``blocks.KVBlock`` converts).
+
+Where: under ``<root>/<fingerprint[:16]>/``, one file per full block (content-addressed:
+``<hash[:2]>/<hash>.safetensors``) and one record file per conversation and version
+(``conversations/<sha256(id)[:32]>-<random>.safetensors``). In a pool the index rows may
+name another server's root: the same layout, mapped onto this server's, and a pool's shared
+tier holds the same files under the same keys (``<fingerprint[:16]>/...``).
+
+Format: safetensors, written to ``NAME.tmp``, flushed to disk, then renamed over its final
+name, so a crash leaves either the old file, the new one, or a ``.tmp`` leftover (removed
+by the worker's compact job) and never a half-written file under a name that is served.
+Each file carries a sha256 of its arrays and metadata. A block file holds the arrays of
+every layer, metadata fingerprint / hash / n_tokens; a record file (a new one each turn,
+the previous one deleted once the index points to the new) holds token ids and char ends
+as arrays, the private tail block's arrays, metadata agent_id / conversation_id / text /
+chain / tail_tokens.
+
+Verification: every read checks the checksum; a block file also that it is this model's
+and this block's, a conversation that its record, its index row and its blocks agree. A
+file that fails its checksum is moved to ``<root>/quarantine/`` (kept for inspection, never
+served) by whoever finds it: the cache manager as it loads a cache, the worker's compact
+job as it samples. A file of another model is not damaged: it is only not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Container, Iterator, Protocol
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from app.cache.hashing import BLOCK_TOKENS
+from app.cache.records import CacheRecord
+
+if TYPE_CHECKING:
+    from app.cache.records import ConversationCache
+    from app.cache.shared_tier import S3Tier
+    from app.store.cache_index import CacheEntry
+
+log = logging.getLogger(__name__)
+
+TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
+CHECKSUM_KEY = "sha256"
+QUARANTINE = "quarantine"
+
+Arrays = dict[str, np.ndarray]
+
+
+class DamagedFile(Exception):
+    """A cache file is missing, truncated, malformed or fails its checksum."""
+
+
+class FileMissing(DamagedFile):
+    """A cache file is not there: damage to whoever needs it, but to a scan that listed it
+    a moment ago it may only have been replaced (a turn writes a new record, then deletes
+    the old one)."""
+
+
+class FileUnavailable(Exception):
+    """A cache file could not be read just now (an I/O error, too many open files): a miss,
+    but nothing says the file is damaged."""
+
+
+# What reading a cache's files can raise besides FileUnavailable: a damaged file, or one
+# that verifies but does not fit (another model's shapes, a record that disagrees with its index).
+UNUSABLE = (DamagedFile, KeyError, ValueError)
+
+
+class StorableBlock(Protocol):
+    """KV data a block or record file holds (``blocks.KVBlock``)."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    def to_numpy(self, prefix: str = "") -> Arrays: ...
+
+
+# -- the container: safetensors with a checksum, written atomically ---------------------------
+
+def checksum(arrays: Arrays, metadata: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    digest.update(json.dumps(metadata, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def write(path: Path, arrays: Arrays, metadata: dict[str, str]) -> tuple[str, int]:
+    """Write atomically; returns (checksum, size in bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    digest = checksum(arrays, meta)
+    temporary = path.with_name(path.name + TEMP_SUFFIX)
+    save_file(arrays, str(temporary), metadata={**meta, CHECKSUM_KEY: digest})
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return digest, path.stat().st_size
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A file's metadata only (its header), unverified.
+
+    Raises:
+        DamagedFile: missing, or its header is not a safetensors header.
+        FileUnavailable: an I/O error other than a missing file.
+    """
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            header_size = int.from_bytes(handle.read(8), "little")
+            if not 2 <= header_size <= size - 8:
+                raise DamagedFile(f"{path}: header length {header_size} does not fit the file's {size} bytes")
+            header = json.loads(handle.read(header_size))
+            metadata = header.get("__metadata__") if isinstance(header, dict) else None
+            return {str(k): str(v) for k, v in (metadata or {}).items()}
+    except FileNotFoundError as exc:
+        raise FileMissing(f"{path}: missing") from exc
+    except OSError as exc:
+        raise FileUnavailable(f"{path}: {exc}") from exc
+    except (ValueError, AttributeError, RecursionError) as exc:
+        raise DamagedFile(f"{path}: unreadable header ({exc})") from exc
+
+
+def read(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict[str, str]]:
+    """Read and verify a file.
+
+    Raises:
+        DamagedFile: missing, unreadable, or the checksum does not match.
+    """
+    metadata = read_metadata(path)
+    try:
+        arrays = load_file(str(path))
+    except FileNotFoundError as exc:
+        raise FileMissing(f"{path}: missing") from exc
+    except OSError as exc:
+        raise FileUnavailable(f"{path}: {exc}") from exc
+    except (ValueError, SafetensorError, OverflowError, MemoryError, TypeError) as exc:
+        raise DamagedFile(f"{path}: unreadable ({exc})") from exc
+    stored = metadata.pop(CHECKSUM_KEY, None)
+    actual = checksum(arrays, metadata)
+    if stored != actual or (expected_checksum and expected_checksum != actual):
+        raise DamagedFile(f"{path}: checksum mismatch")
+    return arrays, metadata
+
+
+# -- verification and quarantine --------------------------------------------------------------
+
+def quarantine(path: Path, root: Path) -> Path | None:
+    """Move a damaged file out of the way (kept for inspection, never served)."""
+    if not path.exists():
+        return None
+    target = root / QUARANTINE / path.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    log.warning("quarantined damaged cache file %s -> %s", path, target)
+    return target
+
+
+def quarantine_if_damaged(path: Path, root: Path, expected_checksum: str | None = None) -> bool:
+    """Verify ``path``; if it is damaged, quarantine it and return True. A file that is gone
+    or cannot be read just now is not damage (False: it is checked again another time)."""
+    try:
+        read(path, expected_checksum)
+    except (FileMissing, FileUnavailable):
+        return False
+    except DamagedFile:
+        quarantine(path, root)
+        return True
+    return False
+
+
+def check_block(metadata: dict[str, str], fingerprint: str, block: str) -> None:
+    """Raises ValueError unless a block file's metadata says it is block ``block`` of the
+    model ``fingerprint``."""
+    if metadata.get("fingerprint") != fingerprint or metadata.get("hash") != block:
+        raise ValueError("the block file belongs to another model or block")
+
+
+def record_chain(metadata: dict[str, str]) -> list[str] | None:
+    """The block ids a record file's metadata lists (None: it lists none)."""
+    return json.loads(metadata.get("chain", "null"))
+
+
+def readdress_record(source: Path, target: Path, agent_id: str, conversation_id: str) -> None:
+    """Write record file ``source`` (verified) to ``target``, naming another agent and
+    conversation: a forked agent's copy, an imported agent's record."""
+    arrays, meta = read(source)
+    write(target, arrays, {**meta, "agent_id": agent_id, "conversation_id": conversation_id})
+
+
+def temporary_files(root: Path) -> Iterator[Path]:
+    """Files being written under ``root``, or left half-written by a crash."""
+    return root.rglob(f"*{TEMP_SUFFIX}") if root.exists() else iter(())
+
+
+def cache_files(root: Path) -> Iterator[Path]:
+    """Every block and record file under ``root`` (the quarantined ones aside)."""
+    quarantined = root / QUARANTINE
+    return (path for path in (root.rglob("*.safetensors") if root.exists() else ())
+            if quarantined not in path.parents)
+
+
+# -- one model's files ------------------------------------------------------------------------
+
+def tier_key(stored: str | Path, fingerprint: str) -> str | None:
+    """The object key of the file an index row names (whichever server's root it is under),
+    or None if the path is not under a ``<fingerprint[:16]>`` directory."""
+    parts = Path(stored).parts
+    tag = fingerprint[:16]
+    return "/".join(parts[parts.index(tag):]) if tag in parts else None
+
+
+@dataclass(frozen=True)
+class StoredConversation:
+    """A conversation's cache as its files hold it, verified: its record, its full blocks'
+    ids and the arrays of those read, and its private tail's arrays."""
+
+    record: CacheRecord
+    chain: tuple[str, ...]
+    blocks: dict[str, Arrays]  # the chain's blocks that were read (not those skipped)
+    tail: Arrays | None
+    tail_tokens: int
+
+
+class CacheFiles:
+    """One model's cache files (``fingerprint``) under ``root``: where each lives, here and
+    in a pool's shared ``tier``, and their contents both ways."""
+
+    def __init__(self, root: Path, fingerprint: str, tier: S3Tier | None = None) -> None:
+        self.root = root
+        self.base = root / fingerprint[:16]
+        self.fingerprint = fingerprint
+        self.tier = tier
+
+    def key(self, path: Path) -> str:
+        """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
+        return path.relative_to(self.root).as_posix()
+
+    def local(self, stored: str | Path, fetch: bool = True) -> Path:
+        """Where this server keeps the file an index row names (the row may have been written by
+        another server of a pool: same layout, another root). Missing here and ``fetch``: copied
+        from the shared tier first, if there is one and it holds the file."""
+        key = tier_key(stored, self.fingerprint)
+        local = self.root.joinpath(*key.split("/")) if key is not None else Path(stored)
+        if fetch and self.tier is not None and not local.exists():
+            try:
+                if self.tier.fetch(self.key(local), local):
+                    log.info("restored %s from the shared tier", self.key(local))
+            except Exception as exc:  # the tier is down: the file is missing, a miss
+                log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
+        return local
+
+    def block_path(self, block: str) -> Path:
+        return self.base / block[:2] / f"{block}.safetensors"
+
+    def record_path(self, conversation_id: str) -> Path:
+        """A new file for the conversation's record: records are versioned (the old one is
+        deleted only after the row pointing to the new one is committed)."""
+        name = hashlib.sha256(conversation_id.encode()).hexdigest()[:32]
+        return self.base / "conversations" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"
+
+    def write_block(self, block: str, data: StorableBlock) -> tuple[Path, str]:
+        """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""
+        path = self.block_path(block)
+        if path.exists():
+            return path, ""
+        digest, _ = write(path, data.to_numpy(), {
+            "fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)})
+        return path, digest
+
+    def write_record(self, cache: ConversationCache) -> Path:
+        arrays = {"tokens": np.array(cache.record.tokens, dtype=np.int64),
+                  "ends": np.array(cache.record.ends, dtype=np.int64)}
+        if cache.tail is not None:
+            arrays.update(cache.tail.to_numpy("tail."))
+        path = self.record_path(cache.conversation_id)
+        write(path, arrays, {
+            "agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
+            "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
+        return path
+
+    def copy_record(self, source: str | Path, agent_id: str, conversation_id: str) -> Path:
+        """A record file of its own for ``conversation_id`` of ``agent_id``, holding what the
+        record file ``source`` holds (its blocks are shared by reference)."""
+        target = self.record_path(conversation_id)
+        readdress_record(self.local(source), target, agent_id, conversation_id)
+        return target
+
+    def read_block(self, block: str, path: str | Path, checksum: str | None) -> Arrays:
+        """A stored full block's arrays, verified to be this model's and this id's.
+
+        Raises:
+            One of UNUSABLE, or FileUnavailable.
+        """
+        path = self.local(path)
+        arrays, meta = read(path, checksum)
+        try:
+            check_block(meta, self.fingerprint, block)
+        except ValueError:
+            raise ValueError(f"block file {path} belongs to another model or block") from None
+        return arrays
+
+    def read_conversation(self, entry: CacheEntry, skip: Container[str] = ()) -> StoredConversation:
+        """A conversation's cache from its record file and the block files its index row
+        lists (blocks in ``skip``, already in memory, are not read again).
+
+        Raises:
+            One of UNUSABLE (a file is missing or damaged, or the files disagree), or
+            FileUnavailable.
+        """
+        arrays, meta = read(self.local(entry.record_path))
+        record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
+                             tuple(int(e) for e in arrays["ends"]))
+        chain = tuple(json.loads(meta["chain"]))
+        if chain != tuple(b.hash for b in entry.blocks):
+            raise ValueError("record file and index disagree on the block chain")
+        blocks = {row.hash: self.read_block(row.hash, row.path, row.checksum or None)
+                  for row in entry.blocks if row.hash not in skip}
+        tail_tokens = int(meta["tail_tokens"])
+        tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
+        if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
+            raise ValueError("blocks do not cover the record")
+        return StoredConversation(record, chain, blocks, tail, tail_tokens)
+
+    def read_text(self, record_path: str) -> str:
+        """The text a stored record spells (its header only, unverified: for matching;
+        the whole file is verified before its KV data is used). Raises DamagedFile."""
+        return read_metadata(self.local(record_path)).get("text", "")
+
+    def quarantine_damaged(self, entry: CacheEntry) -> None:
+        """Quarantine those of a cache's files (as its index row lists them) that are damaged."""
+        for path in (entry.record_path, *(b.path for b in entry.blocks)):
+            quarantine_if_damaged(self.local(path, fetch=False), self.root)

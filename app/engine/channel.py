@@ -1,0 +1,159 @@
+"""The job channel between HTTP threads and the engine thread. No MLX.
+
+An HTTP thread puts a ``Job`` on the ``JobQueue`` and reads its events from the job's own
+queue; work on the cache manager goes over as a ``Call``. If the engine thread dies,
+readers notice (``Job.events`` raises) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from app.errors import EngineUnavailable, Overloaded
+from app.types import Finished, GenerationEvent, GenerationRequest, Heartbeat
+
+if TYPE_CHECKING:
+    from app.cache.manager import CacheManager
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+# A turn's end is reported once its cache is on disk (a kill right after the reply loses
+# nothing), unless writing it takes longer than this.
+DURABLE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The generation raised; ``message`` says why."""
+
+    message: str
+
+
+@dataclass
+class Job:
+    """A queued generation and the channel its events come back on; ``alive`` says whether
+    the engine thread that will answer it still runs."""
+
+    request: GenerationRequest
+    alive: Callable[[], bool]
+    _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    stored: threading.Event | None = None  # set once the turn's cache is on disk (None: not persisted)
+
+    def cancel(self) -> None:
+        """Stop as soon as possible (the client went away): dropped if still queued, stopped
+        between prefill chunks, or removed from the batch at the next token."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def put(self, event: GenerationEvent | Failed) -> None:
+        self._events.put(event)
+
+    def events(self, client_gone: Callable[[], bool] | None = None,
+               heartbeat_s: float | None = None) -> Iterator[GenerationEvent]:
+        """Events as the engine produces them, ending with ``Finished``.
+
+        ``client_gone`` is polled while waiting: once it says the client left, the
+        job is cancelled and the events end with a cancelled ``Finished``. With
+        ``heartbeat_s``, a ``Heartbeat`` comes after that long without an event.
+
+        Raises:
+            EngineUnavailable: the generation failed or the engine thread died.
+        """
+        last = time.monotonic()
+        while True:
+            if client_gone is not None and not self.cancelled and client_gone():
+                self.cancel()
+            try:
+                event = self._events.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.alive():
+                    raise EngineUnavailable("the engine thread stopped") from None
+                if heartbeat_s is not None and time.monotonic() - last >= heartbeat_s:
+                    last = time.monotonic()
+                    yield Heartbeat()
+                continue
+            last = time.monotonic()
+            if isinstance(event, Failed):
+                raise EngineUnavailable(event.message)
+            if isinstance(event, Finished) and self.stored is not None and not self.stored.wait(DURABLE_WAIT_S):
+                log.warning("request %s: its cache is not on disk after %.0f s; answering anyway",
+                            self.request.request_id, DURABLE_WAIT_S)
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+def cancelled_in_queue(job: Job) -> Finished:
+    """The end of a job dropped before it started: nothing computed, nothing stored."""
+    return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=job.request.prompt.n_tokens,
+                    n_cached_tokens=0, n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=0.0)
+
+
+@dataclass(frozen=True)
+class Call:
+    """Work on the cache manager that must run on the engine thread (between steps)."""
+
+    fn: Callable[[CacheManager], Any]
+    result: Future = field(default_factory=Future)
+
+
+class JobQueue:
+    """Jobs waiting for a place in the batch: bounded, and a job whose client left is
+    dropped from anywhere in it (it holds no place)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self.max_waiting = max_waiting
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, job: Job) -> None:
+        """Raises Overloaded when ``max_waiting`` jobs already wait."""
+        with self._lock:
+            if sum(not j.cancelled for j in self._jobs) >= self.max_waiting:
+                raise Overloaded(f"{self.max_waiting} requests are already waiting")
+            self._jobs.append(job)
+
+    def take(self, ready: Callable[[Job], bool], barrier: Callable[[Job], bool] = lambda _: False) -> Job | None:
+        """The first waiting job that is ``ready`` to start (others keep their places),
+        looking no further than the first job that is a ``barrier``."""
+        with self._lock:
+            for job in self._jobs:
+                if barrier(job) and not job.cancelled:
+                    return None
+                if ready(job):
+                    self._jobs.remove(job)
+                    return job
+            return None
+
+    def first(self) -> Job | None:
+        """The oldest waiting job whose client has not left."""
+        with self._lock:
+            return next((j for j in self._jobs if not j.cancelled), None)
+
+    def take_all(self, which: Callable[[Job], bool]) -> list[Job]:
+        with self._lock:
+            taken = [j for j in self._jobs if which(j)]
+            self._jobs = deque(j for j in self._jobs if not which(j))
+        return taken
+
+    def drop_cancelled(self) -> list[Job]:
+        with self._lock:
+            gone = [j for j in self._jobs if j.cancelled]
+            if gone:
+                self._jobs = deque(j for j in self._jobs if not j.cancelled)
+        return gone
