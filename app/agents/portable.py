@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import __version__
+from app.cache import durable
 from app.cache import files as cache_files
 from app.cache.files import CacheFiles
 from app.cache.shared_tier import S3Tier
@@ -161,7 +161,7 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
             if final.exists():
                 temporary.unlink()
             else:
-                os.replace(temporary, final)
+                durable.install(temporary, final)
         with write_locked(sessions) as session:
             if session.get(Agent, agent_id) is not None:
                 raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
@@ -243,7 +243,7 @@ def _verify(members: dict[str, bytes], name: str, final: Path, staged: list[tupl
     if name not in members:
         raise InvalidRequest(f"archive: {name} is missing", "archive")
     temporary = final.with_name(f"{final.name}.import{cache_files.TEMP_SUFFIX}")
-    temporary.parent.mkdir(parents=True, exist_ok=True)
+    durable.make_directories(temporary.parent)
     temporary.write_bytes(members[name])
     staged.append((temporary, final))
     try:

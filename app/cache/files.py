@@ -38,6 +38,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from app.cache import durable
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import CacheRecord
 
@@ -98,19 +99,12 @@ def checksum(arrays: Arrays, metadata: dict[str, str]) -> str:
 
 def write(path: Path, arrays: Arrays, metadata: dict[str, str]) -> tuple[str, int]:
     """Write atomically; returns (checksum, size in bytes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    durable.make_directories(path.parent)
     meta = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
     digest = checksum(arrays, meta)
     temporary = path.with_name(path.name + TEMP_SUFFIX)
     save_file(arrays, str(temporary), metadata={**meta, CHECKSUM_KEY: digest})
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    durable.install(temporary, path)
     return digest, path.stat().st_size
 
 

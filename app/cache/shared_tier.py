@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import parse_qs, urlparse
 
+from app.cache import durable
 from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class S3Tier:
         Returns False when there is no such object."""
         from botocore.exceptions import ClientError
 
-        destination.parent.mkdir(parents=True, exist_ok=True)
+        durable.make_directories(destination.parent)
         partial = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self._client.download_file(self.location.bucket, self._key(key), str(partial))
@@ -96,7 +97,7 @@ class S3Tier:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
-        os.replace(partial, destination)
+        durable.install(partial, destination)
         return True
 
     def listing(self) -> Iterator[tuple[str, datetime]]:
