@@ -111,6 +111,9 @@ def _serve(settings: Settings) -> None:
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
 
 
+STREAM_BUFFER_BYTES = 1 << 30  # above any answer: 1M tokens of context at ~300 bytes of SSE each is 300 MiB
+
+
 def waitress_options(settings: Settings) -> dict[str, object]:
     """How waitress serves: its limits hold before the app, the key check or a 413 runs."""
     return {
@@ -124,6 +127,12 @@ def waitress_options(settings: Settings) -> dict[str, object]:
         "channel_timeout": settings.idle_timeout_s,
         "cleanup_interval": max(1, min(30, settings.idle_timeout_s // 2)),  # how often idle sockets are looked for
         "connection_limit": settings.max_connections,
+        # A response's unsent bytes stay buffered (in memory up to 1 MiB, then a temporary file)
+        # and the thread that wrote them goes back to work: waitress makes it wait only past this
+        # watermark (16 MiB by default, ~100K tokens of SSE, reachable with a long context).
+        # A client that stops reading then cannot hold a thread; its socket closes after
+        # idle_timeout_s once the answer is written.
+        "outbuf_high_watermark": STREAM_BUFFER_BYTES,
     }
 
 

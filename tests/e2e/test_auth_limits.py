@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +21,7 @@ BODY = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": 
 def locked(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
     server = start_server(tmp_path_factory.mktemp("locked"), smollm2_dir,
                           {"SEMANTIC_API_KEY": KEY, "SEMANTIC_MAX_BODY_BYTES": "4096",
-                           "SEMANTIC_IDLE_TIMEOUT_S": "2"})
+                           "SEMANTIC_IDLE_TIMEOUT_S": "2", "SEMANTIC_THREADS": "2"})
     yield server
     stop_server(server)
 
@@ -52,9 +53,14 @@ def test_oversized_body_gets_413(locked: ServerProcess) -> None:
     assert response.json()["error"]["type"] == "request_too_large"
 
 
-def _connect(server: ServerProcess) -> socket.socket:
+def _connect(server: ServerProcess, receive_buffer: int | None = None) -> socket.socket:
     host, port = server.url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=30)
+    sock = socket.socket()
+    sock.settimeout(30)
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)  # before connecting: it sets the window
+    sock.connect((host, int(port)))
+    return sock
 
 
 def test_a_huge_announced_body_is_refused_before_it_is_read(locked: ServerProcess) -> None:
@@ -74,3 +80,27 @@ def test_an_idle_connection_is_closed(locked: ServerProcess) -> None:
     with _connect(locked) as sock:
         sock.sendall(b"GET /health HT")
         assert sock.recv(4096) == b""  # closed by the server, well before the 30 s socket timeout
+
+
+def test_clients_that_never_read_their_streams_hold_no_thread(locked: ServerProcess) -> None:
+    """Both of the server's two threads given streams whose clients never read a byte: the
+    answers are buffered (app/main.py: waitress's watermark above any answer), the threads are
+    free for a third request, and the stalled sockets close after idle_timeout_s with the whole
+    answer written. (On loopback the kernel's socket buffers, up to 4 MiB, would absorb these
+    answers under waitress's default watermark too: what this guards is that nothing in the
+    stream path waits for the client.)"""
+    body = json.dumps({"model": "m", "max_tokens": 300, "temperature": 0, "stream": True,
+                       "messages": [{"role": "user", "content": "Count from 1 to 500, one number per line."}]}).encode()
+    request = (b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"x-api-key: " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    stalled = [_connect(locked, receive_buffer=4096) for _ in range(2)]  # more than the kernels buffer
+    for sock in stalled:
+        sock.sendall(request)
+    client = anthropic.Anthropic(base_url=locked.url, api_key=KEY, max_retries=0, timeout=120)
+    assert client.messages.create(**BODY, extra_body={"temperature": 0}).content  # a thread was free for it
+    for sock in stalled:
+        with sock:
+            received = b""
+            while chunk := sock.recv(65536):  # until the server closes it
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"message_stop" in received
