@@ -7,7 +7,8 @@ share of each agent's turns on its usual server, the prompt tokens read from cac
 the median seconds to the first token per turn. JSON and a plot in benchmarks/results/.
 
 Then a failover alone, against a cold prefill of the same length: `semantic pool join`
-adds a fresh server, the server holding agent-0 is killed, and agent-0's next turn runs
+adds a fresh server (one short request of another agent warms it up), the server holding
+agent-0 is killed, and agent-0's next turn runs
 alone on the new one (restored from the shared tier); then the same conversation with
 one changed character at the start of its system prompt (so no cache matches) runs
 alone on the same server: a cold prefill of as many tokens.
@@ -118,10 +119,15 @@ def failover_alone(home: Path, state: dict[str, Any], holder: str, history: list
     if joined.returncode != 0:
         raise RuntimeError(joined.stderr)
     servers = json.loads((home / "pool" / "state.json").read_text())["servers"]
+    # Its first request pays the process's one-time costs; a failover should not be charged them.
+    stream_turn(servers[-1]["url"], "warm-up", "You are brief.", [{"role": "user", "content": "Hello."}])
     os.kill(next(s["pid"] for s in servers if s["id"] == holder), signal.SIGKILL)
     history.append({"role": "user", "content": "One more question: what else do I need?"})
     restored = stream_turn(state["router"], "agent-0", system, history)
-    cold = stream_turn(state["router"], "agent-0-cold", "Y" + system[1:], history)
+    other = "X" if system[0] != "X" else "Y"  # (the prompts start with "You": "Y" matched everything)
+    cold = stream_turn(state["router"], "agent-0-cold", other + system[1:], history)
+    if cold["cached"]:
+        raise RuntimeError(f"the cold prefill read {cold['cached']} tokens from cache")
     print(f"[{routing}] failover alone on {restored['server']}: {restored['ttft_s']:.2f} s to the first token, "
           f"{restored['cached']}/{restored['prompt']} tokens from cache; a cold prefill of {cold['prompt']} tokens "
           f"on {cold['server']}: {cold['ttft_s']:.2f} s ({cold['ttft_s'] / restored['ttft_s']:.1f}x)", flush=True)
