@@ -9,9 +9,10 @@ the median seconds to the first token per turn. JSON and a plot in benchmarks/re
 Then a failover alone, against a cold prefill of the same length: `semantic pool join`
 adds a fresh server (one short request of another agent warms it up), the server holding
 agent-0 is killed, and agent-0's next turn runs
-alone on the new one (restored from the shared tier); then the same conversation with
+alone (restored from the shared tier by whichever server the router now picks); then the same conversation with
 one changed character at the start of its system prompt (so no cache matches) runs
-alone on the same server: a cold prefill of as many tokens.
+alone: a cold prefill of as many tokens. The same for a longer conversation (~3.5K tokens)
+built on the killed server before the kill.
 
     python -m benchmarks.pool [--agents 8] [--turns 6] [--kill-after 3]
 """
@@ -112,8 +113,14 @@ def run_pool(routing: str, n_agents: int, n_turns: int, kill_after: int, port: i
 
 def failover_alone(home: Path, state: dict[str, Any], holder: str, history: list[dict], system: str,
                    routing: str) -> dict[str, Any]:
-    """agent-0's next turn after its server is killed, alone on a fresh server, and a cold
-    prefill of the same length there."""
+    """agent-0's next turn after its server is killed, alone, against a cold prefill of the
+    same length; the same for a longer conversation built on that server beforehand."""
+    holder_url = next(s["url"] for s in state["servers"] if s["id"] == holder)
+    long_system = system + " Here is the catalogue you know by heart. " + " ".join(
+        f"Item {i}: a {TOPICS[i % len(TOPICS)]} kit, model {i * 7 % 97}, in stock." for i in range(220))
+    long_history = [{"role": "user", "content": "What do you recommend for a beginner?"}]
+    first = stream_turn(holder_url, "agent-long", long_system, long_history)
+    long_history.append({"role": "assistant", "content": first["reply"] or "."})
     joined = subprocess.run([sys.executable, "-m", "app", "pool", "join"], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "SEMANTIC_HOME": str(home)}, timeout=300)
     if joined.returncode != 0:
@@ -122,17 +129,22 @@ def failover_alone(home: Path, state: dict[str, Any], holder: str, history: list
     # Its first request pays the process's one-time costs; a failover should not be charged them.
     stream_turn(servers[-1]["url"], "warm-up", "You are brief.", [{"role": "user", "content": "Hello."}])
     os.kill(next(s["pid"] for s in servers if s["id"] == holder), signal.SIGKILL)
-    history.append({"role": "user", "content": "One more question: what else do I need?"})
-    restored = stream_turn(state["router"], "agent-0", system, history)
-    other = "X" if system[0] != "X" else "Y"  # (the prompts start with "You": "Y" matched everything)
-    cold = stream_turn(state["router"], "agent-0-cold", other + system[1:], history)
-    if cold["cached"]:
-        raise RuntimeError(f"the cold prefill read {cold['cached']} tokens from cache")
-    print(f"[{routing}] failover alone on {restored['server']}: {restored['ttft_s']:.2f} s to the first token, "
-          f"{restored['cached']}/{restored['prompt']} tokens from cache; a cold prefill of {cold['prompt']} tokens "
-          f"on {cold['server']}: {cold['ttft_s']:.2f} s ({cold['ttft_s'] / restored['ttft_s']:.1f}x)", flush=True)
-    return {"restored": {k: v for k, v in restored.items() if k != "reply"},
-            "cold": {k: v for k, v in cold.items() if k != "reply"}}
+    probes = {}
+    for name, agent, agent_system, agent_history, first in (("short", "agent-0", system, history, "X"),
+                                                             ("long", "agent-long", long_system, long_history, "Z")):
+        agent_history.append({"role": "user", "content": "One more question: what else do I need?"})
+        restored = stream_turn(state["router"], agent, agent_system, agent_history)
+        # Another first character (each probe its own: the long prompt starts as the short one does).
+        cold = stream_turn(state["router"], f"{agent}-cold", first + agent_system[1:], agent_history)
+        if cold["cached"]:
+            raise RuntimeError(f"the cold prefill read {cold['cached']} tokens from cache")
+        print(f"[{routing}] failover alone ({agent}) on {restored['server']}: {restored['ttft_s']:.2f} s to the "
+              f"first token, {restored['cached']}/{restored['prompt']} tokens from cache; a cold prefill of "
+              f"{cold['prompt']} tokens on {cold['server']}: {cold['ttft_s']:.2f} s "
+              f"({cold['ttft_s'] / restored['ttft_s']:.1f}x)", flush=True)
+        probes[name] = {"restored": {k: v for k, v in restored.items() if k != "reply"},
+                        "cold": {k: v for k, v in cold.items() if k != "reply"}}
+    return probes
 
 
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
@@ -148,10 +160,11 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
             "steady_median_ttft_s": statistics.median(t["ttft_s"] for t in warm),
             "first_turn_after_kill_hit_rate": sum(t["cached"] for t in after) / max(1, sum(t["prompt"] for t in after)),
             "median_ttft_by_turn_s": by_turn, "ready_s": run["ready_s"],
-            "failover_alone_ttft_s": run["failover_alone"]["restored"]["ttft_s"],
-            "failover_alone_hit_rate": run["failover_alone"]["restored"]["cached"] / run["failover_alone"]["restored"][
-                "prompt"],
-            "cold_same_length_ttft_s": run["failover_alone"]["cold"]["ttft_s"]}
+            "failover_alone": {name: {"prompt": probe["restored"]["prompt"],
+                                      "hit_rate": probe["restored"]["cached"] / probe["restored"]["prompt"],
+                                      "ttft_s": probe["restored"]["ttft_s"], "cold_ttft_s": probe["cold"]["ttft_s"],
+                                      "speedup": probe["cold"]["ttft_s"] / probe["restored"]["ttft_s"]}
+                               for name, probe in run["failover_alone"].items()}}
 
 
 def main() -> None:
@@ -169,12 +182,14 @@ def main() -> None:
             for i, routing in enumerate(("affinity", "round-robin"))]
     summaries = [summarise(run) for run in runs]
     print_table(["routing", "same server (turns 1-%d)" % args.kill_after, "hit rate, turns 2-%d" % args.kill_after,
-                 "median TTFT s, turns 2-%d" % args.kill_after, "hit rate, turn after kill", "pool ready s",
-                 "failover alone: hit rate", "TTFT s", "cold, same length: TTFT s"],
+                 "median TTFT s, turns 2-%d" % args.kill_after, "hit rate, turn after kill", "pool ready s"],
                 [[s["routing"], f"{s['same_server_share']:.1%}", f"{s['steady_hit_rate']:.1%}",
-                  s["steady_median_ttft_s"], f"{s['first_turn_after_kill_hit_rate']:.1%}", s["ready_s"],
-                  f"{s['failover_alone_hit_rate']:.1%}", s["failover_alone_ttft_s"], s["cold_same_length_ttft_s"]]
+                  s["steady_median_ttft_s"], f"{s['first_turn_after_kill_hit_rate']:.1%}", s["ready_s"]]
                  for s in summaries])
+    print_table(["routing", "failover alone: prompt tokens", "read from the tier", "TTFT s", "cold prefill TTFT s",
+                 "speed-up"],
+                [[s["routing"], f["prompt"], f"{f['hit_rate']:.1%}", f["ttft_s"], f["cold_ttft_s"],
+                  f"{f['speedup']:.1f}x"] for s in summaries for f in s["failover_alone"].values()])
     path = write_results("pool", {"agents": args.agents, "turns": args.turns, "summaries": summaries, "runs": runs})
     print(f"wrote {path}")
     plot(summaries, args.agents, args.turns, args.kill_after)

@@ -85,19 +85,28 @@ class S3Tier:
 
     def fetch(self, key: str, destination: Path) -> bool:
         """Download ``key`` to ``destination`` (written whole, then renamed into place).
-        Returns False when there is no such object."""
+        Returns False when there is no such object.
+
+        One GET, streamed (boto3's ``download_file`` adds a HEAD and a thread pool: a
+        failover's restore waits on these). The copy is not fsynced: it is a copy of the
+        tier, and one a power cut damages fails its checksum, is quarantined and fetched again."""
         from botocore.exceptions import ClientError
 
         durable.make_directories(destination.parent)
-        partial = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            self._client.download_file(self.location.bucket, self._key(key), str(partial))
+            response = self._client.get_object(Bucket=self.location.bucket, Key=self._key(key))
         except ClientError as exc:
-            partial.unlink(missing_ok=True)
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
-        durable.install(partial, destination)
+        partial = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with partial.open("wb") as out:
+                for chunk in response["Body"].iter_chunks(1 << 20):
+                    out.write(chunk)
+            os.replace(partial, destination)
+        finally:
+            partial.unlink(missing_ok=True)
         return True
 
     def listing(self) -> Iterator[tuple[str, datetime]]:
