@@ -30,9 +30,10 @@ import json
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Container, Iterator, Protocol
+from typing import TYPE_CHECKING, Container, Iterable, Iterator, Protocol
 
 import numpy as np
 from safetensors import SafetensorError
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
 CHECKSUM_KEY = "sha256"
 QUARANTINE = "quarantine"
+FETCH_THREADS = 8  # GETs from the shared tier at once, for one conversation
 
 Arrays = dict[str, np.ndarray]
 
@@ -261,6 +263,16 @@ class CacheFiles:
                 log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
         return local
 
+    def fetch_missing(self, stored: Iterable[str | Path]) -> None:
+        """Copy from the shared tier those of these files that are not here, side by side
+        (each GET waits on the network, not the CPU: a restore's blocks come in together)."""
+        if self.tier is None:
+            return
+        missing = [path for path in stored if not self.local(path, fetch=False).exists()]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(min(FETCH_THREADS, len(missing)), thread_name_prefix="tier-fetch") as pool:
+                list(pool.map(self.local, missing))
+
     def block_path(self, block: str) -> Path:
         return self.base / block[:2] / f"{block}.safetensors"
 
@@ -325,8 +337,9 @@ class CacheFiles:
         chain = tuple(json.loads(meta["chain"]))
         if chain != tuple(b.hash for b in entry.blocks):
             raise ValueError("record file and index disagree on the block chain")
-        blocks = {row.hash: self.read_block(row.hash, row.path, row.checksum or None)
-                  for row in entry.blocks if row.hash not in skip}
+        needed = [row for row in entry.blocks if row.hash not in skip]
+        self.fetch_missing(row.path for row in needed)
+        blocks = {row.hash: self.read_block(row.hash, row.path, row.checksum or None) for row in needed}
         tail_tokens = int(meta["tail_tokens"])
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
