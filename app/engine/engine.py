@@ -175,6 +175,9 @@ class Engine:
         refusal = self._admission.refusal(request, spec)
         if refusal is not None:
             raise MemoryExhausted(refusal)
+        caches = self._runner.caches
+        if caches is not None and request.conversation_id is not None:
+            caches.stage(request.conversation_id)  # a restore's network time on this thread
         return self._runner.submit(request)
 
     def check_fits(self, prompt: Prompt, model: str | None = None) -> None:

@@ -4,6 +4,8 @@ a tier that is down costs a miss, never a wrong answer, and a tampered object is
 
 from __future__ import annotations
 
+import threading
+
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -68,10 +70,14 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
 
     b = server(tmp_path, "b", n_layers, S3Tier(s3_url))  # another machine: nothing of a's on its disk
     assert not (tmp_path / "b" / "blocks").exists()
+    # Staged from a request thread: the files come before the turn reaches the engine thread.
+    staging = threading.Thread(target=b.stage, args=("c",))
+    staging.start()
+    staging.join()
+    assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
     lease = b.lease("a", "c", as_prompt(first + more))
     assert (lease.n_reused, lease.outcome) == (600, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), expected)
-    assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
     b.close()
 
     unshared = server(tmp_path, "c", n_layers, None)  # the same rows without the tier: a clean miss
