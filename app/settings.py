@@ -150,6 +150,10 @@ class Settings:
     log_format: str = setting("text", (
         "How log lines look: text (time, level, logger, message) or json (one object a line: time, level, logger, "
         "message, and a request's fields: method, path, status, request_id, agent, client)."))
+    compact_dirs: str = setting("", (
+        "More block directories the worker's compact cleans besides this home's (glob patterns, comma-separated): "
+        "in a pool, the servers' homes on this machine, whose copies of each other's files nothing else deletes "
+        "(`pool up` sets it)."))
     worker: bool = setting(True, (
         "`semantic serve` runs the Huey worker (expire, evict, compact, prune) as its child; false when the worker "
         "is supervised on its own (`semantic worker`)."))

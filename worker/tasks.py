@@ -12,8 +12,10 @@ The worker never imports ``app.engine`` or MLX.
 from __future__ import annotations
 
 import functools
+import glob
 import logging
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from huey import crontab
@@ -89,7 +91,9 @@ def evict() -> dict[str, Any]:
 def compact() -> dict[str, Any]:
     """Hourly: delete unreferenced blocks, orphan and temporary files, verify a sample of checksums, VACUUM."""
     with _store() as (engine, sessions):
-        return upkeep.run_compact(engine, sessions, settings.blocks_dir)
+        more = [Path(found) for pattern in settings.compact_dirs.split(",") if pattern.strip()
+                for found in sorted(glob.glob(pattern.strip()))]
+        return upkeep.run_compact(engine, sessions, settings.blocks_dir, more_dirs=more)
 
 
 @huey.periodic_task(crontab(hour="3", minute="41"))

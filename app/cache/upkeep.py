@@ -14,7 +14,7 @@ import random
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -108,9 +108,18 @@ def remove_stale_temp_files(root: Path, now_s: float) -> list[str]:
 
 
 def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
-    """Cache files under ``root`` no row points to, older than the grace period."""
+    """Cache files under ``root`` older than the grace period that are neither a file a row
+    names nor a copy of one: in a pool, rows name the writing server's paths, and another
+    server keeps copies under the same key (``files.tier_key``) below its own root."""
     known = cache_index.known_paths(session)
-    return [path for path in files.cache_files(root) if str(path) not in known and _older_than_grace(path, now_s)]
+    keys = {key for tag in _fingerprint_dirs(root) for path in known if (key := files.tier_key(path, tag)) is not None}
+    return [path for path in files.cache_files(root)
+            if str(path) not in known and path.relative_to(root).as_posix() not in keys
+            and _older_than_grace(path, now_s)]
+
+
+def _fingerprint_dirs(root: Path) -> list[str]:
+    return [child.name for child in root.iterdir() if child.is_dir()] if root.is_dir() else []
 
 
 def _damaged_sample(session: Session, root: Path, sample: int) -> tuple[int, list[tuple[str, str]],
@@ -143,19 +152,21 @@ def _retire_damaged(session: Session, damaged_blocks: list[tuple[str, str]],
 
 
 def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Path,
-                sample: int = VERIFY_SAMPLE) -> dict[str, Any]:
-    """Delete what nothing uses (unreferenced blocks, orphan files, crash leftovers),
-    verify a sample of checksums, and VACUUM the database when much of it is free.
+                sample: int = VERIFY_SAMPLE, more_dirs: Sequence[Path] = ()) -> dict[str, Any]:
+    """Delete what nothing uses (unreferenced blocks, orphan files, crash leftovers) in
+    ``blocks_dir`` and ``more_dirs`` (a pool's servers' directories on this machine), verify
+    a sample of checksums, and VACUUM the database when much of it is free.
 
     Scanning the directory and reading files happen outside any write transaction;
     the write that follows is short, so the server's turns never wait on compact.
     """
     started, now_s = utcnow(), time.time()
     before = started - timedelta(seconds=GRACE_S)
-    temp = remove_stale_temp_files(blocks_dir, now_s)
+    roots = [blocks_dir, *more_dirs]
+    temp = [removed for root in roots for removed in remove_stale_temp_files(root, now_s)]
     with sessions() as session:  # reads only: no write lock is taken
         unreferenced = cache_index.unreferenced_blocks(session, before)
-        orphans = _orphan_files(session, blocks_dir, now_s)
+        orphans = [orphan for root in roots for orphan in _orphan_files(session, root, now_s)]
         checked, damaged_blocks, damaged_records = _damaged_sample(session, blocks_dir, sample)
     with write_locked(sessions) as session:
         dropped = cache_index.drop_blocks(session, unreferenced, before)

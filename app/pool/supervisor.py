@@ -160,7 +160,9 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
             process, entry = _start_server(settings, f"s{i}", port + i, base)
             children.append(process)
             servers.append(entry)
-        children.append(_spawn([sys.executable, "-m", "app", "worker"], {**base, "SEMANTIC_HOME": str(settings.home)},
+        children.append(_spawn([sys.executable, "-m", "app", "worker"],
+                               {**base, "SEMANTIC_HOME": str(settings.home),
+                                "SEMANTIC_COMPACT_DIRS": str(root / "servers" / "*" / "blocks")},  # joined ones too
                                root / "logs" / "worker.log"))
         config = root / "haproxy.cfg"
         config.write_text(render_config(port, [Backend(s.id, "127.0.0.1", int(s.url.rsplit(":", 1)[1]))

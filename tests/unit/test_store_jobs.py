@@ -120,3 +120,35 @@ def test_prune_keeps_history_and_recent_rows(tmp_path: Path, store_url: str) -> 
     with sessions() as session:
         assert set(session.scalars(select(Request.id))) == {"old-with-history", "recent"}
         assert len(session.scalars(select(JobRun.id)).all()) == 2  # the recent run and prune's own
+
+
+def test_compact_cleans_a_pools_server_directories_keeping_copies_of_named_files(tmp_path: Path,
+                                                                                    store_url: str) -> None:
+    """Rows name the writing server's paths; another server's copy of a named file (same key
+    below its root) stays, a copy of a file no row names any more goes. Without
+    ``more_dirs`` the servers' directories are not looked at."""
+    import os
+
+    from app.cache.upkeep import run_compact
+    from app.store import cache_index
+    from app.store.history import ensure_conversation, utcnow
+
+    sessions = _store(store_url)
+    tag = "f" * 16
+    writer = _file(tmp_path / "s1" / "blocks" / tag / "conversations" / "named.safetensors")
+    copy = _file(tmp_path / "s2" / "blocks" / tag / "conversations" / "named.safetensors")
+    stale = _file(tmp_path / "s2" / "blocks" / tag / "conversations" / "retired.safetensors")
+    for path in (writer, copy, stale):
+        os.utime(path, (1, 1))  # long past the grace period
+    with sessions.begin() as session:
+        ensure_conversation(session, "c", "a", "direct", utcnow())
+        cache_index.save_cache(session, "a", "c", "f" * 64, 10, writer, [], utcnow())
+    engine = make_engine(store_url)
+    try:
+        run_compact(engine, sessions, tmp_path / "worker" / "blocks")
+        assert Path(stale).exists()
+        servers = [tmp_path / "s1" / "blocks", tmp_path / "s2" / "blocks"]
+        assert run_compact(engine, sessions, tmp_path / "worker" / "blocks", more_dirs=servers)["orphan_files"] == 1
+    finally:
+        engine.dispose()
+    assert Path(writer).exists() and Path(copy).exists() and not Path(stale).exists()
