@@ -82,8 +82,8 @@ class Settings:
         "engine answers 429 and /health still answers."))
     split_cores: bool = setting(True, (
         "With several sequences decoding on a CPU with OpenBLAS, split each step over both cores (half of every "
-        "projection and of the rows' attention on a second MLX stream, OpenBLAS on one thread): ~1.5x the "
-        "aggregate tok/s at 4 agents. See app/engine/cores.py."))
+        "projection and of the rows' attention on a second MLX stream, OpenBLAS on one thread) for more "
+        "aggregate tok/s. See app/engine/cores.py."))
     cache_reuse: bool = setting(True, "Reuse KV caches across turns (false: every prompt is prefilled cold).")
     cache_memory_bytes: int = setting(2 * 1024**3, (
         "Bytes of KV cache kept in memory (the hot tier): the stored blocks, plus the float working copies of the "
@@ -101,8 +101,8 @@ class Settings:
         "Conversation caches an agent keeps (memory and disk); beyond it the least recently used one's cache is "
         "deleted (its history stays)."))
     cache_ttl_seconds: int = setting(24 * 3600, (
-        "Seconds an agent's cache stays on disk after its last access, for agents that set no TTL of their own "
-        "(the worker's expire job makes it cold after that)."))
+        "Seconds an agent's conversation caches stay on disk after the agent's last access, for agents that set no "
+        "TTL of their own (the worker's expire job makes them cold after that)."))
     log_retention_days: int = setting(30, (
         "Days the requests and job_runs tables keep a row (the worker's prune job). A request row that a stored "
         "message or response points to stays: history is never pruned."))

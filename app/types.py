@@ -100,11 +100,11 @@ class Prompt:
 class GenerationRequest:
     request_id: str
     prompt: Prompt
-    sampling: SamplingParams  # max_tokens 0: only prefill the prompt into the agent's cache
+    sampling: SamplingParams  # max_tokens 0: only prefill the prompt into the conversation's cache
     agent_id: str | None = None
     conversation_id: str | None = None  # whose cache the turn continues and updates
     whole_blocks: bool = False  # reuse only whole shared blocks (OpenAI cache_mode "prefix")
-    persist: bool = True  # write the agent's cache to disk (OpenAI ttl 0: memory only)
+    persist: bool = True  # write the conversation's cache to disk (OpenAI ttl 0: memory only)
     hot_ttl_s: float | None = None  # keep it in memory only this long unused (Anthropic cache_control)
     model: str | None = None  # the model to run it on (None: the default model)
 
@@ -115,7 +115,7 @@ class Started:
 
     n_prompt_tokens: int
     n_cached_tokens: int  # read from a cache
-    n_cache_written: int  # prompt tokens this turn adds to the agent's cache
+    n_cache_written: int  # prompt tokens this turn adds to the conversation's cache
 
 
 @dataclass(frozen=True, slots=True)

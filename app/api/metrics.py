@@ -65,7 +65,8 @@ class Metrics:
             ("semantic_cache_pool_bytes", "KV bytes in memory: 4-bit blocks and the float working copy",
              lambda s: s.pool_bytes),
             ("semantic_cache_pool_budget_bytes", "Memory pool budget", lambda s: s.budget_bytes),
-            ("semantic_cache_hot_agents", "Agents whose cache is in memory", lambda s: s.hot_agents),
+            ("semantic_cache_hot_conversations", "Conversations whose cache is in memory",
+             lambda s: s.hot_conversations),
             ("semantic_cache_evictions", "Conversations spilled from memory to disk since start", lambda s: s.n_spilled),
         ):
             Gauge(name, doc, registry=r).set_function(

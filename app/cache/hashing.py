@@ -2,7 +2,7 @@
 
 A block's id hashes the model fingerprint (the salt: weights, tokenizer,
 template and KV format), its parent block's id and its token ids, so equal ids
-mean equal KV content and identical prefixes share blocks across agents.
+mean equal KV content and identical prefixes share blocks across conversations.
 """
 
 from __future__ import annotations

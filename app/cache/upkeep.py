@@ -60,10 +60,10 @@ def run_expire(sessions: sessionmaker[Session], default_ttl_s: int, now: datetim
     with write_locked(sessions) as session:
         expired, doomed = [], []
         for cache in cache_index.expired_caches(session, default_ttl_s, started):
-            expired.append(cache.agent_id)
+            expired.append(cache.conversation_id)
             doomed += cache_index.retire_cache(session, cache)
     deleted, freed = delete_unreferenced(sessions, doomed)
-    result = {"expired": len(expired), "agents": expired[:100], "files_deleted": deleted, "bytes_freed": freed}
+    result = {"expired": len(expired), "conversations": expired[:100], "files_deleted": deleted, "bytes_freed": freed}
     record_run(sessions, "expire", started, utcnow(), result)
     return result
 
@@ -79,11 +79,11 @@ def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, A
                 break
             retired = cache_index.retire_cache(session, cache)
             used -= cache_index.files_size(retired)
-            evicted.append(cache.agent_id)
+            evicted.append(cache.conversation_id)
             doomed += retired
     deleted, freed = delete_unreferenced(sessions, doomed)
     result = {"bytes_before": before, "budget_bytes": budget_bytes, "evicted": len(evicted),
-              "agents": evicted[:100], "files_deleted": deleted, "bytes_freed": freed}
+              "conversations": evicted[:100], "files_deleted": deleted, "bytes_freed": freed}
     record_run(sessions, "evict", started, utcnow(), result)
     return result
 

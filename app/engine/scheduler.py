@@ -2,8 +2,8 @@
 
 The engine thread alternates one batched decode step (every decoding sequence
 gets a token) with one prefill chunk of one sequence. The chunk is the
-shortest remaining prompt's (a hot agent's 20 new tokens go before another
-agent's cold 6K-token prompt).
+shortest remaining prompt's (a hot conversation's 20 new tokens go before
+another's cold 6K-token prompt).
 
 A sequence prefilling alone (nothing decodes, nothing else waits) takes chunks
 of ``step_tokens``, the size that is fastest on the machine: small chunks pay a

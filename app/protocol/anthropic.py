@@ -342,7 +342,7 @@ def new_message_id() -> str:
 def usage(n_prompt: int, n_cached: int, n_written: int, n_output: int | None) -> dict[str, int]:
     """Anthropic usage: input + cache_read + cache_creation = the whole prompt.
 
-    Tokens reused from the agent's cache are ``cache_read``; prompt tokens
+    Tokens reused from a cache are ``cache_read``; prompt tokens
     prefilled now and kept for the next turn are ``cache_creation``; the rest
     (caching off) are plain ``input_tokens``.
     """

@@ -8,9 +8,9 @@ format (``app.protocol.tool_format``) gets the tools, calls and ``tool``
 messages as they are, for its chat template to write.
 
 Extensions (SPEC): ``session_id`` names the agent (also the ``X-Session-ID``
-header); ``cache_mode`` ``"full"`` (default) reuses everything the agent's
+header); ``cache_mode`` ``"full"`` (default) reuses everything the conversation's
 cache shares with the prompt, ``"prefix"`` only whole shared blocks; ``ttl``
-is how many seconds the agent's cache is kept (recorded on the agent), 0
+is how many seconds the agent's conversation caches are kept (recorded on the agent), 0
 keeps this turn's cache off disk.
 """
 

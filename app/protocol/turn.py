@@ -31,7 +31,7 @@ class ParsedTurn:
     parse_thinking: bool = False  # thinking was asked for: a leading <think> block is reasoning
     prefill: str = ""  # the client's start of the reply (a final assistant message): in the prompt, not echoed
     reply_prefix: str = ""  # our start of the reply (a forced tool call): in the prompt, parsed as the reply
-    ttl_seconds: int | None = None  # how long the agent's cache is kept (OpenAI ``ttl``); 0: not on disk
+    ttl_seconds: int | None = None  # how long the agent's conversation caches are kept (OpenAI ``ttl``); 0: not on disk
     hot_ttl_seconds: int | None = None  # Anthropic ``cache_control`` hint: how long to keep it in memory
     cache_mode: CacheMode = "full"  # OpenAI ``cache_mode``: "prefix" reuses whole shared blocks only
     # What identifies the conversation (history by content): a digest of what the prompt

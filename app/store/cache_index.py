@@ -32,7 +32,7 @@ class BlockRow:
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
-    """What is needed to load an agent's cache from disk."""
+    """What is needed to load a conversation's cache from disk."""
 
     record_path: str
     n_tokens: int

@@ -44,7 +44,9 @@ def test_expire_compact_evict_and_restart(tmp_path: Path, smollm2_dir: Path) -> 
         time.sleep(1.5)
 
         expired = run_job(home, "expire")
-        assert expired["agents"] == ["short"] and expired["files_deleted"] >= 1
+        assert expired["conversations"] == [c for (c,) in query(
+            db, "SELECT conversation_id FROM caches WHERE agent_id = 'short'")]
+        assert expired["expired"] == 1 and expired["files_deleted"] >= 1
         assert query(db, "SELECT tier, record_path, n_tokens FROM caches WHERE agent_id = 'short'") == [
             ("cold", None, 0)]
         assert query(db, "SELECT count(*) FROM messages") == n_messages  # history kept
@@ -70,7 +72,9 @@ def test_expire_compact_evict_and_restart(tmp_path: Path, smollm2_dir: Path) -> 
         assert query(db, "SELECT tier FROM caches WHERE agent_id = 'plain'") == [("cold",)]
 
         evicted = run_job(home, "evict", SEMANTIC_DISK_BUDGET_BYTES="1")
-        assert evicted["agents"] == ["keep"] and evicted["bytes_before"] > 0
+        assert evicted["conversations"] == [c for (c,) in query(
+            db, "SELECT conversation_id FROM caches WHERE agent_id = 'keep'")]
+        assert evicted["bytes_before"] > 0
         assert cache_files(home) == [] and query(db, "SELECT count(*) FROM blocks") == [(0,)]
         runs = query(db, "SELECT name, status FROM job_runs ORDER BY id")
         assert runs == [("expire", "ok"), ("compact", "ok"), ("evict", "ok")]
