@@ -17,6 +17,14 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # agent ids, wherever they com
 # Stored KV formats (setting kv_format), defined in app/cache/blocks.py.
 KV_FORMAT_NAMES = ("q4r", "q4c", "k5c", "k6v4", "k8v4", "q8", "f16", "f32")
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
+# How cache reuse ended for a request: the one vocabulary of the matcher, the cache manager,
+# the ``requests.reuse_reason`` column and the ``semantic_cache_reuse_reasons`` metric.
+# ``extend`` / ``exact``: the conversation's cache continues (the prompt extends its text, or
+# repeats it); ``diverge``: the conversation's stored text parted from the prompt (an edit);
+# ``sibling``: started from another conversation of the agent; ``shared``: from blocks
+# another conversation stored for the same prefix; ``miss``: nothing reusable; ``off``:
+# reuse disabled, or a request with no conversation to store.
+ReuseReason = Literal["extend", "exact", "diverge", "sibling", "shared", "miss", "off"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +135,10 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class ReuseReport:
-    """How cache reuse ended for one request (cache-miss diagnostics).
+    """How cache reuse ended for one request, and where the prompt parted from the best
+    stored text (cache-miss diagnostics)."""
 
-    ``reason``: ``extend`` / ``exact`` (the conversation's cache continues), ``diverge``
-    (the conversation's stored text parted from the prompt: an edit), ``sibling``
-    (started from another conversation of the agent), ``shared`` (from blocks another
-    agent stored for the same prefix), ``miss`` (nothing reusable), ``off`` (reuse
-    disabled).
-    """
-
-    reason: str
+    reason: ReuseReason
     n_chars: int = 0  # prompt characters served from cache
     offset: int | None = None  # where the best stored text parted from the prompt
     stored: str | None = None  # the stored text around ``offset``
@@ -156,9 +158,8 @@ class Finished:
     n_output_tokens: int
     ttft_s: float
     total_s: float
-    match_outcome: str = "miss"
     output_token_ids: tuple[int, ...] = field(default=(), repr=False)
-    reuse: ReuseReport | None = None
+    reuse: ReuseReport | None = None  # None: the request never reached the cache (cancelled in the queue)
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,10 +158,10 @@ def main() -> None:
         finally:
             stop_server(server)
         # How reuse ended for each request, from the server's own diagnostics (issue 9).
-        reasons = query(server.db_path, "SELECT match_outcome, reuse_reason, diverge_part FROM requests "
+        reasons = query(server.db_path, "SELECT reuse_reason, diverge_part FROM requests "
                                         "WHERE status = 'ok' ORDER BY created_at")
-        for row, (outcome, reason, part) in zip(runs[name], reasons, strict=True):
-            row.update(outcome=outcome, reason=reason, diverge_part=part)
+        for row, (reason, part) in zip(runs[name], reasons, strict=True):
+            row.update(reason=reason, diverge_part=part)
     semantic, control = runs["semantic"], runs["control"]
     peer = mlx_lm_server(model_dir, home / "mlx_lm.log")
     try:
@@ -175,13 +175,13 @@ def main() -> None:
         ctrl = next(controls) if ours["kind"] == "main" else None
         table.append({"step": i + 1, "kind": ours["kind"], "prompt_tokens": ours["prompt_tokens"],
                       "semantic_cached": ours["cached_tokens"], "semantic_ttft_s": ours["ttft_s"],
-                      "control_ttft_s": ctrl["ttft_s"] if ctrl else None, "semantic_outcome": ours["outcome"],
+                      "control_ttft_s": ctrl["ttft_s"] if ctrl else None,
                       "semantic_reason": ours["reason"], "semantic_diverge_part": ours["diverge_part"],
                       "mlx_lm_cached": theirs["cached_tokens"], "mlx_lm_ttft_s": theirs["ttft_s"]})
-    print_table(["step", "request", "prompt", "Semantic cached", "reuse (reason)", "Semantic TTFT", "control TTFT",
+    print_table(["step", "request", "prompt", "Semantic cached", "reuse reason", "Semantic TTFT", "control TTFT",
                  "mlx_lm cached", "mlx_lm TTFT"],
                 [[r["step"], r["kind"], r["prompt_tokens"], r["semantic_cached"],
-                  f"{r['semantic_outcome']} ({r['semantic_reason']})", r["semantic_ttft_s"],
+                  r["semantic_reason"], r["semantic_ttft_s"],
                   "-" if r["control_ttft_s"] is None else r["control_ttft_s"],
                   "-" if r["mlx_lm_cached"] is None else r["mlx_lm_cached"], r["mlx_lm_ttft_s"]] for r in table])
     path = write_results("claude_code_session", {"requests": table, "max_tokens": MAX_TOKENS,

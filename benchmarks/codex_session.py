@@ -60,9 +60,9 @@ def claude_session(server_url: str, scratch: Path, turns: int) -> None:
 
 
 def rows(db: Path, protocol: str) -> list[dict[str, Any]]:
-    found = query(db, "SELECT n_input_tokens, n_cached_tokens, ttft_ms, match_outcome FROM requests "
+    found = query(db, "SELECT n_input_tokens, n_cached_tokens, ttft_ms, reuse_reason FROM requests "
                   "WHERE protocol = ? AND status = 'ok' ORDER BY created_at", protocol)
-    return [{"prompt_tokens": p, "cached_tokens": c, "ttft_s": t / 1000, "outcome": o} for p, c, t, o in found]
+    return [{"prompt_tokens": p, "cached_tokens": c, "ttft_s": t / 1000, "reuse_reason": r} for p, c, t, r in found]
 
 
 def main() -> None:
@@ -85,8 +85,8 @@ def main() -> None:
         for n, row in enumerate(requests, 1):
             share = row["cached_tokens"] / row["prompt_tokens"]
             table.append([client, n, row["prompt_tokens"], row["cached_tokens"], f"{share:.1%}", row["ttft_s"],
-                          row["outcome"]])
-    print_table(["client", "request", "prompt tokens", "cached", "cached share", "TTFT s", "outcome"], table)
+                          row["reuse_reason"]])
+    print_table(["client", "request", "prompt tokens", "cached", "cached share", "TTFT s", "reuse reason"], table)
     warm = {client: statistics.median(r["ttft_s"] for r in requests[1:]) for client, requests in clients.items()}
     ratio = warm["codex"] / warm["claude_code"]
     print(f"median warm TTFT: Codex {warm['codex']:.2f} s, Claude Code {warm['claude_code']:.2f} s, "

@@ -245,7 +245,8 @@ def _log_turn(turn: Turn, finished: Finished, reuse: ReuseReport | None) -> None
     log.info("request %s agent %s conversation %s: prompt %d tokens (cached %d, new %d), output %d, "
              "ttft %.2f s, %.1f tok/s, %s, %s", turn.request_id, agent, conversation, finished.n_prompt_tokens,
              finished.n_cached_tokens, finished.n_prompt_tokens - finished.n_cached_tokens,
-             finished.n_output_tokens, finished.ttft_s, rate, finished.match_outcome, finished.stop_reason)
+             finished.n_output_tokens, finished.ttft_s, rate, reuse.reason if reuse else "-",
+             finished.stop_reason)
     if reuse is not None and reuse.reason not in ("extend", "exact"):
         where = (f"; stored text parts from the prompt at char {reuse.offset} in {reuse.part}: "
                  f"stored {reuse.stored!r}, new {reuse.new!r}") if reuse.offset is not None else ""

@@ -55,9 +55,8 @@ class Metrics:
         self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)
         self.cache_read_tokens = Counter("semantic_cache_read_tokens", "Prompt tokens reused from a cache", registry=r)
         self.output_tokens = Counter("semantic_output_tokens", "Generated tokens", registry=r)
-        self.outcomes = Counter("semantic_cache_match_outcomes", "Cache match outcomes", ["outcome"], registry=r)
-        self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason (extend, exact, "
-                                     "diverge, sibling, shared, miss, off)", ["reason"], registry=r)
+        self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason (app.types.ReuseReason: "
+                                     "extend, exact, diverge, sibling, shared, miss, off)", ["reason"], registry=r)
         self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)
@@ -81,7 +80,6 @@ class Metrics:
         self.prompt_tokens.inc(finished.n_prompt_tokens)
         self.cache_read_tokens.inc(finished.n_cached_tokens)
         self.output_tokens.inc(finished.n_output_tokens)
-        self.outcomes.labels(finished.match_outcome).inc()
         if finished.reuse is not None:
             self.reuse_reasons.labels(finished.reuse.reason).inc()
         if finished.n_output_tokens:

@@ -30,7 +30,7 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
                               to_working_cache)
 from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileUnavailable, StoredConversation
 from app.cache.hashing import block_hash, chain_hashes
-from app.cache.matcher import Outcome, PrefixMatch, common_prefix_length, match_prompt
+from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord, ConversationCache
@@ -58,8 +58,7 @@ class Lease:
     conversation_id: str | None  # None: nothing will be stored
     cache: list[KVCache]
     record: CacheRecord  # exactly the tokens in ``cache``
-    outcome: Outcome
-    report: ReuseReport
+    report: ReuseReport  # how reuse ended (its ``reason``) and where the prompt parted
     blocks: tuple[KVBlock, ...] = ()  # the 4-bit data the reused prefix came from
     chain: tuple[str, ...] = ()  # ids of the full blocks among ``blocks``
 
@@ -169,11 +168,10 @@ class CacheManager:
                                            len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
         if best is not None and n_text >= n_shared and n_text > 0:
-            reason = best.match.outcome if own else "sibling"
+            reason = best.match.reason if own else "sibling"
             report = ReuseReport(reason, best.cache.record.ends[n_text - 1],
                                  **(divergence if reason not in ("extend", "exact") else {}))
-            return self._from_source(best.cache, conversation_id, n_text, best.match.outcome if own else "shared",
-                                     report, use_working_copy=own)
+            return self._from_source(best.cache, conversation_id, n_text, report, use_working_copy=own)
         if n_shared > 0:
             return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
                                      ReuseReport("shared", prompt.ends[n_shared - 1], **divergence))
@@ -240,8 +238,8 @@ class CacheManager:
                 "stored": source.cache.record.text[max(0, at - EXCERPT_BEFORE):at + EXCERPT_AFTER],
                 "new": prompt.text[max(0, at - EXCERPT_BEFORE):at + EXCERPT_AFTER]}
 
-    def _from_source(self, source: ConversationCache, conversation_id: str, n_reused: int, outcome: Outcome,
-                     report: ReuseReport, use_working_copy: bool) -> Lease:
+    def _from_source(self, source: ConversationCache, conversation_id: str, n_reused: int, report: ReuseReport,
+                     use_working_copy: bool) -> Lease:
         self._pool.touch(source.conversation_id)
         n_blocks = -(-n_reused // BLOCK_TOKENS)
         blocks = [self._blocks[h] for h in source.chain[:n_blocks]]
@@ -262,13 +260,13 @@ class CacheManager:
             cache = copy_prefix(working, n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
-        return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), outcome, report,
+        return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))])
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
         return Lease(agent_id, conversation_id, to_working_cache([], self._n_layers, 0, self._dtype),
-                     CacheRecord.empty(), "miss", report)
+                     CacheRecord.empty(), report)
 
     def _shared_prefix(self, prompt: Prompt) -> list[str]:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
@@ -288,7 +286,7 @@ class CacheManager:
         cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
-        return Lease(agent_id, conversation_id, cache, record, "shared", report, tuple(blocks), tuple(usable))
+        return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable))
 
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 from app.cache.records import CacheRecord
-from app.types import Prompt
-
-Outcome = Literal["exact", "extend", "diverge", "shared", "miss"]
+from app.types import Prompt, ReuseReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +31,7 @@ class PrefixMatch:
 
     n_reused: int
     n_chars: int
-    outcome: Outcome
+    reason: ReuseReason  # exact, extend, diverge or miss
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -63,14 +61,14 @@ def match_prompt(record: CacheRecord, prompt: Prompt) -> PrefixMatch:
     within = record.n_tokens_within(matched)
     n_reused = min(common_tokens(record.tokens[:within], prompt.token_ids),
                    common_tokens(record.ends[:within], prompt.ends))
-    outcome: Outcome
+    reason: ReuseReason
     if n_reused >= prompt.n_tokens:
         n_reused = prompt.n_tokens - 1  # nothing of the prompt would be left to prefill
-        outcome = "exact"
+        reason = "exact"
     elif n_reused == 0:
         return PrefixMatch(0, 0, "miss")
     elif matched == len(record.text):
-        outcome = "extend"
+        reason = "extend"
     else:
-        outcome = "diverge"
-    return PrefixMatch(n_reused, record.ends[n_reused - 1] if n_reused else 0, outcome)
+        reason = "diverge"
+    return PrefixMatch(n_reused, record.ends[n_reused - 1] if n_reused else 0, reason)

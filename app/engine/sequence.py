@@ -146,4 +146,4 @@ class Sequence:
             stop_reason=self.reason, stop_sequence=self.stop_sequence, n_prompt_tokens=self.n_prompt,
             n_cached_tokens=self.lease.n_reused, n_cache_written=self.n_written if committed else 0,
             n_output_tokens=len(self.output), ttft_s=self.ttft, total_s=time.perf_counter() - self.started,
-            match_outcome=self.lease.outcome, output_token_ids=tuple(self.output), reuse=self.lease.report)
+            output_token_ids=tuple(self.output), reuse=self.lease.report)

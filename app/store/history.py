@@ -155,7 +155,6 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
     row.n_input_tokens = finished.n_prompt_tokens
     row.n_cached_tokens = finished.n_cached_tokens
     row.n_output_tokens = finished.n_output_tokens
-    row.match_outcome = finished.match_outcome
     row.ttft_ms = finished.ttft_s * 1000
     row.total_ms = finished.total_s * 1000
     row.finished_at = now

@@ -78,7 +78,7 @@ def test_an_exported_agent_is_warm_on_another_server_and_answers_the_same(
     stayed = _turn(here, "baker", NEXT)
     assert moved["usage"]["cache_read_input_tokens"] == stayed["usage"]["cache_read_input_tokens"] > 300
     assert moved["content"] == stayed["content"]
-    outcomes = query(other.db_path, "SELECT match_outcome FROM requests WHERE agent_id = 'baker'")
+    outcomes = query(other.db_path, "SELECT reuse_reason FROM requests WHERE agent_id = 'baker'")
     assert outcomes == [("extend",)]
 
 

@@ -34,7 +34,7 @@ def test_five_turns_history_and_delete(server: ServerProcess) -> None:
     assert [m["role"] for m in history] == ["user", "assistant"] * 5
     assert [m["content"] for m in history[0::2]] == sent
     assert [m["content"][0]["text"] for m in history[1::2]] == replies
-    outcomes = query(server.db_path, "SELECT protocol, match_outcome FROM requests WHERE agent_id = 'planner' "
+    outcomes = query(server.db_path, "SELECT protocol, reuse_reason FROM requests WHERE agent_id = 'planner' "
                      "ORDER BY created_at")
     assert [o for _, o in outcomes] == ["extend"] * 5 and {p for p, _ in outcomes} == {"direct"}
 

@@ -48,7 +48,7 @@ def test_second_turn_reads_the_first_from_cache(server: ServerProcess) -> None:
     # Turn 1's prompt and reply were reused; only the new user turn was prefilled.
     assert second.usage.cache_read_input_tokens >= total_input(first) + first.usage.output_tokens - 1
     assert second.usage.cache_creation_input_tokens < 30
-    rows = query(server.db_path, "SELECT match_outcome, n_cached_tokens, n_input_tokens FROM requests "
+    rows = query(server.db_path, "SELECT reuse_reason, n_cached_tokens, n_input_tokens FROM requests "
                  "WHERE agent_id = ? ORDER BY created_at", session)
     assert [r[0] for r in rows] == ["miss", "extend"]
     assert rows[1][1] == second.usage.cache_read_input_tokens and rows[1][2] == total_input(second)
@@ -74,7 +74,7 @@ def test_stateless_requests_are_resumed_by_content(server: ServerProcess) -> Non
     assert second.usage.cache_read_input_tokens >= total_input(first)
     # A different conversation with the same system prompt is another agent (sharing blocks).
     other, other_row = stateless([{"role": "user", "content": "Do you cut keys?"}])
-    assert other_row["agent_id"] != first_row["agent_id"] and other_row["match_outcome"] == "shared"
+    assert other_row["agent_id"] != first_row["agent_id"] and other_row["reuse_reason"] == "shared"
 
 
 @pytest.mark.parametrize("kill", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -101,7 +101,7 @@ def test_restart_resumes_from_disk(tmp_path: Path, smollm2_dir: Path, kill: sign
         third = ask(server, history, "s")
         assert third.usage.cache_read_input_tokens == expected.usage.cache_read_input_tokens > 0
         assert third.content[0].text == expected.content[0].text
-        assert query(server.db_path, "SELECT match_outcome FROM requests ORDER BY created_at DESC LIMIT 1") == [("extend",)]
+        assert query(server.db_path, "SELECT reuse_reason FROM requests ORDER BY created_at DESC LIMIT 1") == [("extend",)]
     finally:
         stop_server(server)
 

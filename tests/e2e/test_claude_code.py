@@ -40,7 +40,7 @@ def test_headless_turns_and_the_second_reads_from_cache(claude: Path, server: Se
     second = run_claude(claude, server, workdir, home, "-c", "-p", "and goodbye")
     assert not second["is_error"] and second["result"].strip()
     assert second["session_id"] == first["session_id"]
-    rows = query(server.db_path, "SELECT n_cached_tokens, n_input_tokens, match_outcome FROM requests "
+    rows = query(server.db_path, "SELECT n_cached_tokens, n_input_tokens, reuse_reason FROM requests "
                  "WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", first["session_id"])
     assert len(rows) >= 2
     cached, total, outcome = rows[-1]

@@ -47,7 +47,7 @@ def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server:
     assert usage_2["cached_input_tokens"] >= 0.9 * usage_1["input_tokens"]
     # What the server recorded: both requests in one agent (the session) and one conversation (its thread).
     session = first["thread.started"]["thread_id"]
-    rows = query(server.db_path, "SELECT conversation_id, n_input_tokens, n_cached_tokens, match_outcome, protocol "
+    rows = query(server.db_path, "SELECT conversation_id, n_input_tokens, n_cached_tokens, reuse_reason, protocol "
                  "FROM requests WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", session)
     assert len(rows) == 2 and rows[0][0] == rows[1][0] and {r[4] for r in rows} == {"responses"}
     (_, prompt_1, _, _, _), (_, prompt_2, cached_2, outcome_2, _) = rows

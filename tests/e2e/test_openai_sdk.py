@@ -48,7 +48,7 @@ def test_session_id_reuses_the_cache(client: openai.OpenAI, server: ServerProces
     second = client.chat.completions.create(model="m", messages=history, temperature=0, max_tokens=16,
                                             extra_headers={"X-Session-ID": session})
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
-    rows = query(server.db_path, "SELECT protocol, match_outcome FROM requests WHERE agent_id = ? ORDER BY created_at",
+    rows = query(server.db_path, "SELECT protocol, reuse_reason FROM requests WHERE agent_id = ? ORDER BY created_at",
                  session)
     assert rows == [("openai", "miss"), ("openai", "extend")]
     assert query(server.db_path, "SELECT count(*) FROM messages WHERE agent_id = ?", session) == [(4,)]

@@ -67,9 +67,9 @@ def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
         "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     httpx.post(f"{server.url}/v1/messages", json={"model": "m"})  # rejected
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
-    for name in ("semantic_requests", "semantic_ttft_seconds", "semantic_cache_match_outcomes",
+    for name in ("semantic_requests", "semantic_ttft_seconds", "semantic_cache_reuse_reasons",
                  "semantic_cache_read_tokens", "semantic_cache_pool_bytes", "semantic_cache_evictions",
-                 "semantic_decode_tokens_per_second"):
+                 "semantic_cache_hot_conversations", "semantic_decode_tokens_per_second"):
         assert name in families, name
     subprocess.run([sys.executable, "-m", "app", "jobs", "run", "compact"], check=True, capture_output=True,
                    env={**os.environ, "SEMANTIC_HOME": str(server.home)})

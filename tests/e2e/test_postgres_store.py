@@ -82,7 +82,7 @@ def test_history_and_caches_live_in_postgres_and_survive_a_kill(tmp_path: Path, 
         history += [{"role": "assistant", "content": second.content[0].text}, {"role": "user", "content": "Bye."}]
         third = ask(server, history, "s")
         assert third.usage.cache_read_input_tokens >= n_cached - 1  # read back through the index in PostgreSQL
-        rows = pg(url, "SELECT match_outcome FROM requests WHERE agent_id = 's' ORDER BY created_at")
+        rows = pg(url, "SELECT reuse_reason FROM requests WHERE agent_id = 's' ORDER BY created_at")
         assert [outcome for outcome, in rows][1:] == ["extend", "extend"]
         assert pg(url, "SELECT role FROM messages WHERE agent_id = 's' ORDER BY conversation_id, position") == [
             ("user",), ("assistant",), ("user",), ("assistant",), ("user",), ("assistant",)]

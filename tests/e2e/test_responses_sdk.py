@@ -40,7 +40,7 @@ def test_create_then_continue_warm_with_previous_response_id(client: openai.Open
     assert second.previous_response_id == first.id and second.output_text.strip()
     # The whole first prompt and reply come from the cache: only the new message is prefilled.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
-    rows = query(server.db_path, "SELECT r.conversation_id, r.n_messages, q.protocol, q.match_outcome FROM responses r "
+    rows = query(server.db_path, "SELECT r.conversation_id, r.n_messages, q.protocol, q.reuse_reason FROM responses r "
                  "JOIN requests q ON q.id = r.request_id WHERE r.id IN (?, ?) ORDER BY r.created_at",
                  first.id, second.id)
     assert [(n, protocol, outcome) for _, n, protocol, outcome in rows] == [(2, "responses", "miss"),

@@ -104,7 +104,7 @@ def test_a_second_turn_in_a_batch_continues_its_cache(engine: Engine) -> None:
     second = collect(engine, follow_ups)
     for agent in PROMPTS:
         finished = second[f"t-{agent}"][1]
-        assert finished.match_outcome == "extend"
+        assert finished.reuse.reason == "extend"
         assert finished.n_cached_tokens >= first[f"t-{agent}"][1].n_prompt_tokens
 
 

@@ -106,7 +106,7 @@ def test_exact_repeat_reuses_all_but_one_token(model: Model) -> None:
     prompt = model.render(conversation(["What is 2+2?"]))
     record = model.prompt_record(prompt)
     assert check_reuse(model, record, prompt) == record.n_tokens - 1
-    assert match_prompt(record, Prompt(prompt, record.tokens, record.ends)).outcome == "exact"
+    assert match_prompt(record, Prompt(prompt, record.tokens, record.ends)).reason == "exact"
 
 
 def test_a_mid_word_edit_reuses_only_what_cold_tokenizes_alike(model: Model) -> None:

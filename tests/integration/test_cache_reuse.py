@@ -93,7 +93,7 @@ def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], 
 def assert_second_turn_equals_cold(engine: Engine, agent: str, f1: Finished, f2: Finished) -> None:
     """Turn 2 extended turn 1's cache and generated what a cold prefill with the same
     split (one segment per turn, each through the stored format) generates."""
-    assert f2.match_outcome == "extend"
+    assert f2.reuse.reason == "extend"
     # Turn 1's prompt and its whole reply were reused.
     assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
     record = engine.caches.record(conv(agent))
@@ -167,7 +167,7 @@ def test_restart_resumes_from_disk_with_the_same_answer(tmp_path: Path, smollm2_
     restarted = make_engine_at(tmp_path / "b", smollm2_dir)
     try:
         text, finished = turn(restarted, "restart", third)
-        assert (finished.n_cached_tokens, finished.match_outcome) == (expected.n_cached_tokens, "extend")
+        assert (finished.n_cached_tokens, finished.reuse.reason) == (expected.n_cached_tokens, "extend")
         assert finished.output_token_ids == expected.output_token_ids and text == expected_text
     finally:
         restarted.stop()
@@ -217,8 +217,8 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
     try:
         text, finished = turn(second, "damaged", messages)
         # Never the agent's own (damaged) cache; at most undamaged shared blocks.
-        assert finished.match_outcome in ("miss", "shared")
-        if finished.match_outcome == "miss":
+        assert finished.reuse.reason in ("miss", "shared")
+        if finished.reuse.reason == "miss":
             assert text == cold_text  # a cold prefill of the same prompt
         else:
             record = second.caches.record(conv("damaged"))
@@ -239,7 +239,7 @@ def test_agents_with_the_same_system_prompt_share_blocks(engine: Engine, home: P
     blocks_after_a = engine.caches.stats().n_blocks
     pool_after_a = engine.caches.stats().pool_bytes
     _, fb = turn(engine, "share-b", [SYSTEM, ChatMessage("user", "Hello from B, a different question.")])
-    assert fb.match_outcome == "shared" and fb.n_cached_tokens >= BLOCK_TOKENS
+    assert fb.reuse.reason == "shared" and fb.n_cached_tokens >= BLOCK_TOKENS
     stats = engine.caches.stats()
     shared_blocks = fb.n_cached_tokens // BLOCK_TOKENS
     new_full_blocks = (fb.n_prompt_tokens + fb.n_output_tokens) // BLOCK_TOKENS - shared_blocks
@@ -254,7 +254,7 @@ def test_reuse_switch_off_prefills_everything(tmp_path: Path, smollm2_dir: Path)
     engine = make_engine_at(tmp_path, smollm2_dir, enabled=False)
     try:
         _, f1, f2 = conversation(engine, "off")
-        assert f2.n_cached_tokens == 0 and f2.n_cache_written == 0 and f2.match_outcome == "miss"
+        assert f2.n_cached_tokens == 0 and f2.n_cache_written == 0 and f2.reuse.reason == "off"
         assert not (tmp_path / "blocks").exists() or not list((tmp_path / "blocks").rglob("*.safetensors"))
     finally:
         engine.stop()

@@ -111,14 +111,14 @@ def test_extend_trim_persist_reload_keep_logits(family: str, tmp_path: Path) -> 
 
     # EXTEND in memory: every cached token reused, same logits as cold with the same split.
     lease = caches.lease("a", "a-c", as_prompt(first + more))
-    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert (lease.n_reused, lease.report.reason) == (300, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more))
 
     # Trim: diverge inside the tail.
     edited = first[:280] + [(first[280] + 1) % VOCAB] + more
     lease = caches.lease("a", "a-c", as_prompt(edited))
-    assert (lease.n_reused, lease.outcome) == (280, "diverge")
+    assert (lease.n_reused, lease.report.reason) == (280, "diverge")
     assert mx.array_equal(forward(model, lease.cache, edited[280:]),
                           cold_same_split(model, n_layers, first[:280], edited[280:], prefilled=first))
 
@@ -174,7 +174,7 @@ def test_every_kv_format_reuses_and_reloads_exactly(name: str, tmp_path: Path) -
     caches.flush(30)
     reloaded = manager(tmp_path, n_layers, kv_format=kv_format)
     lease = reloaded.lease("a", "a-c", as_prompt(first + more))
-    assert (lease.n_reused, lease.outcome) == (400, "extend")
+    assert (lease.n_reused, lease.report.reason) == (400, "extend")
     warm = forward(model, lease.cache, more)
     assert mx.array_equal(warm, cold_same_split(model, n_layers, first, more, kv_format))
     other = KV_FORMATS["q4c" if name == "q4r" else "q4r"]
@@ -228,7 +228,7 @@ def test_over_budget_agents_spill_to_disk_and_come_back(tmp_path: Path) -> None:
     assert caches.stats().hot_agents == 1 and caches.record("a-c") is None  # "a" went warm
     caches.flush(30)
     lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))  # warm -> hot from disk
-    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert (lease.n_reused, lease.report.reason) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
     caches.close()
 
@@ -254,7 +254,7 @@ def test_float_working_copies_go_before_any_4bit_cache(tmp_path: Path) -> None:
     caches._enforce_budget(keep="b-c")  # what every commit ends with
     assert list(caches._working) == ["b-c"] and caches.record("a-c") is not None and caches.stats().n_spilled == 0
     lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))
-    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert (lease.n_reused, lease.report.reason) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
     caches.close()
 
@@ -301,7 +301,7 @@ def test_a_hot_ttl_sends_an_unused_agent_to_disk(tmp_path: Path) -> None:
     caches.flush(30)
     more, tokens = [1, 2, 3], prompts["brief"]
     lease = caches.lease("brief", "brief-c", as_prompt(tokens + more))  # warm -> hot from disk
-    assert (lease.n_reused, lease.outcome) == (300, "extend")
+    assert (lease.n_reused, lease.report.reason) == (300, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, len(model.layers), tokens, more))
     caches.close()
 
@@ -337,7 +337,7 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
 
     side = shared + rng.integers(0, VOCAB, 30).tolist()  # the same start, then its own
     lease = caches.lease("a", "side", as_prompt(side))
-    assert (lease.n_reused, lease.outcome, lease.report.reason) == (300, "shared", "sibling")
+    assert (lease.n_reused, lease.report.reason) == (300, "sibling")
     assert lease.report.offset is not None and lease.report.offset > 0
     assert mx.array_equal(forward(model, lease.cache, side[300:]),
                           cold_same_split(model, n_layers, shared, side[300:], prefilled=main))
@@ -345,7 +345,7 @@ def test_conversations_of_one_agent_keep_their_own_caches(tmp_path: Path) -> Non
     assert caches.record("main") is not None and caches.record("main").tokens == tuple(main)  # untouched
 
     lease = caches.lease("a", "main", as_prompt(main + [5, 6]))
-    assert (lease.n_reused, lease.outcome, lease.report.reason) == (360, "extend", "extend")
+    assert (lease.n_reused, lease.report.reason) == (360, "extend")
     forward(model, lease.cache, [5, 6])
     caches.commit(lease, CacheRecord(*_record_fields(main + [5, 6])), lease.cache)
 
@@ -393,11 +393,11 @@ def test_per_channel_key_groups_complete_from_float16_keys_and_are_cut_only_at_t
     # Diverge at 200, inside the quantized group [192, 256): reuse goes back to 192.
     edited = first[:200] + [(first[200] + 1) % VOCAB]
     lease = caches.lease("a", "a-c", as_prompt(edited))
-    assert (lease.n_reused, lease.outcome) == (192, "diverge")
+    assert (lease.n_reused, lease.report.reason) == (192, "diverge")
     # Diverge at 290, among the float16 keys: kept as is.
     edited = first[:290] + [(first[290] + 1) % VOCAB]
     lease = caches.lease("a", "a-c", as_prompt(edited))
-    assert (lease.n_reused, lease.outcome) == (290, "diverge")
+    assert (lease.n_reused, lease.report.reason) == (290, "diverge")
     caches.close()
 
 
@@ -460,6 +460,6 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     copy = reloaded._working["a-c"]
     more = rng.integers(0, VOCAB, 20).tolist()
     lease = reloaded.lease("a", "a-c", as_prompt(prompts["a"] + more))
-    assert (lease.n_reused, lease.outcome) == (300, "extend") and lease.cache is copy
+    assert (lease.n_reused, lease.report.reason) == (300, "extend") and lease.cache is copy
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
     reloaded.close()

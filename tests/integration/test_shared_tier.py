@@ -76,7 +76,7 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
     staging.join()
     assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
     lease = b.lease("a", "c", as_prompt(first + more))
-    assert (lease.n_reused, lease.outcome) == (600, "extend")
+    assert (lease.n_reused, lease.report.reason) == (600, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), expected)
     b.close()
 

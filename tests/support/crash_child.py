@@ -87,7 +87,7 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     engine.stop()
     print(json.dumps({"text": "".join(e.text for e in events if isinstance(e, TextDelta)),
                       "n_prompt": finished.n_prompt_tokens, "n_cached": finished.n_cached_tokens,
-                      "n_output": finished.n_output_tokens, "outcome": finished.match_outcome,
+                      "n_output": finished.n_output_tokens,
                       "reuse": str(finished.reuse), "calls": dict(calls)}), flush=True)
     os._exit(0)  # everything is on disk; skip interpreter teardown (MLX's threads may abort in it)
 

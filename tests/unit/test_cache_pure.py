@@ -39,16 +39,16 @@ def prompt_of(text: str) -> Prompt:
     return Prompt(text, record.tokens, record.ends)
 
 
-def test_outcomes() -> None:
+def test_reasons() -> None:
     record = chars("hello world")
-    assert match_prompt(record, prompt_of("hello world, again")).outcome == "extend"
+    assert match_prompt(record, prompt_of("hello world, again")).reason == "extend"
     assert match_prompt(record, prompt_of("hello world, again")).n_reused == 11
-    assert match_prompt(record, prompt_of("hello there")).outcome == "diverge"
+    assert match_prompt(record, prompt_of("hello there")).reason == "diverge"
     assert match_prompt(record, prompt_of("hello there")).n_reused == 6
     exact = match_prompt(record, prompt_of("hello world"))
-    assert (exact.outcome, exact.n_reused) == ("exact", 10)
-    assert match_prompt(record, prompt_of("goodbye")).outcome == "miss"
-    assert match_prompt(CacheRecord.empty(), prompt_of("x")).outcome == "miss"
+    assert (exact.reason, exact.n_reused) == ("exact", 10)
+    assert match_prompt(record, prompt_of("goodbye")).reason == "miss"
+    assert match_prompt(CacheRecord.empty(), prompt_of("x")).reason == "miss"
 
 
 def test_tokens_straddling_the_match_are_dropped() -> None:
@@ -63,7 +63,7 @@ def test_reuse_stops_where_the_prompt_tokenizes_differently() -> None:
     record = CacheRecord((1, 2, 3, 4), "xabcd", (1, 2, 4, 5))  # "x", "a", "bc", "d"
     prompt = Prompt("xabcde", (1, 9, 10, 4, 5), (1, 3, 4, 5, 6))  # "x", "ab", "c", "d", "e"
     match = match_prompt(record, prompt)
-    assert (match.n_reused, match.n_chars, match.outcome) == (1, 1, "extend")
+    assert (match.n_reused, match.n_chars, match.reason) == (1, 1, "extend")
     same_ids_other_ends = Prompt("xabcde", (1, 2, 3, 4, 5), (1, 2, 3, 5, 6))
     assert match_prompt(record, same_ids_other_ends).n_reused == 2
 

@@ -175,3 +175,40 @@ def test_a_migration_that_breaks_a_foreign_key_is_rolled_back(tmp_path: Path) ->
     with pytest.raises(RuntimeError, match="break foreign keys"):
         command.downgrade(alembic_config(url), "0004")
     assert _count(url, "SELECT count(*) FROM responses") == 0  # 0005's table is still there
+
+
+def _rows(url: str, sql: str) -> list[tuple]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as c:
+            return [tuple(row) for row in c.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_gives_match_outcome_back(store_url: str) -> None:
+    """A row from before 0004 has only match_outcome: it moves into reuse_reason; the
+    cache_misses view reads on; the way down writes match_outcome back in its own words."""
+    url = store_url
+    command.upgrade(alembic_config(url), "0006")
+    engine = make_engine(url)
+    with engine.begin() as c:
+        for request_id, outcome, reason in (("old", "diverge", None), ("sib", "shared", "sibling"),
+                                             ("off", "miss", "off"), ("ext", "extend", "extend")):
+            c.execute(text("INSERT INTO requests (id, protocol, stream, status, created_at, match_outcome, "
+                           "reuse_reason) VALUES (:r, 'openai', false, 'ok', '2026-11-01 10:00:00', :o, :m)"),
+                      {"r": request_id, "o": outcome, "m": reason})
+    engine.dispose()
+    upgrade(url)
+    engine = make_engine(url)
+    assert "match_outcome" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+    engine.dispose()
+    assert dict(_rows(url, "SELECT id, reuse_reason FROM requests")) == {
+        "old": "diverge", "sib": "sibling", "off": "off", "ext": "extend"}
+    assert _rows(url, "SELECT request_id, reuse_reason FROM cache_misses ORDER BY request_id") == [
+        ("off", "off"), ("old", "diverge"), ("sib", "sibling")]
+    command.downgrade(alembic_config(url), "0006")
+    assert dict(_rows(url, "SELECT id, match_outcome FROM requests")) == {
+        "old": "diverge", "sib": "shared", "off": "miss", "ext": "extend"}
+    assert _rows(url, "SELECT request_id, match_outcome FROM cache_misses ORDER BY request_id") == [
+        ("off", "miss"), ("old", "diverge"), ("sib", "shared")]
