@@ -1,5 +1,5 @@
 """``semantic status``: what an operator wants to know at a glance, from the running
-server's ``/health`` and from the store (agents by tier, disk use, last job runs)."""
+server's ``/health`` and from the store (conversations by tier, disk use, last job runs)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ HEALTH_TIMEOUT_S = 3
 class StatusReport:
     url: str
     health: dict[str, Any] | None  # None: no server answers at ``url``
-    tiers: dict[str, int]  # stored caches per tier
+    tiers: cache_index.TierCounts  # conversations per tier: the server's count, else the store's with none hot
     disk_bytes: int
     disk_budget_bytes: int
     jobs: list[jobs.JobRunView]
@@ -45,17 +45,21 @@ def server_url(settings: Settings) -> str:
 
 
 def collect(settings: Settings, url: str) -> StatusReport:
-    tiers, disk, runs = {}, 0, []
+    health = read_health(url)
+    counted = ((health or {}).get("cache") or {}).get("conversations")  # the server counts its memory in
+    tiers = cache_index.TierCounts(**counted) if counted else cache_index.TierCounts(0, 0, 0)
+    disk, runs = 0, []
     if settings.database_url or settings.db_path.exists():  # the server or the worker created and migrated it
         engine = make_engine(settings.db_url)
         try:
             with make_session_factory(engine)() as session:
-                tiers = cache_index.caches_by_tier(session)
+                if not counted:  # no server, or no cache: nothing is hot
+                    tiers = cache_index.count_tiers(session, hot=())
                 disk = cache_index.disk_bytes(session)
                 runs = jobs.last_runs(session)
         finally:
             engine.dispose()
-    return StatusReport(url, read_health(url), tiers, disk, settings.disk_budget_bytes, runs)
+    return StatusReport(url, health, tiers, disk, settings.disk_budget_bytes, runs)
 
 
 def _mib(n: float) -> str:
@@ -83,9 +87,8 @@ def format_report(report: StatusReport) -> str:
     if cache:
         lines.append(f"pool     {_mib(cache['pool_bytes'])} of {_mib(cache['pool_budget_bytes'])}, "
                      f"{cache['blocks_in_memory']} blocks in memory")
-    hot = cache.get("conversations", {}).get("hot", 0)
-    warm = max(report.tiers.get("warm", 0) - hot, 0)
-    lines.append(f"caches   {hot} hot, {warm} warm, {report.tiers.get('cold', 0)} cold")
+    tiers = report.tiers
+    lines.append(f"caches   {tiers.hot} hot, {tiers.warm} warm, {tiers.cold} cold")
     lines.append(f"disk     {_mib(report.disk_bytes)} of cache files (budget {_mib(report.disk_budget_bytes)})")
     if not report.jobs:
         lines.append("jobs     none run yet")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Collection, Sequence, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -71,9 +71,10 @@ class AgentService:
             return ConversationTarget(agent, history.new_conversation_id(), system_digest, 0)
         return ConversationTarget(agent, found.conversation_id, system_digest, found.n_messages, found.snapshot)
 
-    def n_stored_caches(self, fingerprint: str) -> int:
+    def count_tiers(self, hot: Collection[str]) -> cache_index.TierCounts:
+        """Conversations by tier (``cache_index.Tier``); ``hot``: those held in memory."""
         with self._sessions() as session:
-            return cache_index.count_caches(session, fingerprint)
+            return cache_index.count_tiers(session, hot)
 
     def create(self, agent_id: str, metadata: dict[str, Any], ttl_seconds: int | None,
                conversation: tuple[str, str] | None = None) -> agents_store.AgentView:

@@ -23,6 +23,7 @@ from app.protocol import anthropic
 from app.protocol.validation import validate
 from app.store.history import new_conversation_id
 from app.store.agents import AgentView
+from app.store.cache_index import tier_of
 from app.types import MAX_TTL_SECONDS, SESSION_ID_PATTERN, Finished, GenerationRequest, Prompt, SamplingParams
 
 if TYPE_CHECKING:
@@ -62,8 +63,8 @@ def _caches(stored: tuple[tuple[str, int, str], ...], hot_tokens: int | None, fi
 
 
 def _tier(caches: list[dict]) -> str:
-    tiers = {c["tier"] for c in caches}
-    return "hot" if "hot" in tiers else "warm" if tiers - {"cold"} else "cold"
+    tiers = [c["tier"] for c in caches]
+    return tier_of("hot" in tiers, tiers)
 
 
 def render_agent(agent: AgentView, hot: Mapping[str, int], fingerprint: str) -> dict[str, Any]:

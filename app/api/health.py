@@ -85,17 +85,15 @@ class HealthResource:
                              for rows, steps in sorted(status.counters.steps_by_batch.items())}},
         }
         if status.cache is not None:
-            stored = self._agents.n_stored_caches(self._engine.model.fingerprint)
+            tiers = self._agents.count_tiers(self._engine.hot_conversations().keys())
             resp.media["cache"] = {
                 "reuse": status.cache.enabled,
                 "pool_bytes": status.cache.pool_bytes,
                 "pool_budget_bytes": status.cache.budget_bytes,
                 "blocks_in_memory": status.cache.n_blocks,
                 "blocks_free": status.cache.n_free_blocks,
-                # hot = in the memory pool; warm = only on disk.
-                "agents": {"hot": status.cache.hot_agents},
-                "conversations": {"hot": status.cache.hot_conversations,
-                                  "warm": max(stored - status.cache.hot_conversations, 0)},
+                "agents": {"hot": status.cache.hot_agents},  # agents with a conversation in memory
+                "conversations": {"hot": tiers.hot, "warm": tiers.warm, "cold": tiers.cold},  # cache_index.Tier
             }
 
 

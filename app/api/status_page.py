@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import falcon
 from sqlalchemy.orm import Session, sessionmaker
@@ -53,11 +53,11 @@ def _cell(value: Any, kind: str = "") -> str:
 @dataclass(frozen=True)
 class PageData:
     engine: dict[str, Any]
-    tiers: dict[str, int]
+    tiers: cache_index.TierCounts
     disk_bytes: int
     disk_budget_bytes: int
     agents: list[overview.AgentRow]
-    hot: dict[str, int]  # conversation -> tokens in memory
+    hot: Mapping[str, int]  # conversation -> tokens in memory
     misses: list[overview.MissRow]
     runs: list[jobs.JobRunView]
 
@@ -67,8 +67,7 @@ def render_page(data: PageData) -> str:
     e = data.engine
     cards = [("model", e["model"]), ("status", e["status"]), ("requests running", e["active"]),
              ("waiting", e["queue"]), ("memory pool", f"{_mib(e['pool_bytes'])} of {_mib(e['pool_budget'])}"),
-             ("conversations hot", len(data.hot)), ("warm", data.tiers.get("warm", 0)),
-             ("cold", data.tiers.get("cold", 0)),
+             ("conversations hot", data.tiers.hot), ("warm", data.tiers.warm), ("cold", data.tiers.cold),
              ("disk", f"{_mib(data.disk_bytes)} of {_mib(data.disk_budget_bytes)}")]
     card_html = "".join(f'<div class="card">{escape(k)}<b>{escape(str(v))}</b></div>' for k, v in cards)
     agent_rows = []
@@ -121,10 +120,10 @@ class StatusPageResource:
         with self._sessions() as session:
             agents = overview.agents(session)
             misses = overview.recent_misses(session)
-            tiers = cache_index.caches_by_tier(session)
+            hot = self._engine.hot_conversations()
+            tiers = cache_index.count_tiers(session, hot.keys())
             disk = cache_index.disk_bytes(session)
             runs = jobs.last_runs(session)
-        hot = {c: n for agent in agents for c, n in self._engine.hot_tokens(agent.id).items()}
         resp.content_type = "text/html; charset=utf-8"
         resp.text = render_page(PageData(engine, tiers, disk, self._settings.disk_budget_bytes, agents, hot, misses,
                                          runs))

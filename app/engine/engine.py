@@ -214,6 +214,10 @@ class Engine:
         """Cached tokens of the agent's conversations held in memory, by conversation id."""
         return self._runner.snapshot.hot.get(agent_id, {})
 
+    def hot_conversations(self) -> Mapping[str, int]:
+        """Cached tokens of every conversation held in memory, by conversation id."""
+        return {c: n for conversations in self._runner.snapshot.hot.values() for c, n in conversations.items()}
+
     def forget_agent(self, agent_id: str) -> None:
         """Delete the agent's caches: memory, files and index rows (engine thread)."""
         self._runner.call(lambda caches: caches.forget_agent(agent_id))

@@ -2,7 +2,7 @@
 returns. No MLX, no threads.
 
 ``engine.Engine`` implements it; the API is tested against a fake engine that does too
-(tests/api). Every value here is immutable: ``status`` and ``hot_tokens`` read the
+(tests/api). Every value here is immutable: ``status`` and the ``hot_*`` methods read the
 snapshot the engine thread last published, never state that thread owns.
 """
 
@@ -135,6 +135,10 @@ class EngineSurface(Protocol):
 
     def hot_tokens(self, agent_id: str) -> Mapping[str, int]:
         """Cached tokens of the agent's conversations held in memory, by conversation id."""
+        ...
+
+    def hot_conversations(self) -> Mapping[str, int]:
+        """Cached tokens of every conversation held in memory, by conversation id."""
         ...
 
     def forget_agent(self, agent_id: str) -> None:

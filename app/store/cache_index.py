@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Literal, Sequence
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, distinct, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import ownership
@@ -168,16 +168,35 @@ def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
     return orphans
 
 
-def caches_by_tier(session: Session) -> dict[str, int]:
-    """Stored caches per tier (warm / cold), all models."""
-    rows = session.execute(select(Cache.tier, func.count()).group_by(Cache.tier))
-    return {tier: int(n) for tier, n in rows}
+# Where a conversation's cache is. The one definition, for a conversation (``tier_of``) and
+# counted over all of them (``count_tiers``): hot = in a server's memory (which the server
+# knows, not the store); warm = not hot, and a cache of it is on disk for some model (a row
+# whose tier is not cold); cold = neither, its caches made cold (files deleted, history kept).
+Tier = Literal["hot", "warm", "cold"]
 
 
-def count_caches(session: Session, fingerprint: str) -> int:
-    """Agents with a stored (warm or hot) cache for this model."""
-    return session.scalar(select(func.count()).select_from(Cache).where(
-        Cache.model_fingerprint == fingerprint, Cache.tier != "cold")) or 0
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """Conversations by tier (see ``Tier``)."""
+
+    hot: int
+    warm: int
+    cold: int
+
+
+def tier_of(in_memory: bool, stored_tiers: Iterable[str]) -> Tier:
+    """A conversation's tier, given whether it is in memory and its caches rows' tiers."""
+    return "hot" if in_memory else "warm" if set(stored_tiers) - {"cold"} else "cold"
+
+
+def count_tiers(session: Session, hot: Collection[str]) -> TierCounts:
+    """Conversations per tier, all models; ``hot``: the conversations held in memory."""
+    others = Cache.conversation_id.not_in(list(hot))
+    on_disk = select(Cache.conversation_id).where(Cache.tier != "cold")
+    warm = session.scalar(select(func.count(distinct(Cache.conversation_id))).where(others, Cache.tier != "cold"))
+    cold = session.scalar(select(func.count(distinct(Cache.conversation_id)))
+                          .where(others, Cache.conversation_id.not_in(on_disk)))
+    return TierCounts(len(hot), warm or 0, cold or 0)
 
 
 def conversation_caches(session: Session, conversation_id: str) -> list[tuple[str, CacheEntry]]:

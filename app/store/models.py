@@ -161,7 +161,7 @@ class Cache(Base):
     conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"))
     model_fingerprint: Mapped[str] = mapped_column(String(64))
     n_tokens: Mapped[int] = mapped_column(default=0)
-    tier: Mapped[str] = mapped_column(String(8))  # hot / warm / cold
+    tier: Mapped[str] = mapped_column(String(8))  # warm / cold (hot is a server's memory: cache_index.Tier)
     # File holding the cache record (tokens, text, char ends) and the private tail.
     record_path: Mapped[str | None]
     created_at: Mapped[datetime]

@@ -18,7 +18,7 @@ class ConversationRow:
     id: str
     n_messages: int
     cached_tokens: int  # on disk (warm); the page adds what is in memory
-    tier: str  # warm / cold / none
+    tier: str  # warm / cold (cache_index.tier_of, none in memory: the page knows which are hot); none: no cache
     last_access_at: datetime
 
 
@@ -53,15 +53,17 @@ def agents(session: Session, limit: int = 50) -> list[AgentRow]:
         "SELECT h.agent_id, t.turns, h.hit_rate FROM agent_cache_hits h JOIN agent_turns t USING (agent_id)"))}
     counts: dict[str, int] = {c: n for c, n in session.execute(
         select(Message.conversation_id, func.count()).where(Message.agent_id.in_(ids)).group_by(Message.conversation_id))}
-    caches: dict[str, tuple[int, str]] = {}
+    tokens: dict[str, int] = {}
+    tiers: dict[str, list[str]] = {}
     for conversation_id, _, n_tokens, tier in cache_index.agents_caches(session, ids):
-        caches[conversation_id] = (max(n_tokens, caches.get(conversation_id, (0, ""))[0]), tier)
+        tokens[conversation_id] = max(n_tokens, tokens.get(conversation_id, 0))
+        tiers.setdefault(conversation_id, []).append(tier)
     conversations: dict[str, list[ConversationRow]] = {}
     for c in session.scalars(select(Conversation).where(Conversation.agent_id.in_(ids))
                              .order_by(Conversation.last_access_at.desc())):
-        n_tokens, tier = caches.get(c.id, (0, "none"))
+        tier = cache_index.tier_of(False, tiers[c.id]) if c.id in tiers else "none"
         conversations.setdefault(c.agent_id, []).append(
-            ConversationRow(c.id, counts.get(c.id, 0), n_tokens, tier, c.last_access_at))
+            ConversationRow(c.id, counts.get(c.id, 0), tokens.get(c.id, 0), tier, c.last_access_at))
     return [AgentRow(a.id, a.origin, a.last_access_at, hits.get(a.id, (0, None))[0], hits.get(a.id, (0, None))[1],
                      tuple(conversations.get(a.id, ()))) for a in rows]
 

@@ -5,14 +5,16 @@ tested end to end in tests/e2e."""
 from __future__ import annotations
 
 import inspect
+import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import falcon.testing
 import pytest
 
+from app import status
 from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.catalog.registry import Catalog
@@ -52,6 +54,7 @@ class FakeEngine:
         self.refuse: Exception | None = None
         self.loading = False
         self.submitted: list[GenerationRequest] = []
+        self.hot: dict[str, dict[str, int]] = {}  # agent -> conversation -> tokens in memory
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -78,7 +81,10 @@ class FakeEngine:
         return FakeJob(request)
 
     def hot_tokens(self, agent_id: str) -> dict[str, int]:
-        return {}
+        return self.hot.get(agent_id, {})
+
+    def hot_conversations(self) -> dict[str, int]:
+        return {c: n for conversations in self.hot.values() for c, n in conversations.items()}
 
     def forget_agent(self, agent_id: str) -> None:
         pass
@@ -88,13 +94,15 @@ class FakeEngine:
 
     def status(self) -> EngineStatus:
         from app.cache.blocks import KV_FORMATS
+        from app.cache.manager import CacheStats
         from app.engine.calibration import Calibration, Measured
         from app.engine.model import KVChoice
 
         calibration = Calibration("key", "k6v4", {"k6v4": Measured(0.986, 0.0033, 0.0011, 0.34375)}, 36.5)
         kv = None if self.loading else KVChoice(KV_FORMATS["k6v4"], "calibration", calibration)
         return EngineStatus(healthy=not self.loading, loading=self.loading, model="fake", backend="none",
-                            dtype="float32", context_length=CONTEXT, queue_depth=0, n_active=0, cache=None,
+                            dtype="float32", context_length=CONTEXT, queue_depth=0, n_active=0,
+                            cache=CacheStats(True, 0, 2**20, 0, 0, len(self.hot), len(self.hot_conversations()), 0),
                             counters=EngineCounters(), swaps=0, split_cores=False, kv=kv)
 
 
@@ -180,6 +188,37 @@ def test_health_says_loading_until_the_engine_is_ready(app) -> None:  # type: ig
     assert health["status"] == "ok"
     assert health["kv_format"] == {"name": "k6v4", "chosen_by": "calibration", "bytes_vs_fp16": 0.3438,
                                    "top1_agreement": 0.986, "perplexity_change": 0.0033, "kl_mean": 0.0011}
+
+
+def test_health_the_status_page_and_semantic_status_count_conversations_by_tier_alike(
+        app, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """One definition (cache_index.Tier): in memory is hot, whatever the store says; warm: a
+    cache on disk for some model; cold: every cache made cold."""
+    client, engine, db = app
+    connection = sqlite3.connect(db)
+    with connection:
+        connection.execute("INSERT INTO agents (id, origin, created_at, last_access_at, status, metadata_json) "
+                           "VALUES ('a', 'direct', '2026-11-01', '2026-11-01', 'active', '{}')")
+        for conversation, tiers in (("c-hot", ("warm",)), ("c-warm", ("warm",)), ("c-two", ("cold", "warm")),
+                                    ("c-cold", ("cold", "cold"))):
+            connection.execute("INSERT INTO conversations (id, agent_id, created_at, last_access_at) "
+                               "VALUES (?, 'a', '2026-11-01', '2026-11-01')", (conversation,))
+            for i, tier in enumerate(tiers):
+                connection.execute("INSERT INTO caches (agent_id, conversation_id, model_fingerprint, n_tokens, tier, "
+                                   "created_at, updated_at, last_access_at) VALUES ('a', ?, ?, 10, ?, '2026-11-01', "
+                                   "'2026-11-01', '2026-11-01')", (conversation, f"fp{i}", tier))
+    connection.close()
+    engine.hot = {"a": {"c-hot": 300, "c-new": 20}}  # c-new: in memory, not on disk yet
+
+    health = client.simulate_get("/health").json["cache"]["conversations"]
+    assert health == {"hot": 2, "warm": 2, "cold": 1}
+    page = client.simulate_get("/status").text
+    assert all(f"{name}<b>{n}</b>" in page for name, n in (("conversations hot", 2), ("warm", 2), ("cold", 1)))
+    settings = Settings(home=db.parent)
+    monkeypatch.setattr(status, "read_health", lambda url: client.simulate_get("/health").json)
+    assert asdict(status.collect(settings, "http://server"))["tiers"] == health
+    monkeypatch.setattr(status, "read_health", lambda url: None)  # no server: nothing is hot
+    assert asdict(status.collect(settings, "http://server"))["tiers"] == {"hot": 0, "warm": 3, "cold": 1}
 
 
 def test_routing_and_protocol_error_shapes(app) -> None:  # type: ignore[no-untyped-def]
