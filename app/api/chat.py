@@ -22,7 +22,6 @@ def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationE
 
 
 OPENAI = Dialect(
-    name="openai",
     parse=openai.parse_request,
     named_agent=_named_agent,
     new_id=openai.new_completion_id,

@@ -36,6 +36,7 @@ ErrorRenderer = Callable[[int, str, SemanticError | None], dict[str, Any]]  # st
 RENDERERS: dict[str, ErrorRenderer] = {"anthropic": lambda status, message, _: anthropic.render_error(status, message),
                                        "openai": lambda status, message, _: openai.render_error(status, message),
                                        "responses": responses_output.render_error}
+RENDERERS["direct"] = RENDERERS["anthropic"]  # the direct API answers errors as the Anthropic API does
 
 
 def status_of(exc: SemanticError) -> int:
@@ -46,8 +47,7 @@ def status_of(exc: SemanticError) -> int:
 
 
 def _render(req: falcon.Request, status: int, message: str, exc: SemanticError | None) -> dict[str, Any]:
-    protocol = getattr(req.context, "protocol", "anthropic")
-    return RENDERERS.get(protocol, RENDERERS["anthropic"])(status, message, exc)
+    return RENDERERS[getattr(req.context, "protocol", "anthropic")](status, message, exc)
 
 
 def _respond(req: falcon.Request, resp: falcon.Response, status: int, message: str,

@@ -70,7 +70,6 @@ def render_turn(engine: Engine, parsed: ParsedTurn, model: str) -> Prompt:
 class Dialect:
     """How one protocol speaks. Every function is pure."""
 
-    name: str  # anthropic / openai / responses: the requests.protocol column
     parse: Callable[[Any, RequestOptions], ParsedTurn]
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
@@ -91,6 +90,7 @@ class Turn:
     """What a finished turn needs in order to be recorded."""
 
     request_id: str
+    protocol: str  # req.context.protocol (middleware.protocol_of)
     message_id: str
     target: ConversationTarget
     parsed: ParsedTurn
@@ -127,12 +127,12 @@ class GenerationResource:
 
     def _start(self, req: falcon.Request, body: Callable[[], Any],
                agent: AgentKey | Callable[[], AgentKey | None] | None) -> tuple[Turn, GenerationJob]:
-        request_id = req.context.request_id
+        request_id, protocol = req.context.request_id, req.context.protocol
         job: GenerationJob | None = None
         try:
             received = body()
             parsed, model, prompt, target = self._prepare(req, received, agent() if callable(agent) else agent)
-            self._agents.begin(request_id, protocol=self._dialect.name, model=parsed.model, served_model=model,
+            self._agents.begin(request_id, protocol=protocol, model=parsed.model, served_model=model,
                                stream=parsed.stream, n_input_tokens=prompt.n_tokens)
             job = self._engine.submit(GenerationRequest(
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
@@ -144,10 +144,10 @@ class GenerationResource:
             if job is not None:  # submitted, then the store refused to record it
                 job.cancel()
             error_type = self._dialect.error_types.get(status_of(exc), "api_error")
-            self._agents.reject(request_id, self._dialect.name, error_type, str(exc))
-            self._metrics.rejected(self._dialect.name)
+            self._agents.reject(request_id, protocol, error_type, str(exc))
+            self._metrics.rejected(protocol)
             raise
-        return Turn(request_id, self._dialect.new_id(), target, parsed, prompt), job
+        return Turn(request_id, protocol, self._dialect.new_id(), target, parsed, prompt), job
 
     def _prepare(self, req: falcon.Request, body: Any,
                  agent: AgentKey | None) -> tuple[ParsedTurn, str, Prompt, ConversationTarget]:
@@ -194,7 +194,7 @@ class GenerationResource:
         body = keep(turn.message_id, parsed, text, finished) if keep is not None else None
         stored = StoredReply(turn.message_id, body.get("previous_response_id"), body) if body is not None else None
         self._agents.complete(turn.request_id, turn.target, messages, finished, reuse, stored)
-        self._metrics.observe(self._dialect.name, finished)
+        self._metrics.observe(turn.protocol, finished)
         _log_turn(turn, finished, reuse)
 
     def _collect(self, turn: Turn, job: GenerationJob, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:

@@ -28,7 +28,6 @@ def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEven
 
 
 ANTHROPIC = Dialect(
-    name="anthropic",
     parse=anthropic.parse_request,
     named_agent=_named_agent,
     new_id=anthropic.new_message_id,

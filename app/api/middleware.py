@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
+from typing import Literal
 
 import falcon
 
@@ -20,11 +21,19 @@ PROBES = frozenset({"/", "/health", "/metrics"})
 OPEN_PATHS = PROBES | frozenset(PAGE_FILES)
 
 
-def protocol_of(path: str) -> str:
+Protocol = Literal["anthropic", "openai", "responses", "direct"]
+
+
+def protocol_of(path: str) -> Protocol:
+    """The protocol a request to ``path`` speaks, decided here only (``req.context.protocol``):
+    its error shape (api/errors.py; the direct API's is Anthropic's), the ``requests.protocol``
+    column and the ``protocol`` label of the request metrics, its errors in the OpenAPI document."""
     if path.startswith("/v1/chat/"):
         return "openai"
     if path == "/v1/responses" or path.startswith("/v1/responses/"):
         return "responses"
+    if path == "/v1/agents" or path.startswith("/v1/agents/"):
+        return "direct"
     return "anthropic"
 
 

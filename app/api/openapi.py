@@ -110,7 +110,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 # The API each path speaks, for its error body's shape (``api.errors`` renders by protocol).
-ERROR_SCHEMAS = {"anthropic": "AnthropicError", "openai": "OpenAIError", "responses": "ResponsesError"}
+ERROR_SCHEMAS = {"anthropic": "AnthropicError", "openai": "OpenAIError", "responses": "ResponsesError",
+                 "direct": "AnthropicError"}
 _PLACEHOLDER = "\x00text"  # a string the renderer copies from its arguments (a message, a field)
 
 

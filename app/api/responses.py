@@ -34,7 +34,6 @@ def _stream(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEve
 
 
 RESPONSES = Dialect(
-    name="responses",
     parse=responses.parse_request,
     named_agent=_named_agent,
     new_id=responses_output.new_response_id,

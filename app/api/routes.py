@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import falcon
@@ -50,7 +50,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))
     app.add_route("/v1/responses/{response_id}", ResponseResource(deps.agents))
-    direct = GenerationResource(replace(ANTHROPIC, name="direct"), deps.settings, deps.engine, deps.agents, metrics)
+    direct = GenerationResource(ANTHROPIC, deps.settings, deps.engine, deps.agents, metrics)  # protocol "direct"
     app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))

@@ -264,7 +264,7 @@ def test_every_route_but_the_probes_wants_the_key(keyed: falcon.testing.TestClie
                     continue
                 assert result.status_code == 401, (method, path, headers, result.text)
                 shape = result.json
-                if protocol_of(path) == "anthropic":
+                if protocol_of(path) in ("anthropic", "direct"):
                     assert shape["type"] == "error" and shape["error"]["type"] == "authentication_error", shape
                 else:
                     assert "API key" in shape["error"]["message"], shape
@@ -304,3 +304,7 @@ def test_a_direct_turn_continues_an_agent_whose_history_has_openai_tool_calls(ap
     assert generated.status_code == 200, generated.text
     history = client.simulate_get("/v1/agents/mixed/history").json["messages"]
     assert history[-2]["content"] == "And tomorrow?" and history[-1]["role"] == "assistant"
+    # the protocol each path speaks (middleware.protocol_of) is what the requests table records
+    assert query(db, "SELECT protocol FROM requests ORDER BY created_at") == [("openai",), ("direct",)]
+    refused = client.simulate_post("/v1/agents/mixed/generate", json={"messages": "nope"})
+    assert refused.status_code == 400 and refused.json["type"] == "error"  # the Anthropic error shape
