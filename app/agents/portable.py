@@ -98,7 +98,9 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
                 "snapshot": conversation.snapshot, "thread": conversation.thread,
                 "created_at": _time(conversation.created_at), "last_access_at": _time(conversation.last_access_at),
                 "messages": [{"position": m.position, "role": m.role, "content": m.content, "digest": m.digest,
-                              "created_at": _time(m.created_at), "n_tokens": m.n_tokens} for m in messages],
+                              "created_at": _time(m.created_at),
+                              "n_tokens": None}  # no longer stored; version 1 readers expect the key
+                             for m in messages],
                 "caches": caches})
         manifest = {
             "format": FORMAT, "version": VERSION, "semantic_version": __version__, "exported_at": _time(utcnow()),
@@ -270,7 +272,7 @@ def _insert(session: Session, agent: dict[str, Any], agent_id: str,
         session.flush()
         session.add_all(Message(agent_id=agent_id, conversation_id=conversation_id, position=int(m["position"]),
                                 role=str(m["role"]), content=m["content"], digest=m["digest"],
-                                created_at=_parse(m["created_at"]), n_tokens=m["n_tokens"])
+                                created_at=_parse(m["created_at"]))
                         for m in conversation["messages"])
         n_messages += len(conversation["messages"])
         for cache, record, rows in caches:

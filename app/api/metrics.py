@@ -55,8 +55,9 @@ class Metrics:
         self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)
         self.cache_read_tokens = Counter("semantic_cache_read_tokens", "Prompt tokens reused from a cache", registry=r)
         self.output_tokens = Counter("semantic_output_tokens", "Generated tokens", registry=r)
-        self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason (app.types.ReuseReason: "
-                                     "extend, exact, diverge, sibling, shared, miss, off)", ["reason"], registry=r)
+        self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason "
+                                     "(app.types.ReuseReason: extend, exact, diverge, sibling, shared, miss, off)",
+                                     ["reason"], registry=r)
         self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)

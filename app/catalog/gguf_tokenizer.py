@@ -19,11 +19,8 @@ from app.errors import InvalidModelFile
 
 # llama.cpp token types (llama_token_type).
 TOKEN_NORMAL = 1
-TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
-TOKEN_UNUSED = 5
-TOKEN_BYTE = 6
 
 SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 

@@ -31,10 +31,6 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self._batch)
 
-    @property
-    def uids(self) -> list[int]:
-        return list(self._batch.uids)
-
     def add(self, uid: int, cache: list[KVCache], last_token: int, context: Sequence[int],
             sampler: Callable[[mx.array], mx.array], processors: Sequence[Any]) -> None:
         """Start decoding ``uid``: ``cache`` holds its prompt but ``last_token``, which is fed now.

@@ -160,6 +160,6 @@ def fork(session: Session, source_id: str, new_id: str, metadata: dict[str, Any]
     session.add(copy)
     session.flush()
     session.add_all(Message(agent_id=new_id, conversation_id=copy.id, position=m.position, digest=m.digest,
-                            role=m.role, content=m.content, created_at=m.created_at, n_tokens=m.n_tokens,
+                            role=m.role, content=m.content, created_at=m.created_at,
                             request_id=m.request_id) for m in kept)
     return Fork(conversation_id, copy.id, len(kept))

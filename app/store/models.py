@@ -127,7 +127,6 @@ class Message(Base):
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[Any] = mapped_column(JSON)
     created_at: Mapped[datetime]
-    n_tokens: Mapped[int | None]
     request_id: Mapped[str | None] = mapped_column(ForeignKey("requests.id", ondelete="SET NULL"), index=True)
 
 

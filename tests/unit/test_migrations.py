@@ -186,13 +186,21 @@ def _rows(url: str, sql: str) -> list[tuple]:
         engine.dispose()
 
 
-def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_gives_match_outcome_back(store_url: str) -> None:
+def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_drops_messages_n_tokens(store_url: str) -> None:
     """A row from before 0004 has only match_outcome: it moves into reuse_reason; the
-    cache_misses view reads on; the way down writes match_outcome back in its own words."""
+    cache_misses view reads on; the way down writes match_outcome back in its own words.
+    messages.n_tokens goes, the messages stay."""
     url = store_url
     command.upgrade(alembic_config(url), "0006")
     engine = make_engine(url)
     with engine.begin() as c:
+        now = "2026-11-01 10:00:00"
+        c.execute(text("INSERT INTO agents (id, origin, created_at, last_access_at, status, metadata_json) "
+                       "VALUES ('a', 'direct', :t, :t, 'active', '{}')"), {"t": now})
+        c.execute(text("INSERT INTO conversations (id, agent_id, created_at, last_access_at) "
+                       "VALUES ('c', 'a', :t, :t)"), {"t": now})
+        c.execute(text("INSERT INTO messages (agent_id, conversation_id, position, role, content, created_at, "
+                       "n_tokens) VALUES ('a', 'c', 0, 'user', '\"hi\"', :t, NULL)"), {"t": now})
         for request_id, outcome, reason in (("old", "diverge", None), ("sib", "shared", "sibling"),
                                              ("off", "miss", "off"), ("ext", "extend", "extend")):
             c.execute(text("INSERT INTO requests (id, protocol, stream, status, created_at, match_outcome, "
@@ -202,7 +210,9 @@ def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_gives_match_outcom
     upgrade(url)
     engine = make_engine(url)
     assert "match_outcome" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+    assert "n_tokens" not in {c["name"] for c in inspect(engine).get_columns("messages")}
     engine.dispose()
+    assert _rows(url, "SELECT conversation_id, position, role FROM messages") == [("c", 0, "user")]
     assert dict(_rows(url, "SELECT id, reuse_reason FROM requests")) == {
         "old": "diverge", "sib": "sibling", "off": "off", "ext": "extend"}
     assert _rows(url, "SELECT request_id, reuse_reason FROM cache_misses ORDER BY request_id") == [
@@ -212,3 +222,4 @@ def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_gives_match_outcom
         "old": "diverge", "sib": "shared", "off": "miss", "ext": "extend"}
     assert _rows(url, "SELECT request_id, match_outcome FROM cache_misses ORDER BY request_id") == [
         ("off", "miss"), ("old", "diverge"), ("sib", "shared")]
+    assert _rows(url, "SELECT position, n_tokens FROM messages") == [(0, None)]

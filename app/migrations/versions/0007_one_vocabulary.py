@@ -1,4 +1,5 @@
-"""one vocabulary: how cache reuse ended is requests.reuse_reason alone (match_outcome goes)
+"""one vocabulary: how cache reuse ended is requests.reuse_reason alone (match_outcome goes);
+messages.n_tokens, which nothing wrote, goes
 
 ``match_outcome`` said the same as ``reuse_reason`` in fewer words (``sibling`` was
 ``shared``, ``off`` was ``miss``). Rows from before 0004 have only ``match_outcome``:
@@ -6,7 +7,7 @@ its value, already a word of the reason vocabulary, moves into ``reuse_reason``.
 The ``cache_misses`` view loses its ``match_outcome`` column; the views over
 ``requests`` are dropped and made again around the table's rebuild (SQLite checks
 them when a batch rebuild renames tables, PostgreSQL refuses to drop a column a view
-reads).
+reads). ``messages.n_tokens`` was never written (NULL, or a fork's copy of NULL).
 
 Revision ID: 0007
 Revises: 0006
@@ -47,13 +48,18 @@ def _create_views(views: dict[str, str]) -> None:
 
 def upgrade() -> None:
     _drop_views(OLD_VIEWS)
-    op.execute("UPDATE requests SET reuse_reason = match_outcome WHERE reuse_reason IS NULL AND match_outcome IS NOT NULL")
+    op.execute("UPDATE requests SET reuse_reason = match_outcome "
+               "WHERE reuse_reason IS NULL AND match_outcome IS NOT NULL")
     with op.batch_alter_table("requests") as batch:
         batch.drop_column("match_outcome")
     _create_views(VIEWS)
+    with op.batch_alter_table("messages") as batch:
+        batch.drop_column("n_tokens")
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("messages") as batch:
+        batch.add_column(sa.Column("n_tokens", sa.Integer(), nullable=True))
     _drop_views(VIEWS)
     with op.batch_alter_table("requests") as batch:
         batch.add_column(sa.Column("match_outcome", sa.String(16), nullable=True))
