@@ -14,14 +14,17 @@ from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
-# Long answers (a list that does not end within max_tokens): every request decodes for many
-# steps, so the requests overlap whatever the machine's speed (short answers could end
-# before the next prompt's prefill does, on a loaded machine).
+# Long answers (a list that does not end within max_tokens) and prompts of different lengths,
+# about 40, 85, 175 and 300 tokens: the requests overlap whatever the machine's speed. The
+# shortest prompt is prefilled first and decodes for 48 steps; while others wait, a prefill
+# chunk is sized by time but never under 8 tokens (scheduler.PrefillPolicy), so the next
+# prompt (<= 8 * 47 tokens) has joined the decode batch before the first answer ends. (With
+# prompts of 400 to 1,500 tokens, a loaded machine's 8-token chunks let every answer end
+# before the next prefill did: no step ever decoded two sequences.)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 FILLER = "The committee reviewed the quarterly figures and noted steady progress across every region. "
-# Prompts of different lengths: about 40, 400, 900 and 1,500 tokens.
 PROMPTS = {f"agent-{i}": [ChatMessage("system", FILLER * words), ChatMessage("user", f"Question {i}: list twenty colours, one per line.")]
-           for i, words in enumerate((1, 25, 60, 100))}
+           for i, words in enumerate((1, 4, 10, 18))}
 
 
 def start_engine(home: Path, model_dir: Path, reuse: bool) -> Engine:
