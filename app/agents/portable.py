@@ -7,10 +7,13 @@ each conversation's caches: model fingerprint, tokens, record and block list) an
 the cache files themselves (``blocks/<hash>.safetensors``, ``records/<n>.safetensors``).
 ``agent.json`` names every other member with its sha256. Import reads members only by
 those names (nothing is extracted as the archive says), verifies every file (its
-sha256, its own checksum, a block's id and model), and writes nothing to the
+sha256, its own checksum, a block's id, tokens and model), and writes nothing to the
 database unless all of it verifies; then the agent, its history and its cache index
 go in one transaction. Requests and stored Responses API objects stay behind: they
 are the source server's log, not the agent.
+
+Whoever writes an archive can forge its KV data with every checksum recomputed: what
+an archive holds serves the imported agent and no other (``import_agent``).
 """
 
 from __future__ import annotations
@@ -21,18 +24,22 @@ import json
 import logging
 import re
 import tarfile
+import tempfile
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import __version__
 from app.cache import durable
 from app.cache import files as cache_files
 from app.cache.files import CacheFiles
+from app.cache.hashing import BLOCK_TOKENS, block_hash, private_fingerprint
 from app.cache.shared_tier import S3Tier
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
@@ -40,6 +47,7 @@ from app.store import cache_index
 from app.store.db import write_locked
 from app.store.history import new_conversation_id, utcnow
 from app.store.models import Agent, Conversation, Message
+from app.types import SESSION_ID_PATTERN
 
 FORMAT = "semantic-agent"
 VERSION = 1
@@ -47,10 +55,12 @@ MANIFEST = "agent.json"
 log = logging.getLogger(__name__)
 
 MEMBER = re.compile(r"(blocks|records)/[A-Za-z0-9_-]{1,128}\.safetensors")
-BLOCK_ID = re.compile(r"[0-9a-f]{64}")
+FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a model fingerprint, a sha256 (it names a directory)
+AGENT_ID = re.compile(SESSION_ID_PATTERN)
 
-
-_StagedCache = tuple[dict[str, Any], Path, list[cache_index.BlockRow]]  # description, record, block rows
+# A cache as staged: its description in agent.json, its record file, that file's checksum, its block rows.
+_StagedCache = tuple[dict[str, Any], Path, str, list[cache_index.BlockRow]]
+_Plan = list[tuple[dict[str, Any], str, list[_StagedCache]]]  # conversation, its new id, its caches
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,42 +154,48 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
     """Verify an exported agent whole, then add it (as ``new_id`` if given) to this store.
     Conversations get new ids; messages keep their order, digests and times.
 
+    An archive's KV data cannot be checked without recomputing it, so it is trusted for the
+    imported agent alone: a block is shared with this home's other agents only if this home
+    holds the same block, byte for byte; every other block (and every block after it in its
+    chain) gets a private id (``private_fingerprint``), which no other agent's prompt hashes to.
+    A refused import removes every file it wrote.
+
     Raises:
         InvalidRequest: not an agent archive, a file that does not verify, or the id is taken.
     """
     manifest, members = _read_archive(source)
     agent = manifest["agent"]
     agent_id = new_id or agent["id"]
+    if not isinstance(agent_id, str) or not AGENT_ID.fullmatch(agent_id):
+        raise InvalidRequest(f"agent id {str(agent_id)[:80]!r} is not 1-128 letters, digits or ._:-", "id")
     with sessions() as session:  # checked again below, under the write lock
         taken = session.get(Agent, agent_id) is not None
     if taken:
         raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
-    staged: list[tuple[Path, Path]] = []  # (verified temporary file, final place)
+    written: list[Path] = []  # every file this import wrote, removed if it is refused
+    staging = _Staging(sessions, root, members, uuid.uuid4().hex, written)
     try:
-        plan = [(conversation, [_stage(root, cache, members, staged) for cache in conversation["caches"]])
-                for conversation in manifest["conversations"]]
-        n_new = sum(1 for _, final in staged if not final.exists() and final.parent.name != "conversations")
-        for temporary, final in staged:  # block files are content-addressed: an existing one is the same
-            if final.exists():
-                temporary.unlink()
-            else:
-                durable.install(temporary, final)
+        plan = []
+        for conversation in manifest["conversations"]:
+            conversation_id = new_conversation_id()
+            plan.append((conversation, conversation_id,
+                         [staging.cache(cache, agent_id, conversation_id) for cache in conversation["caches"]]))
         with write_locked(sessions) as session:
             if session.get(Agent, agent_id) is not None:
                 raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
             n_messages, n_tokens = _insert(session, agent, agent_id, plan)
     except BaseException as exc:
-        for temporary, final in staged:
-            temporary.unlink(missing_ok=True)
-        for record in (final for _, final in staged if final.parent.name == "conversations"):
-            record.unlink(missing_ok=True)
+        for path in written:
+            path.unlink(missing_ok=True)
         if isinstance(exc, (KeyError, TypeError, ValueError, AttributeError)):  # a field missing or of a wrong type
             raise InvalidRequest(f"archive: agent.json is malformed ({type(exc).__name__}: {exc})",
                                  "archive") from exc
+        if isinstance(exc, IntegrityError):  # e.g. two messages at one position
+            raise InvalidRequest(f"archive: agent.json's rows contradict each other ({exc.orig})", "archive") from exc
         raise
     if tier is not None:
         _upload(tier, root, plan)
-    return Imported(agent_id, len(plan), n_messages, n_tokens, n_new)
+    return Imported(agent_id, len(plan), n_messages, n_tokens, staging.n_new)
 
 
 def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -211,60 +227,110 @@ def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
     return manifest, members
 
 
-def _stage(root: Path, cache: dict[str, Any], members: dict[str, bytes],
-           staged: list[tuple[Path, Path]]) -> _StagedCache:
-    """Write a cache's files next to their final places and verify them there.
+class _Staging:
+    """Writes an import's cache files in place, verified, and says what to index."""
 
-    Returns:
-        The cache's description, its record's final path and its block rows.
-    """
-    fingerprint = str(cache["fingerprint"])
-    layout = CacheFiles(root, fingerprint)
-    rows = []
-    for parent, block in zip([None, *cache["blocks"]], cache["blocks"]):
-        block_id = str(block["hash"])
-        if not BLOCK_ID.fullmatch(block_id) or block.get("parent_hash") != (parent["hash"] if parent else None):
-            raise InvalidRequest(f"archive: block {block_id!r} is not a block id of its chain", "archive")
-        final = layout.block_path(block_id)
-        meta = _verify(members, f"blocks/{block_id}.safetensors", final, staged, block.get("checksum") or None)
-        try:
-            cache_files.check_block(meta, fingerprint, block_id)
-        except ValueError:
-            raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive") from None
-        rows.append(cache_index.BlockRow(block_id, block["parent_hash"], int(block["n_tokens"]), str(final),
-                                         len(members[f"blocks/{block_id}.safetensors"]), block.get("checksum") or ""))
-    record = layout.record_path(new_conversation_id())
-    meta = _verify(members, str(cache["record"]), record, staged, None)
-    if cache_files.record_chain(meta) != [row.hash for row in rows]:
-        raise InvalidRequest("archive: a record and its block list disagree", "archive")
-    return cache, record, rows
+    def __init__(self, sessions: sessionmaker[Session], root: Path, members: dict[str, bytes], salt: str,
+                 written: list[Path]) -> None:
+        self._sessions = sessions
+        self._root = root
+        self._members = members
+        self._salt = salt
+        self.written = written
+        self.n_new = 0  # block files written (not this home's already)
+
+    def cache(self, cache: dict[str, Any], agent_id: str, conversation_id: str) -> _StagedCache:
+        """Verify one cache of the archive and write its files for ``conversation_id``.
+
+        Returns:
+            The cache's description, its record file's path and checksum, and its block rows.
+        """
+        fingerprint = str(cache["fingerprint"])
+        if not FINGERPRINT.fullmatch(fingerprint):
+            raise InvalidRequest(f"archive: {fingerprint[:80]!r} is not a model fingerprint", "archive")
+        layout = CacheFiles(self._root, fingerprint)
+        record, meta, _ = self._verified(layout, str(cache["record"]))
+        tokens = [int(t) for t in record["tokens"]]
+        claimed = list(cache["blocks"])
+        if cache_files.record_chain(meta) != [str(b["hash"]) for b in claimed] \
+                or int(cache["n_tokens"]) != len(tokens) or len(claimed) * BLOCK_TOKENS > len(tokens):
+            raise InvalidRequest("archive: a record and its block list disagree", "archive")
+        private = private_fingerprint(fingerprint, self._salt)
+        rows: list[cache_index.BlockRow] = []
+        parent: str | None = None  # the archive's id of the previous block
+        n_home = 0  # the first rows: this home's own blocks
+        for i, block in enumerate(claimed):
+            span = tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS]
+            block_id = str(block["hash"])
+            if block.get("parent_hash") != parent:
+                raise InvalidRequest(f"archive: block {block_id[:80]!r} is not the block of its chain", "archive")
+            name = f"blocks/{block_id}.safetensors"
+            arrays, block_meta, _ = self._verified(layout, name)
+            try:
+                cache_files.check_block(block_meta, fingerprint, block_id)
+            except ValueError:
+                raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive") from None
+            row = self._home_block(layout, rows[-1].hash if rows else None, span, arrays) \
+                if len(rows) == n_home else None
+            n_home += row is not None
+            rows.append(row or self._private_block(layout, private, rows[-1].hash if rows else None, span, arrays))
+            parent = block_id
+        record_path = layout.record_path(conversation_id)
+        self.written.append(record_path)
+        record_checksum, _ = cache_files.write(record_path, record, {
+            **meta, "agent_id": agent_id, "conversation_id": conversation_id,
+            "chain": json.dumps([row.hash for row in rows])})
+        return cache, record_path, record_checksum, rows
+
+    def _verified(self, layout: CacheFiles, name: str) -> tuple[cache_files.Arrays, dict[str, str], str]:
+        """A member's arrays, metadata and checksum, verified (its own checksum)."""
+        if name not in self._members:
+            raise InvalidRequest(f"archive: {name} is missing", "archive")
+        durable.make_directories(layout.base)
+        with tempfile.NamedTemporaryFile(dir=layout.base, suffix=cache_files.TEMP_SUFFIX) as handle:
+            handle.write(self._members[name])
+            handle.flush()
+            try:
+                return cache_files.read_verified(Path(handle.name))
+            except cache_files.DamagedFile as exc:
+                raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
+
+    def _home_block(self, layout: CacheFiles, parent: str | None, span: list[int],
+                    arrays: cache_files.Arrays) -> cache_index.BlockRow | None:
+        """This home's own block after ``parent`` for the tokens ``span`` (its id computed here),
+        if its file holds exactly ``arrays``."""
+        block = block_hash(layout.fingerprint, parent, span)
+        meta = {"fingerprint": layout.fingerprint, "hash": block, "n_tokens": str(BLOCK_TOKENS)}
+        with self._sessions() as session:
+            found = cache_index.block_file(session, block)
+        if found is None or found[1] != cache_files.checksum(arrays, meta):
+            return None
+        path = layout.local(found[0], fetch=False)
+        if not path.exists():
+            return None
+        return cache_index.BlockRow(block, parent, BLOCK_TOKENS, found[0], path.stat().st_size, found[1])
+
+    def _private_block(self, layout: CacheFiles, private: str, parent: str | None, span: list[int],
+                       arrays: cache_files.Arrays) -> cache_index.BlockRow:
+        """A file of the archive's ``arrays`` at a private id (``private``: the fingerprint its
+        ids chain from), after ``parent``."""
+        block = block_hash(private, parent, span)
+        path = layout.block_path(block)
+        self.written.append(path)
+        digest, size = cache_files.write(path, arrays, {
+            "fingerprint": layout.fingerprint, "hash": block, "n_tokens": str(BLOCK_TOKENS)})
+        self.n_new += 1
+        return cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), size, digest)
 
 
-def _verify(members: dict[str, bytes], name: str, final: Path, staged: list[tuple[Path, Path]],
-            checksum: str | None) -> dict[str, str]:
-    if name not in members:
-        raise InvalidRequest(f"archive: {name} is missing", "archive")
-    temporary = final.with_name(f"{final.name}.import{cache_files.TEMP_SUFFIX}")
-    durable.make_directories(temporary.parent)
-    temporary.write_bytes(members[name])
-    staged.append((temporary, final))
-    try:
-        _, meta = cache_files.read(temporary, checksum)
-    except cache_files.DamagedFile as exc:
-        raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
-    return meta
-
-
-def _insert(session: Session, agent: dict[str, Any], agent_id: str,
-            plan: list[tuple[dict[str, Any], list[_StagedCache]]]) -> tuple[int, int]:
+def _insert(session: Session, agent: dict[str, Any], agent_id: str, plan: _Plan) -> tuple[int, int]:
     now = utcnow()
     session.add(Agent(id=agent_id, origin=str(agent["origin"]), parent_id=None,
                       created_at=_parse(agent["created_at"]), last_access_at=now, ttl_seconds=agent["ttl_seconds"],
                       hot_ttl_seconds=agent["hot_ttl_seconds"], status=str(agent["status"]),
                       metadata_json=dict(agent["metadata"] or {})))
     n_messages = n_tokens = 0
-    for conversation, caches in plan:
-        conversation_id = new_conversation_id()
+    for conversation, conversation_id, caches in plan:
         session.add(Conversation(id=conversation_id, agent_id=agent_id, system_digest=conversation["system_digest"],
                                  snapshot=conversation["snapshot"], thread=conversation["thread"],
                                  created_at=_parse(conversation["created_at"]),
@@ -275,10 +341,9 @@ def _insert(session: Session, agent: dict[str, Any], agent_id: str,
                                 created_at=_parse(m["created_at"]))
                         for m in conversation["messages"])
         n_messages += len(conversation["messages"])
-        for cache, record, rows in caches:
-            cache_files.readdress_record(record, record, agent_id, conversation_id)  # this home's ids now
+        for cache, record, record_checksum, rows in caches:
             cache_index.save_cache(session, agent_id, conversation_id, str(cache["fingerprint"]),
-                                   int(cache["n_tokens"]), str(record), rows, now)
+                                   int(cache["n_tokens"]), str(record), rows, now, record_checksum=record_checksum)
             n_tokens += int(cache["n_tokens"])
     return n_messages, n_tokens
 
@@ -290,15 +355,16 @@ def _parse(value: Any) -> datetime:
         raise InvalidRequest(f"archive: {value!r} is not a time", "archive") from exc
 
 
-def _upload(tier: S3Tier, root: Path, plan: list[tuple[dict[str, Any], list[_StagedCache]]]) -> None:
+def _upload(tier: S3Tier, root: Path, plan: _Plan) -> None:
     """Copy the imported files to the pool's shared tier (blocks first, records last). A tier
     that is down only costs the other servers a cold first turn."""
     try:
-        for _, caches in plan:
-            for cache, record, rows in caches:
+        for _, _, caches in plan:
+            for cache, record, _, rows in caches:
                 layout = CacheFiles(root, str(cache["fingerprint"]), tier)
-                for row in rows:
-                    tier.put(layout.key(Path(row.path)), Path(row.path), once=True)
+                for path in (layout.local(row.path, fetch=False) for row in rows):
+                    if path.exists():  # a block this home held already may be another server's file
+                        tier.put(layout.key(path), path, once=True)
                 tier.put(layout.key(record), record)
     except Exception as exc:
         log.warning("shared tier: the imported agent's files were not uploaded (%s)", exc)

@@ -140,6 +140,12 @@ def read(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict
     Raises:
         DamagedFile: missing, unreadable, or the checksum does not match.
     """
+    arrays, metadata, _ = read_verified(path, expected_checksum)
+    return arrays, metadata
+
+
+def read_verified(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict[str, str], str]:
+    """``read``, and the checksum the file verified against (for an index row to hold)."""
     metadata = read_metadata(path)
     try:
         arrays = load_file(str(path))
@@ -153,7 +159,7 @@ def read(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict
     actual = checksum(arrays, metadata)
     if stored != actual or (expected_checksum and expected_checksum != actual):
         raise DamagedFile(f"{path}: checksum mismatch")
-    return arrays, metadata
+    return arrays, metadata, actual
 
 
 # -- verification and quarantine --------------------------------------------------------------
@@ -194,11 +200,17 @@ def record_chain(metadata: dict[str, str]) -> list[str] | None:
     return json.loads(metadata.get("chain", "null"))
 
 
-def readdress_record(source: Path, target: Path, agent_id: str, conversation_id: str) -> None:
-    """Write record file ``source`` (verified) to ``target``, naming another agent and
-    conversation: a forked agent's copy, an imported agent's record."""
-    arrays, meta = read(source)
-    write(target, arrays, {**meta, "agent_id": agent_id, "conversation_id": conversation_id})
+def readdress_record(source: Path, target: Path, agent_id: str, conversation_id: str,
+                     expected_checksum: str | None = None, chain: list[str] | None = None) -> str:
+    """Write record file ``source`` (verified, against ``expected_checksum`` if given) to
+    ``target``, naming another agent and conversation (and, given ``chain``, other block
+    ids): a forked agent's copy, an imported agent's record. Returns the new file's checksum."""
+    arrays, meta = read(source, expected_checksum)
+    meta = {**meta, "agent_id": agent_id, "conversation_id": conversation_id}
+    if chain is not None:
+        meta["chain"] = json.dumps(chain)
+    digest, _ = write(target, arrays, meta)
+    return digest
 
 
 def temporary_files(root: Path) -> Iterator[Path]:
@@ -282,32 +294,51 @@ class CacheFiles:
         name = hashlib.sha256(conversation_id.encode()).hexdigest()[:32]
         return self.base / "conversations" / f"{name}-{uuid.uuid4().hex[:12]}.safetensors"
 
-    def write_block(self, block: str, data: StorableBlock) -> tuple[Path, str]:
-        """Write a full block unless its file exists; returns (path, checksum or "" if it existed)."""
+    def write_block(self, block: str, data: StorableBlock, indexed: str | None = None) -> tuple[Path, str]:
+        """Write a full block unless its file holds it already; returns (path, the checksum of
+        the file now there).
+
+        A file already at the block's address is kept only if it claims ``indexed`` (the
+        checksum the block's index row holds: the file this home wrote, verified against
+        it on every read) or exactly ``data``. Any other file there (left by a crash, a
+        refused import, a forger) is never adopted: ``data`` replaces it.
+        """
         path = self.block_path(block)
-        if path.exists():
-            return path, ""
-        digest, _ = write(path, data.to_numpy(), {
-            "fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)})
+        try:
+            claimed = read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
+        except DamagedFile:
+            claimed = None
+        if claimed is not None and claimed == indexed:
+            return path, claimed
+        arrays = data.to_numpy()
+        meta = {"fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)}
+        if claimed is not None and claimed == checksum(arrays, meta):
+            return path, claimed
+        if claimed is not None:
+            log.warning("block file %s is not this home's (checksum %s); replaced", path, claimed[:12])
+        digest, _ = write(path, arrays, meta)
         return path, digest
 
-    def write_record(self, cache: ConversationCache) -> Path:
+    def write_record(self, cache: ConversationCache) -> tuple[Path, str]:
+        """Write a new record file for the conversation; returns (its path, its checksum)."""
         arrays = {"tokens": np.array(cache.record.tokens, dtype=np.int64),
                   "ends": np.array(cache.record.ends, dtype=np.int64)}
         if cache.tail is not None:
             arrays.update(cache.tail.to_numpy("tail."))
         path = self.record_path(cache.conversation_id)
-        write(path, arrays, {
+        digest, _ = write(path, arrays, {
             "agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
             "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
-        return path
+        return path, digest
 
-    def copy_record(self, source: str | Path, agent_id: str, conversation_id: str) -> Path:
+    def copy_record(self, source: str | Path, agent_id: str, conversation_id: str,
+                    expected_checksum: str | None = None) -> tuple[Path, str]:
         """A record file of its own for ``conversation_id`` of ``agent_id``, holding what the
-        record file ``source`` holds (its blocks are shared by reference)."""
+        record file ``source`` holds (its blocks are shared by reference); returns (its path,
+        its checksum)."""
         target = self.record_path(conversation_id)
-        readdress_record(self.local(source), target, agent_id, conversation_id)
-        return target
+        digest = readdress_record(self.local(source), target, agent_id, conversation_id, expected_checksum)
+        return target, digest
 
     def read_block(self, block: str, path: str | Path, checksum: str | None) -> Arrays:
         """A stored full block's arrays, verified to be this model's and this id's.
@@ -331,7 +362,7 @@ class CacheFiles:
             One of UNUSABLE (a file is missing or damaged, or the files disagree), or
             FileUnavailable.
         """
-        arrays, meta = read(self.local(entry.record_path))
+        arrays, meta = read(self.local(entry.record_path), entry.record_checksum)
         record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
                              tuple(int(e) for e in arrays["ends"]))
         chain = tuple(json.loads(meta["chain"]))

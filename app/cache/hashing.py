@@ -25,6 +25,13 @@ def scoped_fingerprint(fingerprint: str, scope: str) -> str:
     return fingerprint if not scope else hashlib.sha256(f"{fingerprint}\0{scope}".encode()).hexdigest()
 
 
+def private_fingerprint(fingerprint: str, salt: str) -> str:
+    """The fingerprint under which blocks whose KV data this home did not compute (an imported
+    archive's) are addressed: their ids chain from it, so no prompt of another agent, hashed
+    under ``fingerprint``, ever reaches them, whatever tokens they cover."""
+    return scoped_fingerprint(fingerprint, f"private:{salt}")
+
+
 def block_hash(fingerprint: str, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.sha256()
     digest.update(fingerprint.encode())

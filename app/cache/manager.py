@@ -291,7 +291,7 @@ class CacheManager:
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""
         found = self._index.block_file(block)
-        if found is None:
+        if found is None or found[1] is None:  # a row without a checksum vouches for no file
             return False
         try:
             data = KVBlock.from_numpy(self._files.read_block(block, found[0], found[1]), self._n_layers, BLOCK_TOKENS)

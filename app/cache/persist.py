@@ -125,13 +125,14 @@ class Persister(threading.Thread):
 
     def _write(self, snapshot: Snapshot) -> None:
         cache = snapshot.cache
-        record_path = self._files.write_record(cache)
+        record_path, record_checksum = self._files.write_record(cache)
         for _ in range(WRITE_ATTEMPTS):
-            written = [self._files.write_block(block, snapshot.blocks[block]) for block in cache.chain]
+            known = with_retries(lambda: self._block_checksums(cache.chain), INDEX_ATTEMPTS)
+            written = [self._files.write_block(block, snapshot.blocks[block], known.get(block)) for block in cache.chain]
             # Another writer (the worker, a second process) may hold the database: wait it out
             # as a finished turn's history does, rather than lose the cache's rows.
-            indexed, previous = with_retries(lambda: self._index(cache, record_path, written, snapshot.epoch),
-                                             INDEX_ATTEMPTS)
+            indexed, previous = with_retries(
+                lambda: self._index(cache, record_path, record_checksum, written, snapshot.epoch), INDEX_ATTEMPTS)
             if indexed is None:  # another server owns the agent now: its cache is the one that counts
                 record_path.unlink(missing_ok=True)
                 log.warning("conversation %s: not indexed, agent %s is owned by another server since",
@@ -149,11 +150,15 @@ class Persister(threading.Thread):
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
-    def _index(self, cache: ConversationCache, record_path: Path, written: list[tuple[Path, str]],
-               epoch: int | None) -> tuple[bool | None, cache_index.CacheEntry | None]:
+    def _block_checksums(self, chain: tuple[str, ...]) -> dict[str, str]:
+        with self._sessions() as session:
+            return cache_index.block_checksums(session, chain)
+
+    def _index(self, cache: ConversationCache, record_path: Path, record_checksum: str,
+               written: list[tuple[Path, str]], epoch: int | None) -> tuple[bool | None, cache_index.CacheEntry | None]:
         """Index the written files in one transaction: (False, None) if a block file was
-        deleted meanwhile, (None, None) if this server no longer owns the agent (pool mode),
-        else (True, the entry it replaced)."""
+        deleted meanwhile, (None, None) if this server
+        no longer owns the agent (pool mode), else (True, the entry it replaced)."""
         with write_locked(self._sessions) as session:
             if self._owner is not None and epoch is not None and \
                     not ownership.still_owns(session, cache.agent_id, self._owner, epoch):
@@ -169,7 +174,7 @@ class Persister(threading.Thread):
             previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
             ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
             cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
-                                   cache.record.n_tokens, str(record_path), rows, now)
+                                   cache.record.n_tokens, str(record_path), rows, now, record_checksum=record_checksum)
             return True, previous
 
     def _copy(self, item: Copy) -> None:
@@ -180,10 +185,11 @@ class Persister(threading.Thread):
             entry = cache_index.load_cache(session, item.source, fingerprint)
             if entry is None:
                 return
-            record_path = self._files.copy_record(entry.record_path, item.agent_id, item.conversation_id)
+            record_path, record_checksum = self._files.copy_record(entry.record_path, item.agent_id,
+                                                                   item.conversation_id, entry.record_checksum)
             ensure_conversation(session, item.conversation_id, item.agent_id, "direct", utcnow())
             cache_index.save_cache(session, item.agent_id, item.conversation_id, fingerprint, entry.n_tokens,
-                                   str(record_path), entry.blocks, utcnow())
+                                   str(record_path), entry.blocks, utcnow(), record_checksum=record_checksum)
         if self._uploader is not None:
             blocks = tuple((self._files.key(path), path) for path in (self._files.local(b.path, fetch=False)
                                                                      for b in entry.blocks) if path.exists())

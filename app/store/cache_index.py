@@ -37,6 +37,7 @@ class CacheEntry:
     record_path: str
     n_tokens: int
     blocks: tuple[BlockRow, ...]
+    record_checksum: str | None = None  # None: a row from before revision 0008
 
 
 def _refresh_ref_counts(session: Session, hashes: Iterable[str]) -> None:
@@ -48,8 +49,12 @@ def _refresh_ref_counts(session: Session, hashes: Iterable[str]) -> None:
 
 
 def save_cache(session: Session, agent_id: str, conversation_id: str, fingerprint: str, n_tokens: int,
-               record_path: str, blocks: Sequence[BlockRow], now: datetime) -> None:
-    """Record a conversation's cache (replacing its previous block list)."""
+               record_path: str, blocks: Sequence[BlockRow], now: datetime, *, record_checksum: str | None) -> None:
+    """Record a conversation's cache (replacing its previous block list): its record file
+    and that file's checksum, and its blocks. A block row that exists keeps its file and
+    checksum, unless it has none (a row from before files were verified when adopted) or
+    ``row`` names the same file: then it takes ``row``'s checksum, which the caller wrote
+    or checked that file against (``CacheFiles.write_block``)."""
     for row in blocks:
         existing = session.get(Block, row.hash)
         if existing is None:
@@ -58,6 +63,8 @@ def save_cache(session: Session, agent_id: str, conversation_id: str, fingerprin
                               ref_count=0, tier="warm", created_at=now, last_access_at=now))
         else:
             existing.last_access_at = now
+            if row.checksum and (not existing.checksum or existing.path == row.path):
+                existing.path, existing.nbytes, existing.checksum = row.path, row.nbytes, row.checksum
     cache = _cache(session, conversation_id, fingerprint)
     if cache is None:
         cache = Cache(agent_id=agent_id, conversation_id=conversation_id, model_fingerprint=fingerprint,
@@ -69,6 +76,7 @@ def save_cache(session: Session, agent_id: str, conversation_id: str, fingerprin
     session.add_all(CacheBlock(cache_id=cache.id, position=i, block_hash=row.hash) for i, row in enumerate(blocks))
     session.flush()
     cache.n_tokens, cache.record_path, cache.updated_at, cache.last_access_at = n_tokens, record_path, now, now
+    cache.record_checksum = record_checksum
     cache.tier = "warm"  # also revives a cache the worker expired while the server held it in memory
     _refresh_ref_counts(session, [*old, *(row.hash for row in blocks)])
 
@@ -87,7 +95,7 @@ def load_cache(session: Session, conversation_id: str, fingerprint: str) -> Cach
         .where(CacheBlock.cache_id == cache.id).order_by(CacheBlock.position)
     ).scalars()
     blocks = tuple(BlockRow(b.hash, b.parent_hash, b.n_tokens, b.path or "", b.nbytes, b.checksum or "") for b in rows)
-    return CacheEntry(cache.record_path, cache.n_tokens, blocks)
+    return CacheEntry(cache.record_path, cache.n_tokens, blocks, cache.record_checksum)
 
 
 def agent_caches(session: Session, agent_id: str, fingerprint: str) -> list[tuple[str, str]]:
@@ -114,6 +122,16 @@ def block_file(session: Session, block_hash: str) -> tuple[str, str | None] | No
     """(path, checksum) of a stored block, if it has a file."""
     block = session.get(Block, block_hash)
     return (block.path, block.checksum or None) if block is not None and block.path else None
+
+
+def block_checksums(session: Session, hashes: Collection[str]) -> dict[str, str]:
+    """The checksum each of these blocks' rows holds (blocks without a row or a checksum left out)."""
+    found: dict[str, str] = {}
+    wanted = list(hashes)
+    for start in range(0, len(wanted), 500):  # SQLite bounds the parameters of one statement
+        found.update((h, c) for h, c in session.execute(
+            select(Block.hash, Block.checksum).where(Block.hash.in_(wanted[start:start + 500]))) if c)
+    return found
 
 
 def drop_cache(session: Session, conversation_id: str, fingerprint: str) -> list[str]:
@@ -143,7 +161,7 @@ def retire_cache(session: Session, cache: Cache) -> list[str]:
     session.execute(delete(CacheBlock).where(CacheBlock.cache_id == cache.id))
     session.flush()
     files = [cache.record_path] if cache.record_path else []
-    cache.tier, cache.record_path, cache.n_tokens = "cold", None, 0
+    cache.tier, cache.record_path, cache.record_checksum, cache.n_tokens = "cold", None, None, 0
     return files + _drop_unreferenced(session, hashes)
 
 
@@ -328,6 +346,11 @@ class CacheIndex:
         """See ``block_file``."""
         with self.sessions() as session:
             return block_file(session, block_hash)
+
+    def block_checksums(self, hashes: Collection[str]) -> dict[str, str]:
+        """See ``block_checksums``."""
+        with self.sessions() as session:
+            return block_checksums(session, hashes)
 
     def recent(self, since: datetime, limit: int) -> list[tuple[str, str]]:
         """See ``recent_caches``."""

@@ -163,6 +163,9 @@ class Cache(Base):
     tier: Mapped[str] = mapped_column(String(8))  # warm / cold (hot is a server's memory: cache_index.Tier)
     # File holding the cache record (tokens, text, char ends) and the private tail.
     record_path: Mapped[str | None]
+    # sha256 of that file (``app.cache.files.checksum``), verified on every read (NULL: a row
+    # from before revision 0008, checked against the file's own checksum alone).
+    record_checksum: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
     last_access_at: Mapped[datetime] = mapped_column(index=True)

@@ -88,9 +88,95 @@ def test_import_refuses_a_taken_id_and_takes_another(other: ServerProcess, expor
     assert again.returncode == 2 and "already exists" in again.stderr and "--as" in again.stderr
     copy = semantic(other.home, "agents", "import", str(exported), "--as", "baker-2")
     assert copy.returncode == 0, copy.stderr
-    assert "(0 new block files)" in copy.stdout  # content-addressed: the blocks are there already
+    # This home never computed these blocks: each import keeps its own, private to its agent.
+    assert "(0 new block files)" not in copy.stdout
     there = httpx.Client(base_url=other.url, timeout=120)
     assert _turn(there, "baker-2", NEXT)["usage"]["cache_read_input_tokens"] > 300
+    bad = semantic(other.home, "agents", "import", str(exported), "--as", "trav/../x y")
+    assert bad.returncode == 2 and "is not 1-128 letters" in bad.stderr
+
+
+def test_an_archive_of_this_homes_own_blocks_shares_them(server: ServerProcess, exported: Path) -> None:
+    """Imported where it was exported, every block is this home's own, byte for byte: no new file."""
+    back = semantic(server.home, "agents", "import", str(exported), "--as", "baker-back")
+    assert back.returncode == 0, back.stderr
+    assert "(0 new block files)" in back.stdout
+    here = httpx.Client(base_url=server.url, timeout=120)
+    assert _turn(here, "baker-back", NEXT)["usage"]["cache_read_input_tokens"] > 300
+
+
+def _members(archive_path: Path) -> tuple[dict, dict[str, bytes]]:
+    with tarfile.open(archive_path) as archive:
+        members = {m.name: archive.extractfile(m).read() for m in archive.getmembers()}
+    return json.loads(members.pop("agent.json")), members
+
+
+def _pack(target: Path, manifest: dict, members: dict[str, bytes]) -> Path:
+    """An archive of ``members``, ``manifest``'s sha256 list made to match them."""
+    manifest["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in members.items()}
+    with tarfile.open(target, "w") as archive:
+        for name, data in [("agent.json", json.dumps(manifest).encode()), *members.items()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return target
+
+
+def _forged(source: Path, target: Path, scratch: Path) -> Path:
+    """The archive with every block's KV data replaced by noise and every checksum recomputed
+    (each file's own, the manifest's block checksums and its sha256 list): it verifies."""
+    import numpy as np
+
+    from app.cache import files
+
+    manifest, members = _members(source)
+    rng = np.random.default_rng(1)
+    checksums = {}
+    for name in [n for n in members if n.startswith("blocks/")]:
+        (scratch / "in.safetensors").write_bytes(members[name])
+        arrays, meta = files.read(scratch / "in.safetensors")
+        noise = {k: rng.integers(0, 255, a.shape).astype(a.dtype) if a.dtype.kind in "ui"
+                 else (rng.standard_normal(a.shape) * 4).astype(a.dtype) for k, a in arrays.items()}
+        checksums[meta["hash"]], _ = files.write(scratch / "out.safetensors", noise, meta)
+        members[name] = (scratch / "out.safetensors").read_bytes()
+    for conversation in manifest["conversations"]:
+        for cache in conversation["caches"]:
+            for block in cache["blocks"]:
+                block["checksum"] = checksums[block["hash"]]
+    return _pack(target, manifest, members)
+
+
+def test_a_forged_archive_serves_its_own_agent_and_no_other(
+        other: ServerProcess, exported: Path, tmp_path: Path) -> None:
+    """Round 4, item 1: an archive whose KV data is forged with every checksum recomputed is
+    imported; another agent with the same system prompt reads nothing from it."""
+    forged = _forged(exported, tmp_path / "forged.tar", tmp_path)
+    result = semantic(other.home, "agents", "import", str(forged), "--as", "forger")
+    assert result.returncode == 0, result.stderr
+    there = httpx.Client(base_url=other.url, timeout=120)
+    assert _turn(there, "forger", NEXT)["usage"]["cache_read_input_tokens"] > 300  # its own agent's, as it asked
+
+    reply = there.post("/v1/chat/completions", json={
+        "model": "smollm2-135m-instruct", "session_id": "neighbour", "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Today's code served it the forged blocks: "shared", 256 tokens.
+    assert query(other.db_path, "SELECT reuse_reason FROM requests WHERE agent_id = 'neighbour'") == [("miss",)]
+
+
+def test_a_refused_import_leaves_no_file(tmp_path: Path, exported: Path) -> None:
+    """An archive that verifies but whose rows contradict each other (two messages at one
+    position) is refused with a 2 and a line, after its files were written: none stays."""
+    manifest, members = _members(exported)
+    messages = manifest["conversations"][0]["messages"]
+    messages[1]["position"] = messages[0]["position"]
+    home = tmp_path / "home"
+    result = semantic(home, "agents", "import", str(_pack(tmp_path / "twice.tar", manifest, members)))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "contradict" in result.stderr and "Traceback" not in result.stderr
+    assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]
+    assert _files(home) == set()
 
 
 def _rewritten(source: Path, target: Path, change: Callable[[bytes], bytes], fix_manifest: bool) -> Path:

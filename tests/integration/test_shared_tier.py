@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from app.cache import files
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier
@@ -114,6 +115,35 @@ def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -
     c.close()
 
 
+def test_a_record_rewritten_in_the_tier_with_its_checksum_recomputed_is_refused(tmp_path: Path, s3_url: str) -> None:
+    """The record (tokens, text, the tail's KV) is checked against the index's checksum, as
+    blocks are: a record object rewritten whole, its own checksum recomputed, is not used
+    (the conversation's full blocks, which verify, still are)."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, 600).tolist()
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url))
+    lease = a.lease("a", "c", as_prompt(tokens))
+    forward(model, lease.cache, tokens)
+    a.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    assert a.flush(60)
+    a.close()
+
+    (record_path, stored), = query(tmp_path / "pool.db", "SELECT record_path, record_checksum FROM caches")
+    arrays, meta = files.read(Path(record_path), stored)
+    tail = next(name for name in arrays if name.startswith("tail.") and name.endswith(".v_w"))
+    arrays[tail] = np.roll(arrays[tail], 1)  # another tail's values, every checksum of the file recomputed
+    tampered = tmp_path / "tampered.safetensors"
+    files.write(tampered, arrays, meta)
+    tier = S3Tier(s3_url)
+    tier.put(Path(record_path).relative_to(tmp_path / "a" / "blocks").as_posix(), tampered)
+
+    b = server(tmp_path, "b", n_layers, tier)  # restores from the tier: nothing of a's on its disk
+    lease = b.lease("a", "c", as_prompt(tokens))
+    assert lease.report.reason == "shared" and lease.n_reused <= 512  # the blocks verify; the record is not used
+    b.close()
+
+
 def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(tmp_path: Path, s3_url: str) -> None:
     """a serves the agent, is cut off mid-turn, b takes the agent over (epoch 2) and goes on;
     a's late turn is not indexed over b's, and a's next turn serves b's cache, not its own
@@ -168,7 +198,7 @@ def test_tier_gc_deletes_only_old_objects_no_row_names(tmp_path: Path, s3_url: s
         ensure_conversation(session, "c1", "a", "direct", utcnow())
         cache_index.save_cache(session, "a", "c1", fingerprint, 256, str(other_server / "conversations" / "r2.safetensors"),
                                [cache_index.BlockRow(kept, None, 256, str(other_server / "aa" / f"{kept}.safetensors"),
-                                                     1, "")], utcnow())
+                                                     1, "")], utcnow(), record_checksum=None)
     tier = S3Tier(s3_url.replace("/pool?", "/gc-test?"))  # moto keeps one store per process: a prefix of its own
     payload = tmp_path / "object"
     payload.write_bytes(b"x")

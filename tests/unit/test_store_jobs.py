@@ -59,7 +59,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
     old, new = _file(root / "r-old.safetensors"), _file(root / "r-new.safetensors")
     with sessions.begin() as session:
         ensure_conversation(session, "c", "a", "direct", utcnow())
-        cache_index.save_cache(session, "a", "c", "fp", 10, old, [], utcnow())
+        cache_index.save_cache(session, "a", "c", "fp", 10, old, [], utcnow(), record_checksum=None)
         cache_id = session.scalar(select(Cache.id))
     with sessions() as session:  # compact's snapshot lists the old record ...
         Path(old).unlink()  # ... then the turn's new record replaced it
@@ -67,7 +67,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
     assert (checked, blocks, records) == (1, [], [])
 
     with sessions.begin() as session:
-        cache_index.save_cache(session, "a", "c", "fp", 20, new, [], utcnow())
+        cache_index.save_cache(session, "a", "c", "fp", 20, new, [], utcnow(), record_checksum=None)
         assert _retire_damaged(session, [], [(cache_id, old)]) == (0, [])
     assert Path(new).exists()
 
@@ -142,7 +142,7 @@ def test_compact_cleans_a_pools_server_directories_keeping_copies_of_named_files
         os.utime(path, (1, 1))  # long past the grace period
     with sessions.begin() as session:
         ensure_conversation(session, "c", "a", "direct", utcnow())
-        cache_index.save_cache(session, "a", "c", "f" * 64, 10, writer, [], utcnow())
+        cache_index.save_cache(session, "a", "c", "f" * 64, 10, writer, [], utcnow(), record_checksum=None)
     engine = make_engine(store_url)
     try:
         run_compact(engine, sessions, tmp_path / "worker" / "blocks")
