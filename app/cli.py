@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from app import __version__
-from app.errors import ConfigError, NotFound, SemanticError
+from app.errors import ConfigError, InvalidModelFile, NotFound, SemanticError
 from app.logs import configure_logging
 from app.setting_flags import add_setting_flags, setting_overrides
 from app.settings import Settings, config_file, load_settings
@@ -265,8 +265,11 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     installed = {m.name: m for m in list_models(settings.models_dir)}
     for model in (*installed.values(), *list_hf_models(settings.models_dir)):
         default = " (default)" if model.name == settings.model else ""
-        kv = kv_choice(model.path, settings.kv_format_for(model.name))
-        print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\tKV {kv.describe()}")
+        try:
+            kv = f"KV {kv_choice(model.path, settings.kv_format_for(model.name)).describe()}"
+        except InvalidModelFile as exc:  # a pinned format that cannot store its heads: it will not load
+            kv = f"KV refused: {exc}"
+        print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\t{kv}")
     for name, model in EMBEDDED.items():
         if name not in installed:
             package = "package installed" if not model.missing_packages else f"semantic models install {name}"

@@ -3,10 +3,11 @@
 A block holds every layer's keys and values for a span of at most
 ``BLOCK_TOKENS`` tokens, quantized with MLX's affine quantization in groups of
 64 values with float16 scales and biases (which is what makes 4-bit 28.1% of
-FP16). The ``KVFormat`` says how:
+FP16; 32 values along heads that 64 does not divide: ``KVFormat.for_head_dim``).
+The ``KVFormat`` says how:
 
 - per token (``q4``, ``k8v4``, ``q8``): each head vector of each token in groups
-  of 64 along the head dimension; optionally after rotating each head vector by
+  of 64 (or 32) along the head dimension; optionally after rotating each head vector by
   a normalized Hadamard matrix (``q4r``), which spreads a few large channels over
   all of them so a group's scale fits its values better (the matrix is its own
   inverse, applied again after dequantizing). A span quantizes the same alone or
@@ -33,6 +34,7 @@ half the time, and its first chunk does not copy it again.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -44,15 +46,17 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from app.cache.hashing import BLOCK_TOKENS
 from app.types import KV_FORMAT_NAMES
 
-GROUP_SIZE = 64
+TIME_GROUP = 64  # per-channel keys: tokens per quantization group along time (blocks of 256 hold 4)
+HEAD_GROUPS = (64, 32)  # values per group along a head, preferred first (MLX's affine groups are 32, 64 or 128)
 SCALE_DTYPE = mx.float16
 RESIDUAL_TOKENS = 64  # per-channel keys: the newest keys kept float16 (see KVFormat.grouped_tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """Bits of the stored keys and values, which are rotated first, and whether keys
-    are quantized per channel (over groups of 64 tokens) rather than per token."""
+    """Bits of the stored keys and values, which are rotated first, whether keys are
+    quantized per channel (over groups of 64 tokens) rather than per token, and how many
+    values along a head share a scale (``group_size``: set per model by ``for_head_dim``)."""
 
     name: str
     key_bits: int
@@ -60,6 +64,7 @@ class KVFormat:
     rotate_keys: bool = False
     rotate_values: bool = False
     channel_keys: bool = False
+    group_size: int = HEAD_GROUPS[0]
 
     @property
     def quantized(self) -> bool:
@@ -81,19 +86,50 @@ class KVFormat:
         else:
             layout = ("-kchannel" if self.channel_keys else "-khadamard" if self.rotate_keys else "") + \
                 ("-vhadamard" if self.rotate_values else "")
-        return f"affine-{bits}{layout}-g{GROUP_SIZE}-s16-b{BLOCK_TOKENS}"
+        return f"affine-{bits}{layout}-g{self.group_size}-s16-b{BLOCK_TOKENS}"
 
     @property
     def bytes_per_value(self) -> float:
         """Mean stored bytes per key or value element (data, then a float16 scale and bias per group)."""
         if not self.quantized:
             return self.key_bits / 8
-        return ((self.key_bits + self.value_bits) / 2 + 2 * 16 / GROUP_SIZE) / 8
+        key_group = TIME_GROUP if self.channel_keys else self.group_size
+        return ((self.key_bits + 32 / key_group) + (self.value_bits + 32 / self.group_size)) / 2 / 8
 
     @property
     def bytes_vs_fp16(self) -> float:
         """Stored bytes relative to float16 keys and values."""
         return self.bytes_per_value / 2
+
+    def unfit_reason(self, head_dim: int) -> str | None:
+        """Why this format (with its ``group_size``) cannot store heads of ``head_dim``
+        values, in one line, or None if it can."""
+        if not self.quantized:
+            return None
+        if not any(head_dim % group == 0 for group in HEAD_GROUPS):
+            return (f"kv_format {self.name} quantizes in groups of {' or '.join(map(str, HEAD_GROUPS))} values "
+                    f"along each head and neither divides head_dim {head_dim} (f16 and f32 store any head_dim)")
+        if head_dim % self.group_size:
+            return f"kv_format {self.name} in groups of {self.group_size} values cannot store head_dim {head_dim}"
+        if (self.rotate_keys or self.rotate_values) and not rotation_is_exact(head_dim):
+            return (f"kv_format {self.name} rotates by MLX's Hadamard transform, its own inverse only for "
+                    f"2^k or 12*2^k values, not head_dim {head_dim} (q8, f16 and f32 do not rotate)")
+        return None
+
+    def for_head_dim(self, head_dim: int) -> KVFormat:
+        """This format for a model whose heads hold ``head_dim`` values: groups of 64 along
+        the head where 64 divides it (the fingerprint of every format on such heads is
+        unchanged), else of 32 (another fingerprint).
+
+        Raises:
+            ValueError: the format cannot store such heads (``unfit_reason``).
+        """
+        group = next((g for g in HEAD_GROUPS if head_dim % g == 0), self.group_size)
+        fitted = dataclasses.replace(self, group_size=group) if self.quantized else self
+        reason = fitted.unfit_reason(head_dim)
+        if reason is not None:
+            raise ValueError(reason)
+        return fitted
 
     def grouped_tokens(self, n_tokens: int) -> int:
         """How many of a stored conversation's ``n_tokens`` tokens have their keys in
@@ -102,7 +138,7 @@ class KVFormat:
         which re-renders the end of the reply, does not diverge inside a quantized group."""
         if not self.channel_keys:
             return n_tokens
-        return max(0, n_tokens - RESIDUAL_TOKENS) // GROUP_SIZE * GROUP_SIZE
+        return max(0, n_tokens - RESIDUAL_TOKENS) // TIME_GROUP * TIME_GROUP
 
     def reusable(self, n_reused: int, n_grouped: int) -> int:
         """How many of a stored cache's first ``n_reused`` tokens a lease may reuse, when
@@ -111,7 +147,18 @@ class KVFormat:
         data, which the next commit would quantize again); a cut in the float16 keys is kept."""
         if not self.channel_keys or n_reused >= n_grouped:
             return n_reused
-        return n_reused - n_reused % GROUP_SIZE
+        return n_reused - n_reused % TIME_GROUP
+
+
+def rotation_is_exact(n: int) -> bool:
+    """Whether MLX's normalized Hadamard transform of ``n`` values is its own inverse, as
+    the rotation needs: for n = 2^k and 12 * 2^k. For 20 * 2^k and 28 * 2^k (80, 160, 112)
+    its matrix is orthogonal but not symmetric, and other sizes are unsupported (there it
+    can corrupt memory rather than raise), so the rule is stated, never probed."""
+    odd = n
+    while odd % 2 == 0:
+        odd //= 2
+    return n > 0 and (odd == 1 or (odd == 3 and n % 12 == 0))
 
 
 # Every stored format, smallest first (docs/kv-formats.md has what each keeps on both real models).
@@ -131,6 +178,7 @@ DEFAULT_KV_FORMAT = KV_FORMATS["q4c"]
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
 assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
+assert BLOCK_TOKENS % TIME_GROUP == 0  # per-channel key groups never cross a block boundary
 
 ARRAY_NAMES = ("k_w", "k_s", "k_b", "v_w", "v_s", "v_b")
 # Per-channel keys: k_w / k_s / k_b are (batch, heads, head_dim, along time), k_t the float16 incomplete group.
@@ -157,7 +205,7 @@ class KVBlock:
         """Tokens whose keys are in complete per-channel groups (per-token keys: all)."""
         if self.names is not CHANNEL_ARRAY_NAMES:
             return self.n_tokens
-        return self.layers[0][CHANNEL_ARRAY_NAMES.index("k_s")].shape[-1] * GROUP_SIZE
+        return self.layers[0][CHANNEL_ARRAY_NAMES.index("k_s")].shape[-1] * TIME_GROUP
 
     @property
     def nbytes(self) -> int:
@@ -196,7 +244,7 @@ class KVBlock:
                 if self._axis(name) == 2:
                     ok = array.shape[2] == (self.n_tokens - n_grouped if name == "k_t" else self.n_tokens)
                 else:
-                    ok = name == "k_w" or array.shape[-1] * GROUP_SIZE == n_grouped
+                    ok = name == "k_w" or array.shape[-1] * TIME_GROUP == n_grouped
                 if array.ndim != 4 or not ok:
                     raise ValueError("block arrays do not match its token count")
 
@@ -242,15 +290,15 @@ def slice_block(block: KVBlock, start: int, end: int) -> KVBlock:
         return block
     n_grouped = block.n_grouped
     grouped = (min(start, n_grouped), min(end, n_grouped))
-    if block.names is CHANNEL_ARRAY_NAMES and any(at % GROUP_SIZE and at != n_grouped for at in grouped):
+    if block.names is CHANNEL_ARRAY_NAMES and any(at % TIME_GROUP and at != n_grouped for at in grouped):
         raise ValueError(f"cannot cut per-channel key groups at tokens {start}-{end}")
 
     def cut(name: str, array: mx.array) -> mx.array:
         if block._axis(name) == 2:
             lo, hi = (max(start - n_grouped, 0), max(end - n_grouped, 0)) if name == "k_t" else (start, end)
             return mx.contiguous(array[:, :, lo:hi])
-        per_group = array.shape[-1] * GROUP_SIZE // n_grouped if n_grouped else 0  # words (k_w) or scales per group
-        return mx.contiguous(array[..., grouped[0] // GROUP_SIZE * per_group:grouped[1] // GROUP_SIZE * per_group])
+        per_group = array.shape[-1] * TIME_GROUP // n_grouped if n_grouped else 0  # words (k_w) or scales per group
+        return mx.contiguous(array[..., grouped[0] // TIME_GROUP * per_group:grouped[1] // TIME_GROUP * per_group])
 
     sliced = KVBlock(end - start, tuple(tuple(cut(name, a) for name, a in zip(block.names, layer))
                                         for layer in block.layers))
@@ -264,18 +312,18 @@ def requantize_start(reused: list[KVBlock], n_reused: int, kv_format: KVFormat) 
     dequantized values again would add error every turn. Per-channel keys resume at the
     group of the first float16 key, or of the cut."""
     begin = min(n_reused, sum(b.n_grouped for b in reused))
-    return begin - begin % GROUP_SIZE if kv_format.channel_keys else begin
+    return begin - begin % TIME_GROUP if kv_format.channel_keys else begin
 
 
-def _quantize(x: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    weights, scales, biases = mx.quantize(x, group_size=GROUP_SIZE, bits=bits)
+def _quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    weights, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
     return weights, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
 
-def _dequantize(w: mx.array, s: mx.array, b: mx.array, bits: int, dtype: mx.Dtype) -> mx.array:
+def _dequantize(w: mx.array, s: mx.array, b: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> mx.array:
     if w.size == 0:
         return mx.zeros((*s.shape[:-1], 0), dtype=dtype)
-    return mx.dequantize(w, s, b, group_size=GROUP_SIZE, bits=bits, dtype=dtype)
+    return mx.dequantize(w, s, b, group_size=group_size, bits=bits, dtype=dtype)
 
 
 def _rotate(x: mx.array, rotate: bool) -> mx.array:
@@ -288,21 +336,22 @@ def _rotate(x: mx.array, rotate: bool) -> mx.array:
 def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVFormat = DEFAULT_KV_FORMAT) -> KVBlock:
     """Quantize tokens ``[start, end)`` of a float working cache into a block
     (per-channel keys: ``start`` on a group boundary, the newest keys left float16)."""
-    if kv_format.channel_keys and start % GROUP_SIZE:
-        raise ValueError(f"per-channel key groups start at multiples of {GROUP_SIZE}, not {start}")
+    if kv_format.channel_keys and start % TIME_GROUP:
+        raise ValueError(f"per-channel key groups start at multiples of {TIME_GROUP}, not {start}")
     layers = []
     for layer in cache:
         keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
         if not kv_format.quantized:
             layers.append((keys.astype(kv_format.float_dtype), layer.values[..., start:end, :].astype(kv_format.float_dtype)))
             continue
-        values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits)
+        values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits,
+                           kv_format.group_size)
         if kv_format.channel_keys:
             whole = kv_format.grouped_tokens(end - start)
-            grouped = _quantize(keys[..., :whole, :].swapaxes(-1, -2), kv_format.key_bits)
+            grouped = _quantize(keys[..., :whole, :].swapaxes(-1, -2), kv_format.key_bits, TIME_GROUP)
             layers.append((*grouped, keys[..., whole:, :].astype(mx.float16), *values))
         else:
-            layers.append((*_quantize(keys, kv_format.key_bits), *values))
+            layers.append((*_quantize(keys, kv_format.key_bits, kv_format.group_size), *values))
     block = KVBlock(end - start, tuple(layers))
     mx.eval([a for layer in block.layers for a in layer])
     return block
@@ -313,11 +362,11 @@ def _dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx
     if not kv_format.quantized:
         return data[0].astype(dtype), data[1].astype(dtype)
     if kv_format.channel_keys:
-        grouped = _dequantize(*data[:3], kv_format.key_bits, dtype).swapaxes(-1, -2)
+        grouped = _dequantize(*data[:3], kv_format.key_bits, TIME_GROUP, dtype).swapaxes(-1, -2)
         keys = mx.concatenate([grouped, data[3].astype(dtype)], axis=2)
     else:
-        keys = _dequantize(*data[:3], kv_format.key_bits, dtype)
-    values = _dequantize(*data[-3:], kv_format.value_bits, dtype)
+        keys = _dequantize(*data[:3], kv_format.key_bits, kv_format.group_size, dtype)
+    values = _dequantize(*data[-3:], kv_format.value_bits, kv_format.group_size, dtype)
     return _rotate(keys, kv_format.rotate_keys), _rotate(values, kv_format.rotate_values)
 
 

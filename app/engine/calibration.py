@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import mlx.nn as nn
 
@@ -107,10 +107,11 @@ def choose(measured: Mapping[str, Measured], goal: Goal = GOAL) -> str | None:
     return min(meeting)[2] if meeting else None
 
 
-def by_size() -> list[list[KVFormat]]:
-    """Every stored format up to float16, grouped by bytes, smallest first (float16 last;
-    ``f32``, exact at twice its bytes, is only ever pinned)."""
-    ordered = sorted((f for f in KV_FORMATS.values() if f.bytes_vs_fp16 <= 1), key=lambda f: f.bytes_vs_fp16)
+def by_size(formats: Iterable[KVFormat]) -> list[list[KVFormat]]:
+    """The ``formats`` up to float16 (those that fit the model: ``KVFormat.for_head_dim``),
+    grouped by bytes, smallest first (float16 last; ``f32``, exact at twice its bytes, is
+    only ever pinned)."""
+    ordered = sorted((f for f in formats if f.bytes_vs_fp16 <= 1), key=lambda f: f.bytes_vs_fp16)
     return [list(group) for _, group in groupby(ordered, key=lambda f: f.bytes_vs_fp16)]
 
 
@@ -118,16 +119,16 @@ Progress = Callable[[str], None]  # called once per step done (a text prefilled,
 
 
 def n_steps() -> int:
-    """Steps of a calibration that measures every format (for a progress bar's total)."""
-    return len(natural_texts()) + sum(len(group) for group in by_size())
+    """Steps of a calibration that measures every format (for a progress bar's total: at most)."""
+    return len(natural_texts()) + sum(len(group) for group in by_size(KV_FORMATS.values()))
 
 
-def search(measure: Callable[[KVFormat], Measured], goal: Goal = GOAL,
+def search(measure: Callable[[KVFormat], Measured], formats: Iterable[KVFormat], goal: Goal = GOAL,
            progress: Progress | None = None) -> tuple[str, dict[str, Measured]]:
-    """Measure formats from the fewest bytes up until one meets ``goal``: the one chosen
+    """Measure ``formats`` from the fewest bytes up until one meets ``goal``: the one chosen
     (float16 if nothing smaller meets it) and everything measured."""
     measured: dict[str, Measured] = {}
-    for group in by_size():
+    for group in by_size(formats):
         for kv_format in group:
             measured[kv_format.name] = measure(kv_format)
             if progress:
@@ -138,9 +139,9 @@ def search(measure: Callable[[KVFormat], Measured], goal: Goal = GOAL,
     return LOSSLESS, measured
 
 
-def calibrate(model: nn.Module, tokenizer: Any, key: str, progress: Progress | None = None,
-              goal: Goal = GOAL) -> Calibration:
-    """Score the formats on ``model`` (``search``) over a prose and a code prefix."""
+def calibrate(model: nn.Module, tokenizer: Any, key: str, formats: Iterable[KVFormat],
+              progress: Progress | None = None, goal: Goal = GOAL) -> Calibration:
+    """Score ``formats`` (those that fit the model) on ``model`` (``search``) over a prose and a code prefix."""
     started = time.perf_counter()
     measures = []
     for name, text in natural_texts().items():
@@ -151,7 +152,7 @@ def calibrate(model: nn.Module, tokenizer: Any, key: str, progress: Progress | N
         measures.append(TeacherForced(model, tokens, PREFIX_TOKENS))
         if progress:
             progress(f"prefill {name}")
-    chosen, measured = search(lambda f: Measured.mean([m.score(f) for m in measures], f), goal, progress)
+    chosen, measured = search(lambda f: Measured.mean([m.score(f) for m in measures], f), formats, goal, progress)
     if chosen == LOSSLESS:
         log.warning("KV calibration: no quantized format meets the goal (top-1 >= %.0f%%, perplexity within "
                     "%.0f%%); using f16 (100%% of FP16)", goal.top1 * 100, goal.perplexity * 100)

@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
-from app.cache.blocks import KV_FORMATS, KVFormat
+from app.cache.blocks import KV_FORMATS, KVFormat, to_working_cache
 from app.engine import attention, calibration, cores
 from app.engine.calibration import Calibration, Measured
 from app.engine.cores import CoreSplit
@@ -151,12 +151,17 @@ def _linked_weights_digest(weights: list[Path]) -> str | None:
     return hashlib.sha256(" ".join(names).encode()).hexdigest() if names else None
 
 
+def config_head_dim(config: dict[str, Any]) -> int:
+    """Values per attention head: ``head_dim``, else hidden_size / heads (0: the config says neither)."""
+    heads = int(config.get("num_attention_heads", 1))
+    return int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     """Keys and values of one token in every layer, at ``dtype_bytes`` a value."""
     heads = int(config.get("num_attention_heads", 1))
-    head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    return int(config.get("num_hidden_layers", 0)) * 2 * kv_heads * head_dim * dtype_bytes
+    return int(config.get("num_hidden_layers", 0)) * 2 * kv_heads * config_head_dim(config) * dtype_bytes
 
 
 def unsupported_caches(model: nn.Module) -> list[str]:
@@ -189,27 +194,89 @@ def calibration_key(path: Path) -> str:
     return model_fingerprint(path, f"kv-calibration-v{calibration.CALIBRATION_VERSION}")
 
 
+def _head_dim(path: Path) -> int:
+    """The head_dim the config of the model at ``path`` states (0: none, or no config)."""
+    try:
+        return config_head_dim(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return 0
+
+
+def fitted_format(path: Path, name: str) -> KVFormat:
+    """The stored format ``name`` for the heads of the model at ``path`` (``KVFormat.for_head_dim``;
+    a config that states no head_dim: as it is, and ``load_model`` checks the heads it caches).
+
+    Raises:
+        InvalidModelFile: the format cannot store this model's heads (one line: why, not naming the model).
+    """
+    head_dim = _head_dim(path)
+    if not head_dim:
+        return KV_FORMATS[name]
+    try:
+        return KV_FORMATS[name].for_head_dim(head_dim)
+    except ValueError as exc:
+        raise InvalidModelFile(str(exc)) from None
+
+
 def kv_choice(path: Path, kv_format: str) -> KVChoice:
     """The stored format ``kv_format`` (a format's name, or "auto") means for the model at
-    ``path``, without measuring: "auto" is the recorded calibration's choice, or pending."""
+    ``path``, without measuring: "auto" is the recorded calibration's choice, or pending.
+
+    Raises:
+        InvalidModelFile: a pinned format cannot store this model's heads.
+    """
     if kv_format != "auto":
-        return KVChoice(KV_FORMATS[kv_format], "setting", calibration.read_record(path, calibration_key(path)))
+        return KVChoice(fitted_format(path, kv_format), "setting", calibration.read_record(path, calibration_key(path)))
     record = calibration.read_record(path, calibration_key(path))
     if record is None:
         return KVChoice(KV_FORMATS[calibration.LOSSLESS], "pending")
-    return KVChoice(KV_FORMATS[record.chosen], "calibration", record)
+    return KVChoice(fitted_format(path, record.chosen), "calibration", record)
 
 
-def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path,
+def candidate_formats(path: Path, head_dims: set[int]) -> list[KVFormat]:
+    """The formats ``auto`` measures for the model at ``path``, which caches keys and values
+    of ``head_dims`` values: those that can store them (each one that cannot is logged, with why)."""
+    candidates = []
+    for name in KV_FORMATS:
+        try:
+            fitted = fitted_format(path, name)
+            _refuse_unstorable(head_dims, fitted)
+            candidates.append(fitted)
+        except InvalidModelFile as exc:
+            log.info("KV calibration of %s skips %s: %s", path.name, name, exc)
+    return candidates
+
+
+def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path, head_dims: set[int],
               progress: calibration.Progress | None = None) -> KVChoice:
-    """Calibrate the model at ``path`` (loaded as ``model``) and record the result with it."""
-    log.info("calibrating the KV format of %s (%d formats at most)", path.name, len(KV_FORMATS))
-    record = calibration.calibrate(model, tokenizer, calibration_key(path),
+    """Calibrate the model at ``path`` (loaded as ``model``, caching keys and values of
+    ``head_dims`` values) among the formats that store them, and record the result with it."""
+    candidates = candidate_formats(path, head_dims)
+    log.info("calibrating the KV format of %s (%d formats at most)", path.name, len(candidates))
+    record = calibration.calibrate(model, tokenizer, calibration_key(path), candidates,
                                    progress or (lambda step: log.info("KV calibration of %s: %s done", path.name, step)))
     calibration.write_record(path, record)
     log.info("KV format of %s: %s (%s), calibrated in %.0f s", path.name, record.chosen,
              record.measured[record.chosen].describe(), record.seconds)
-    return KVChoice(KV_FORMATS[record.chosen], "calibration", record)
+    return KVChoice(fitted_format(path, record.chosen), "calibration", record)
+
+
+def cached_head_dims(model: nn.Module) -> set[int]:
+    """The widths of the keys and values ``model`` caches (one token prefilled): the config's
+    head_dim, except in architectures whose keys and values differ from it."""
+    cache = to_working_cache([], len(model.layers), 0, _param_dtype(model))
+    mx.eval(model(mx.array([[0]]), cache=cache))
+    return {a.shape[-1] for layer in cache for a in (layer.keys, layer.values)}
+
+
+def _refuse_unstorable(head_dims: set[int], kv_format: KVFormat) -> None:
+    """Raise InvalidModelFile (one line: why) unless ``kv_format`` stores keys and values of
+    every width in ``head_dims``: a model that loads never answers every turn from a cache
+    it cannot store."""
+    for head_dim in sorted(head_dims):
+        reason = kv_format.unfit_reason(head_dim)
+        if reason is not None:
+            raise InvalidModelFile(reason)
 
 
 def ensure_calibrated(name: str, path: Path, dtype: str = "auto",
@@ -224,7 +291,8 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
     ``kv_format``: a stored format's name, or "auto" (see ``kv_choice``).
 
     Raises:
-        InvalidModelFile: the directory is missing or not loadable.
+        InvalidModelFile: the directory is missing or not loadable, or a pinned ``kv_format``
+            cannot store its heads.
     """
     if not (path / "config.json").exists():
         raise InvalidModelFile(f"{path}: not a model directory (no config.json)")
@@ -237,7 +305,10 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
     target = _compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
-    kv = kv_choice(path, kv_format)
+    try:
+        kv = kv_choice(path, kv_format)
+    except InvalidModelFile as exc:
+        raise InvalidModelFile(f"{name}: {exc}") from None
     return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv.format.fingerprint),
                      TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
                      int(config.get("vocab_size") or len(tokenizer.vocab)), kv, tool_syntax(tokenizer))
@@ -254,7 +325,8 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     ``progress`` is called once per step).
 
     Raises:
-        InvalidModelFile: the directory is missing or not loadable.
+        InvalidModelFile: the directory is missing or not loadable, or the KV format
+            cannot store the keys and values it caches (``KVFormat.unfit_reason``).
     """
     spec = load_spec(name, path, dtype, kv_format)
     model, config = load_weights(path)
@@ -274,8 +346,13 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:
         attention.install(model)
+    head_dims = cached_head_dims(model)
     if spec.kv.chosen_by == "pending":
-        fields["kv"] = calibrate(model, spec.tokenizer, path, progress)
+        fields["kv"] = calibrate(model, spec.tokenizer, path, head_dims, progress)
         fields["fingerprint"] = model_fingerprint(path, fields["kv"].format.fingerprint)
+    try:
+        _refuse_unstorable(head_dims, fields["kv"].format)
+    except InvalidModelFile as exc:
+        raise InvalidModelFile(f"{name}: {exc}") from None
     split = cores.install(model) if split_cores and used == mx.float32 else None
     return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split)

@@ -35,7 +35,7 @@ def test_equal_bytes_prefer_the_lower_kl() -> None:
 
 
 def test_search_stops_at_the_first_size_that_meets_the_goal() -> None:
-    groups = by_size()
+    groups = by_size(KV_FORMATS.values())
     sizes = [g[0].bytes_vs_fp16 for g in groups]
     assert sizes == sorted(sizes) and groups[-1] == [KV_FORMATS[LOSSLESS]]
     assert {f.name for g in groups for f in g} == set(KV_FORMATS) - {"f32"}  # exact at 200%: only pinned
@@ -47,16 +47,37 @@ def test_search_stops_at_the_first_size_that_meets_the_goal() -> None:
         good = kv_format.bytes_vs_fp16 >= target[0].bytes_vs_fp16
         return m(0.99 if good else 0.9, 0.0, GOAL.kl / 2 if good else 0.02, kv_format.bytes_vs_fp16)
 
-    chosen, measured = search(measure)
+    chosen, measured = search(measure, KV_FORMATS.values())
     assert chosen in {f.name for f in target}
     assert scored == [f.name for g in groups[:2] for f in g] == list(measured)  # nothing larger was measured
 
 
 def test_nothing_but_float16_meets_the_goal() -> None:
-    chosen, measured = search(lambda f: m(1.0 if f.name == LOSSLESS else 0.9, 0.0, 0.0, f.bytes_vs_fp16))
+    chosen, measured = search(lambda f: m(1.0 if f.name == LOSSLESS else 0.9, 0.0, 0.0, f.bytes_vs_fp16),
+                              KV_FORMATS.values())
     assert chosen == LOSSLESS and set(measured) == set(KV_FORMATS) - {"f32"}
-    chosen, _ = search(lambda f: m(0.5, 0.5, 1.0, f.bytes_vs_fp16))  # not even f16: still f16, never a crash
+    chosen, _ = search(lambda f: m(0.5, 0.5, 1.0, f.bytes_vs_fp16), KV_FORMATS.values())  # not even f16: still f16
     assert chosen == LOSSLESS
+
+
+def test_only_the_formats_that_fit_the_heads_are_measured() -> None:
+    """Heads of 80 values fit no affine group (32 or 64), heads of 160 no exact rotation:
+    ``auto`` measures what is left, and float16 always is."""
+    fitting: dict[int, list[KVFormat]] = {80: [], 96: [], 160: []}
+    for head_dim, formats in fitting.items():
+        for kv_format in KV_FORMATS.values():
+            try:
+                formats.append(kv_format.for_head_dim(head_dim))
+            except ValueError as exc:
+                assert f"head_dim {head_dim}" in str(exc)
+    assert [[f.name for f in g] for g in by_size(fitting[80])] == [[LOSSLESS]]
+    assert [[f.name for f in g] for g in by_size(fitting[160])] == [["q8"], [LOSSLESS]]
+    scored: list[str] = []
+    chosen, _ = search(lambda f: scored.append(f.name) or m(1.0, 0.0, 0.0, f.bytes_vs_fp16), fitting[160])
+    assert (chosen, scored) == ("q8", ["q8"])
+    # Groups of 32 along heads of 96 and 160: a scale and bias per 32 values (+1 bit each).
+    assert {f.group_size for f in fitting[96] + fitting[160] if f.quantized} == {32}
+    assert round(fitting[160][0].bytes_vs_fp16, 3) == round((8 + 1) / 16, 3)
 
 
 def test_the_record_is_kept_for_the_same_model_and_version_only(tmp_path: Path) -> None:
