@@ -34,7 +34,7 @@ START=$(date +%s)
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 
 case "$MODE" in
-  stage1|stage2) OUT=${OUT:-/tmp/gpu-check-out}; PY=python3 ;;
+  stage1|stage2) OUT=${OUT:-/tmp/gpu-check-out}; PY=${PYTHON:-python3} ;;
   rehearse) OUT=${OUT:-/tmp/gpu-check-rehearse}; PY=${PYTHON:-$ROOT/.venv/bin/python}; BUDGET_S=${GPU_CHECK_BUDGET_S:-170} ;;
   *) echo "usage: $0 stage1|stage2|rehearse" >&2; exit 2 ;;
 esac
@@ -63,7 +63,7 @@ phase() {
 PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
 
 if [ "$MODE" = stage1 ]; then
-  log "stage1 on $(hostname): $(nvidia-smi -L 2>/dev/null | head -1); $("$PY" --version 2>&1)"
+  log "stage1 on $(uname -n): $(nvidia-smi -L 2>/dev/null | head -1); $("$PY" --version 2>&1)"
   [ -d .device/part1 ] || { log "no .device/part1 here: carry it (carry: [\".device/part1\"])"; exit 1; }
   rm -rf "$DEV" "$SITE"; mkdir -p "$DEV" "$SITE"
   cp -r .device/part1/. "$DEV"/
@@ -74,7 +74,7 @@ if [ "$MODE" = stage1 ]; then
 fi
 
 if [ "$MODE" = stage2 ]; then
-  log "stage2 on $(hostname); $("$PY" --version 2>&1)"
+  log "stage2 on $(uname -n); $("$PY" --version 2>&1)"
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
   if [ ! -d "$DEV" ] || [ ! -d "$SITE" ]; then
     log "$DEV or $SITE is missing: the machine was given back since stage1; run stage1 again, then stage2 at once"
@@ -108,6 +108,8 @@ else  # rehearse
   PEERS=(--system-tokens 500 --turn-tokens 120 --max-context 800 --short-tokens 20 --reply-tokens 16)
   NAME=rehearse-tiny
 fi
+export SEMANTIC_COMMIT=${SEMANTIC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+log "commit $SEMANTIC_COMMIT"
 MODEL=/tmp/gpu-check-model
 SCRATCH=/tmp/gpu-check-scratch
 
