@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,16 +18,47 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=RESULTS.parent).stdout.strip()
+    # SEMANTIC_COMMIT names it where the tree is a copy without its .git (a device machine).
+    commit = os.environ.get("SEMANTIC_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
     return {"platform": platform.platform(), "processor": platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "commit": commit,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def write_results(name: str, results: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def device() -> dict[str, Any]:
+    """The device MLX computes on here, as a fresh process sees it (``mx.default_device()``),
+    and its name: the GPU's from nvidia-smi (or the Mac's chip), else the CPU's model name."""
+    probe = subprocess.run([sys.executable, "-c", "import mlx.core as mx; print(mx.default_device())"],
+                           capture_output=True, text=True, timeout=300)
+    mlx_device = probe.stdout.strip() or f"none: {probe.stderr.strip()[-300:]}"
+    name = ""
+    if "gpu" in mlx_device:
+        name = _output(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    if not name and platform.system() == "Darwin":
+        name = _output(["sysctl", "-n", "machdep.cpu.brand_string"])
+    if not name:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                         if line.startswith("model name")), "")
+        except OSError:
+            pass
+    return {"mlx_device": mlx_device, "name": name or platform.processor() or platform.machine()}
+
+
+def _output(argv: list[str]) -> str:
+    """The first line ``argv`` prints, or "" (not installed, failed)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip().splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else ""
+
+
+def write_results(name: str, results: dict[str, Any], directory: Path = RESULTS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **results}, indent=2))
     return path
 
@@ -53,11 +85,11 @@ def pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def save_plot(fig, name: str) -> None:  # type: ignore[no-untyped-def]
-    """Write ``fig`` as benchmarks/results/NAME.png."""
+def save_plot(fig, name: str, directory: Path = RESULTS) -> None:  # type: ignore[no-untyped-def]
+    """Write ``fig`` as NAME.png in ``directory`` (benchmarks/results)."""
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=100)
-    print(f"wrote {RESULTS / f'{name}.png'}")
+    fig.savefig(directory / f"{name}.png", dpi=100)
+    print(f"wrote {directory / f'{name}.png'}")
 
 
 def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,

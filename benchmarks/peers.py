@@ -1,6 +1,8 @@
 """Workload 6: one agent conversation against Semantic, mlx_lm.server and Rapid-MLX, side by side.
 
     .venv/bin/python benchmarks/peers.py [--quick] [--servers semantic mlx_lm rapid_mlx]
+    .venv/bin/python benchmarks/peers.py --model DIR --servers mlx_lm semantic --system-tokens 7100 \
+        --turn-tokens 850 --max-context 9700 --reply-tokens 64 --restarts SIGKILL --name peers-8b
 
 The servers run one after another on the same imported SmolLM2 directory, all on
 OpenBLAS (the peers through LD_PRELOAD), and get the same client: OpenAI chat
@@ -26,6 +28,12 @@ of its own, ~/.cache/semantic-bench/rapid-mlx, with this venv's MLX version; it 
 with HOME in the run's directory, ~/.cache/semantic-bench/peers (the servers' homes and
 logs of the last run), which every run empties first: no server starts from an earlier
 run's disk cache.
+
+--model DIR serves an MLX model directory (benchmarks/synthetic.py makes them at real
+sizes) instead of SmolLM2, on every server; the options after it size the conversation,
+--semantic-env sets Semantic's settings (SEMANTIC_KV_FORMAT=q8: no KV calibration at
+start-up), --out writes NAME.json elsewhere. Every result file names the commit and the
+device MLX computed on (mx.default_device(); the GPU's name from nvidia-smi, else the CPU's).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.blas import find_openblas  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import RESULTS, machine, openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS, device, machine, openai_stream, print_table, pyplot, save_plot, write_results)
 from benchmarks.multi_turn import user_message  # noqa: E402
 from conftest import free_port, start_server  # noqa: E402
 
@@ -224,9 +233,9 @@ class Contender:
     version: str
 
 
-def chat(url: str, model: str, messages: list[dict]) -> dict[str, Any]:
+def chat(url: str, model: str, messages: list[dict], reply_tokens: int = REPLY_TOKENS) -> dict[str, Any]:
     """One streamed turn: TTFT, total seconds, the server's token counts, the reply."""
-    body = {"model": model, "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0,
+    body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, reply, usage = openai_stream(f"{url}/v1/chat/completions", body, HEADERS)
@@ -235,7 +244,7 @@ def chat(url: str, model: str, messages: list[dict]) -> dict[str, Any]:
             "completion_tokens": usage.get("completion_tokens"), "reply": reply}
 
 
-def converse(contender: Contender, conversation: Plan) -> dict[str, Any]:
+def converse(contender: Contender, conversation: Plan, reply_tokens: int = REPLY_TOKENS) -> dict[str, Any]:
     """The conversation on one server, restarted where the plan says; one record per
     turn and one per process (how it ended, start-up seconds, memory)."""
     history: list[dict] = [{"role": "system", "content": conversation.system}]
@@ -246,11 +255,13 @@ def converse(contender: Contender, conversation: Plan) -> dict[str, Any]:
         began = time.perf_counter()
         server = contender.start()
         processes.append({"start_s": time.perf_counter() - began})
+        print(f"{contender.name} started in {processes[-1]['start_s']:.1f} s", file=sys.stderr)
         return server
 
     def finish(server: Running, how: str) -> None:
         peak, current = tree_memory_mb(server.process.pid)
-        processes[-1].update(ended_by=how, peak_rss_mb=peak, rss_mb=current,
+        gpu = gpu_memory_mb(server.process.pid)
+        processes[-1].update(ended_by=how, peak_rss_mb=peak, rss_mb=current, **({"gpu_mb": gpu} if gpu else {}),
                              stop_s=end(server.process, getattr(signal, how)))
 
     server = launch()
@@ -260,16 +271,39 @@ def converse(contender: Contender, conversation: Plan) -> dict[str, Any]:
                 finish(server, turn.restart)
                 server = launch()
             history.append({"role": "user", "content": turn.user})
-            record = chat(server.url, contender.model, history)
+            record = chat(server.url, contender.model, history, reply_tokens)
             history.append({"role": "assistant", "content": record.pop("reply")})
             turns.append({"turn": turn.label, **record})
-            print(f"{contender.name} turn {turn.label}: {record['prompt_tokens']} tokens, "
-                  f"{record['cached_tokens']} cached, TTFT {record['ttft_s']:.2f} s", file=sys.stderr)
+            print(f"{time.strftime('%H:%M:%S')} {contender.name} turn {turn.label}: {record['prompt_tokens']} tokens, "
+                  f"{record['cached_tokens']} cached, TTFT {record['ttft_s']:.2f} s, "
+                  f"total {record['total_s']:.2f} s", file=sys.stderr)
     finally:
         if server.process.poll() is None:
             finish(server, "SIGTERM")
     return {"version": contender.version, "measured": machine(), "turns": turns, "processes": processes,
             **summary(turns, processes)}
+
+
+def gpu_memory_mb(pid: int) -> float | None:
+    """MiB of GPU memory held by a process and its descendants (nvidia-smi), or None."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    pids, pending = set(), [pid]
+    while pending:
+        child = pending.pop()
+        pids.add(child)
+        try:
+            pending += [int(c) for task in Path(f"/proc/{child}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    used = [float(fields[1]) for line in done.stdout.splitlines()
+            if len(fields := [f.strip() for f in line.split(",")]) == 2 and fields[0].isdigit()
+            and int(fields[0]) in pids and fields[1].replace(".", "").isdigit()]
+    return sum(used) if used else None
 
 
 def summary(turns: list[dict], processes: list[dict]) -> dict[str, float | None]:
@@ -313,7 +347,7 @@ def report(conversation: dict, servers: dict[str, dict]) -> None:
                   servers[n]["rss_after_conversation_mb"]] for n in names])
 
 
-def plot(name: str, conversation: dict, servers: dict[str, dict]) -> None:
+def plot(name: str, conversation: dict, servers: dict[str, dict], directory: Path = RESULTS) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -327,40 +361,67 @@ def plot(name: str, conversation: dict, servers: dict[str, dict]) -> None:
     turns_ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
     turns_ax.set_yscale("log")
     turns_ax.set_ylabel("time to first token (s)")
-    turns_ax.set_title(f"Agent conversation to {conversation['max_context']} tokens, SmolLM2-135M, 2-core CPU")
+    where = f"{Path(conversation['model']).name}, {conversation['device']}" if "model" in conversation \
+        else "SmolLM2-135M, 2-core CPU"
+    turns_ax.set_title(f"Agent conversation to {conversation['max_context']} tokens, {where}")
     turns_ax.legend()
     memory_ax.bar([NAMES[k] for k in servers], [r["peak_rss_mb"] for r in servers.values()])
     memory_ax.set_ylabel("peak RSS (MiB)")
     memory_ax.tick_params(axis="x", labelsize=8)
-    save_plot(fig, name)
+    save_plot(fig, name, directory)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: to 3K tokens of context")
-    parser.add_argument("--servers", nargs="+", choices=list(NAMES), default=list(NAMES))
+    parser.add_argument("--servers", nargs="+", choices=list(NAMES), default=list(NAMES),
+                        help="which servers, in the order they run")
+    parser.add_argument("--model", type=Path, help="an MLX model directory for every server (default: SmolLM2)")
+    parser.add_argument("--system-tokens", type=int, default=1900)
+    parser.add_argument("--turn-tokens", type=int, default=240, help="new tokens of each long turn")
+    parser.add_argument("--max-context", type=int, help="long turns until a prompt reaches it (6000; --quick 3000)")
+    parser.add_argument("--short-tokens", type=int, default=20)
+    parser.add_argument("--reply-tokens", type=int, default=REPLY_TOKENS)
+    parser.add_argument("--restarts", nargs="*", choices=["SIGKILL", "SIGTERM"], default=["SIGKILL", "SIGTERM"],
+                        help="how the server is stopped before each last short turn (none: no restarts)")
+    parser.add_argument("--semantic-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of Semantic's process, e.g. SEMANTIC_KV_FORMAT=q8")
+    parser.add_argument("--name", help="the result files' name (peers; --quick peers-quick)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where NAME.json and NAME.png go")
+    parser.add_argument("--scratch", type=Path, help=f"the servers' homes and logs (default {SCRATCH}/NAME)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
-    model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")
+    model_dir = args.model.resolve() if args.model else ensure_embedded(load_settings().models_dir,
+                                                                          "smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    max_context = 3000 if args.quick else 6000
+    max_context = args.max_context or (3000 if args.quick else 6000)
     conversation_plan = plan(lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-                             max_context=max_context)
-    conversation = {"max_context": max_context, "reply_tokens": REPLY_TOKENS,
+                             system_tokens=args.system_tokens, turn_tokens=args.turn_tokens, max_context=max_context,
+                             short_tokens=args.short_tokens, reply_tokens=args.reply_tokens,
+                             restarts=tuple(args.restarts))
+    conversation = {"max_context": max_context, "reply_tokens": args.reply_tokens,
                     "labels": [t.label for t in conversation_plan.turns],
                     "plan": [asdict(t) for t in conversation_plan.turns], "system": conversation_plan.system}
-    name = "peers-quick" if args.quick else "peers"
-    previous = json.loads((RESULTS / f"{name}.json").read_text()) if (RESULTS / f"{name}.json").exists() else {}
+    semantic_env = dict(pair.split("=", 1) for pair in args.semantic_env)
+    where = device()
+    if args.model:  # results of another model (or device) are never merged with these
+        conversation.update(model=str(model_dir), device=where["name"], semantic_env=semantic_env)
+    name = args.name or ("peers-quick" if args.quick else "peers")
+    previous_path = args.out / f"{name}.json"
+    previous = json.loads(previous_path.read_text()) if previous_path.exists() else {}
     servers = previous.get("servers", {}) if previous.get("conversation") == conversation else {}
 
-    scratch = SCRATCH / name  # the last run's homes and logs; its disk caches are gone before the next
+    scratch = args.scratch or SCRATCH / name  # the last run's homes and logs; its disk caches are gone before the next
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
+    print(f"{time.strftime('%H:%M:%S')} {model_dir} on {where['mlx_device']} ({where['name']}); "
+          f"scratch (logs): {scratch}", file=sys.stderr)
     contenders = {
         "semantic": Contender("semantic", "smollm2-135m-instruct",
-                              lambda: start_server(scratch / "semantic", model_dir), f"commit {machine()['commit']}"),
+                              lambda: start_server(scratch / "semantic", model_dir, semantic_env),
+                              f"commit {machine()['commit']}"),
         "mlx_lm": Contender("mlx_lm", MLX_LM_MODEL, lambda: mlx_lm_server(model_dir, scratch / "mlx_lm.log"),
                             f"mlx-lm {version('mlx-lm')}"),
         "rapid_mlx": Contender("rapid_mlx", str(model_dir),
@@ -368,13 +429,15 @@ def main() -> None:
                                RAPID_MLX.replace("==", " ")),
     }
     for key in args.servers:
-        servers[key] = converse(contenders[key], conversation_plan)
+        servers[key] = {**converse(contenders[key], conversation_plan, args.reply_tokens), "device": where}
         servers = {k: servers[k] for k in NAMES if k in servers}
-        write_results(name, {"args": vars(args), "conversation": conversation, "servers": servers})
+        write_results(name, {"args": {**vars(args), "model": args.model and str(args.model), "out": str(args.out),
+                                      "scratch": args.scratch and str(args.scratch)},
+                             "device": where, "conversation": conversation, "servers": servers}, args.out)
     print(f"scratch (logs): {scratch}")
     report(conversation, servers)
-    print(f"wrote {RESULTS / f'{name}.json'}")
-    plot(name, conversation, servers)
+    print(f"wrote {args.out / f'{name}.json'}")
+    plot(name, conversation, servers, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Semantic against mlx_lm.server on a synthetic Llama-3-8B shape (4-bit) on an NVIDIA GPU,
+# in two calls of the device tool, the second right after the first (the machine keeps
+# /tmp only while it stays warm, ~30 s):
+#
+#   bash benchmarks/device/gpu_check.sh stage1   # carry .device/part1: copy it to /tmp/dev, install its wheels but mlx
+#   bash benchmarks/device/gpu_check.sh stage2   # carry .device/part2: join mlx-cuda-13, install it with mlx, measure
+#   bash benchmarks/device/gpu_check.sh rehearse # here, on the CPU: the same flow on .venv, the tiny shape, small turns
+#
+# .device/ (not committed; its README lists the files) holds the wheels the GPU image lacks,
+# for Python 3.12: mlx and mlx-cuda-13 0.32.4 (the latter split in two halves), mlx-lm
+# 0.32.2, the project's pinned pure-Python dependencies and transformers 5.23.0; and
+# SmolLM2's tokenizer files. The image's own numpy, tokenizers, safetensors, jinja2 and the
+# NVIDIA CUDA 13 libraries (site-packages/nvidia/*/lib: on LD_LIBRARY_PATH, and linked as
+# /tmp/site/nvidia, where libmlx.so's RPATH looks) are used. mlx and mlx-cuda-13 both
+# write mlx/: they are installed by one pip (a second `pip --target --upgrade` replaces the folder).
+#
+# stage2: prints mx.default_device(), makes the model (benchmarks/synthetic.py), compiles
+# the kernels in process and times that first run (benchmarks/device/warmup.py), then runs
+# benchmarks/peers.py: mlx_lm.server then Semantic (`python -m app serve`, a scratch
+# SEMANTIC_HOME, KV format q8), each: start-up, a cold ~8K-token turn, two warm turns of
+# +850 tokens, a short turn, SIGKILL, start-up again and a short turn; streamed OpenAI chat,
+# greedy, 64-token replies. Every phase has a timeout and the whole a budget
+# (GPU_CHECK_BUDGET_S, 360 s); every line is logged with its time to $OUT/gpu_check.log,
+# the results to $OUT/gpu-llama3-8b.json with the servers' logs beside them.
+# SEMANTIC_COMMIT=<hash> names the commit where the tree travels without its .git.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+MODE=${1:-}
+DEV=/tmp/dev
+SITE=/tmp/site
+START=$(date +%s)
+BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
+
+case "$MODE" in
+  stage1|stage2) OUT=${OUT:-/tmp/gpu-check-out}; PY=${PYTHON:-python3} ;;
+  rehearse) OUT=${OUT:-/tmp/gpu-check-rehearse}; PY=${PYTHON:-$ROOT/.venv/bin/python}; BUDGET_S=${GPU_CHECK_BUDGET_S:-170} ;;
+  *) echo "usage: $0 stage1|stage2|rehearse" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+export PYTHONUNBUFFERED=1
+
+log() { echo "$(date +%H:%M:%S) [gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG" >&2; }
+
+# phase NAME LIMIT_S COMMAND...: run COMMAND under `timeout` (LIMIT_S, or what is left of
+# the budget if less), its output timestamped into the log; returns its status.
+phase() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET_S - ($(date +%s) - START) ))
+  if (( left < limit )); then limit=$left; fi
+  if (( limit < 5 )); then log "SKIP $name: the budget of ${BUDGET_S}s is spent"; return 124; fi
+  log "BEGIN $name (timeout ${limit}s): $*"
+  local t0=$EPOCHREALTIME
+  timeout -k 10 "$limit" "$@" 2>&1 | while IFS= read -r line; do echo "$(date +%H:%M:%S) $name| $line"; done | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "END $name: exit $rc$( ((rc == 124)) && echo ' (timed out)') after $(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $t0 }")s"
+  return "$rc"
+}
+
+# Wheels into $SITE: no dependencies, no index.
+PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+
+if [ "$MODE" = stage1 ]; then
+  log "stage1 on $(uname -n): $(nvidia-smi -L 2>/dev/null | head -1); $("$PY" --version 2>&1)"
+  [ -d .device/part1 ] || { log "no .device/part1 here: carry it (carry: [\".device/part1\"])"; exit 1; }
+  rm -rf "$DEV" "$SITE"; mkdir -p "$DEV" "$SITE"
+  cp -r .device/part1/. "$DEV"/
+  log "copied $(du -sh "$DEV" | cut -f1) to $DEV"
+  phase install-part1 120 "${PIP[@]}" $(ls "$DEV"/*.whl | grep -v '/mlx-[0-9]') || exit 1
+  log "stage1 done: now stage2 at once (carry .device/part2)"
+  exit 0
+fi
+
+if [ "$MODE" = stage2 ]; then
+  log "stage2 on $(uname -n); $("$PY" --version 2>&1)"
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+  if [ ! -d "$DEV" ] || [ ! -d "$SITE" ]; then
+    log "$DEV or $SITE is missing: the machine was given back since stage1; run stage1 again, then stage2 at once"
+    exit 1
+  fi
+  [ -d .device/part2 ] || { log "no .device/part2 here: carry it (carry: [\".device/part2\"])"; exit 1; }
+  WHEEL=$(cd .device/part2 && ls mlx_cuda_13-*.whl.part2 | sed 's/\.part2$//')
+  cat "$DEV/$WHEEL.part1" ".device/part2/$WHEEL.part2" > "$DEV/$WHEEL"
+  (cd "$DEV" && grep " $WHEEL\$" SHA256SUMS | sha256sum -c -) 2>&1 | tee -a "$LOG" || { log "the joined wheel is not the one split"; exit 1; }
+  phase install-part2 150 "${PIP[@]}" "$DEV"/mlx-[0-9]*.whl "$DEV/$WHEEL" .device/part2/*.whl || exit 1
+  # The image's NVIDIA libraries (CUDA 13: cublas, cudnn, nccl, nvrtc, cufft, cusolver, runtime).
+  NVIDIA=$("$PY" -c "
+import glob, os, sys
+print(next((os.path.join(p, 'nvidia') for p in sys.path if p and glob.glob(os.path.join(p, 'nvidia', '*', 'lib'))), ''))")
+  [ -n "$NVIDIA" ] && [ ! -e "$SITE/nvidia" ] && ln -s "$NVIDIA" "$SITE/nvidia"
+  NVLIBS=$(ls -d "$NVIDIA"/*/lib 2>/dev/null | tr '\n' ':')
+  export LD_LIBRARY_PATH=${NVLIBS%:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  log "nvidia libraries: $NVIDIA; LD_LIBRARY_PATH: $LD_LIBRARY_PATH"
+  TOKENIZER=(--tokenizer "$DEV/tokenizer")
+  SHAPE=(llama3-8b)
+  WARM_TOKENS=8192
+  PEERS=(--system-tokens 7100 --turn-tokens 850 --max-context 9700 --short-tokens 20 --reply-tokens 64)
+  NAME=gpu-llama3-8b
+else  # rehearse
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  TOKENIZER=()
+  if [ -f .device/part1/tokenizer/tokenizer.json ]; then TOKENIZER=(--tokenizer .device/part1/tokenizer); fi
+  SHAPE=(tiny)
+  WARM_TOKENS=512
+  PEERS=(--system-tokens 500 --turn-tokens 120 --max-context 800 --short-tokens 20 --reply-tokens 16)
+  NAME=rehearse-tiny
+fi
+export SEMANTIC_COMMIT=${SEMANTIC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+log "commit $SEMANTIC_COMMIT"
+MODEL=/tmp/gpu-check-model
+SCRATCH=/tmp/gpu-check-scratch
+
+phase device 90 "$PY" -c "
+import mlx.core as mx, mlx_lm, transformers, tokenizers, numpy
+print('mx.default_device():', mx.default_device())
+print('mlx', mx.__version__, 'mlx_lm', mlx_lm.__version__, 'transformers', transformers.__version__,
+      'tokenizers', tokenizers.__version__, 'numpy', numpy.__version__)
+a = mx.random.normal((1024, 1024)); mx.eval(a @ a); print('a 1024x1024 matmul ran')
+import app.main, falcon, waitress, sqlalchemy, alembic, huey, pydantic
+print('the app imports')" || {
+  log "MLX or the app does not import; the libraries MLX cannot find:"
+  find "$SITE/mlx" -name '*.so*' -exec ldd {} \; 2>/dev/null | grep 'not found' | sort -u | tee -a "$LOG"
+  exit 1
+}
+phase make-model 150 "$PY" -m benchmarks.synthetic "${SHAPE[@]}" "$MODEL" "${TOKENIZER[@]}" || exit 1
+phase warmup 200 "$PY" benchmarks/device/warmup.py "$MODEL" --tokens "$WARM_TOKENS" --json "$OUT/warmup.json"
+phase peers 330 "$PY" benchmarks/peers.py --model "$MODEL" --servers mlx_lm semantic "${PEERS[@]}" \
+  --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --name "$NAME" --out "$OUT" --scratch "$SCRATCH"
+rc=$?
+cp "$SCRATCH/mlx_lm.log" "$OUT/mlx_lm.log" 2>/dev/null
+cp "$SCRATCH/semantic/server.log" "$OUT/semantic.log" 2>/dev/null
+log "done (peers exit $rc); in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+exit $rc
