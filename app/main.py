@@ -17,12 +17,13 @@ from app.api.errors import add_error_handlers
 from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopback
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
-from app.errors import ConfigError, EngineUnavailable
+from app.errors import ConfigError, EngineUnavailable, SemanticError
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
 if TYPE_CHECKING:
     from app.engine.engine import Engine
+    from app.catalog.registry import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +84,12 @@ def _serve(settings: Settings) -> None:
     # cache; without one, this server's caches are its own (hashing.scoped_fingerprint).
     tier = S3Tier(settings.block_store) if settings.block_store else None
     scope = settings.effective_server_id if is_postgres_url(settings.db_url) and tier is None else ""
-    cache = CacheConfig(settings.blocks_dir, sessions, settings.cache_memory_bytes, settings.cache_reuse,
+    prefill_step_size, cache_memory_bytes = _machine_defaults(settings, catalog)
+    cache = CacheConfig(settings.blocks_dir, sessions, cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations, settings.kv_format_for, scope, tier,
                         settings.effective_server_id if tier is not None else None)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
-                    max_batch=settings.max_batch, prefill_step_size=settings.prefill_step_size,
+                    max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
@@ -109,6 +111,25 @@ def _serve(settings: Settings) -> None:
             stop_worker(worker)
         engine.stop()
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
+
+
+def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int]:
+    """The prefill step and the KV memory budget: the settings', or (0) chosen for this
+    machine's backend and the default model's weights. Logged either way."""
+    from app.engine.backend import cache_budget, detect, prefill_step, weights_bytes
+
+    backend = detect()
+    try:
+        weights = weights_bytes(catalog.path(catalog.default))
+    except SemanticError:
+        weights = 0
+    step = settings.prefill_step_size or prefill_step(backend)
+    budget = settings.cache_memory_bytes or cache_budget(backend, weights)
+    log.info("backend %s (%s, %.1f GiB): prefill step %d tokens (%s), KV cache memory %.1f GiB (%s)",
+             backend.kind, backend.name, backend.memory_bytes / 2**30, step,
+             "set" if settings.prefill_step_size else "per backend", budget / 2**30,
+             "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights")
+    return step, budget
 
 
 STREAM_BUFFER_BYTES = 1 << 30  # above any answer: 1M tokens of context at ~300 bytes of SSE each is 300 MiB

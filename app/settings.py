@@ -71,10 +71,10 @@ class Settings:
     fit_prompts: bool = setting(True, (
         "A prompt beyond the context drops optional sections (Claude Code's auto memory instructions) before it is "
         "refused as too long."))
-    prefill_step_size: int = setting(256, (
+    prefill_step_size: int = setting(0, (
         "The largest prefill chunk in tokens (bounds peak memory on long prompts): a prompt prefilling alone takes "
         "chunks of this size; while other requests run, chunks are sized to take about 0.25 s so that none waits "
-        "long."))
+        "long. 0 = per backend (app/engine/backend.py): 256 on a CPU, 2048 on a GPU; startup logs the choice."))
     max_batch: int = setting(8, "Generations the engine runs at once (prefilling or decoding, in one batch).")
     max_queue: int = setting(16, "Requests waiting for a place in the batch before new ones get 429.")
     threads: int = setting(32, (
@@ -85,9 +85,12 @@ class Settings:
         "projection and of the rows' attention on a second MLX stream, OpenBLAS on one thread) for more "
         "aggregate tok/s. See app/engine/cores.py."))
     cache_reuse: bool = setting(True, "Reuse KV caches across turns (false: every prompt is prefilled cold).")
-    cache_memory_bytes: int = setting(2 * 1024**3, (
+    cache_memory_bytes: int = setting(0, (
         "Bytes of KV cache kept in memory (the hot tier): the stored blocks, plus the float working copies of the "
-        "4 most recent conversations; the rest waits on disk."))
+        "4 most recent conversations; the rest waits on disk. The same budget bounds the working caches of the "
+        "generations running at once (admission). 0 = from the machine (app/engine/backend.py): a quarter of the "
+        "RAM beside the weights on a CPU, half of the GPU's memory beside them on a GPU, at least 1 GiB; startup "
+        "logs the choice."))
     kv_format: str = setting("auto", (
         "How stored KV caches are kept: auto = per model, the fewest bytes that keep its answers faithful (top-1 "
         "agreement with float KV >= 98%, perplexity within 1%), measured once per model "
@@ -286,11 +289,11 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "repetition_penalty": (0.5, 2.0),
     "max_output_tokens": (1, 1 << 24),
     "default_max_tokens": (1, 1 << 24),
-    "prefill_step_size": (8, 1 << 16),
+    "prefill_step_size": (0, 1 << 16),  # 0: per backend
     "max_batch": (1, 256),
     "max_queue": (1, 1 << 16),
     "threads": (2, 1024),
-    "cache_memory_bytes": (1 << 20, 1 << 50),
+    "cache_memory_bytes": (0, 1 << 50),  # 0: from the machine
     "max_conversations": (1, 1 << 16),
     "cache_ttl_seconds": (1, 100 * _YEAR_S),
     "disk_budget_bytes": (0, 1 << 60),

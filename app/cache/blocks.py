@@ -24,10 +24,11 @@ The ``KVFormat`` says how:
   what a cold prefill computes (never chosen by ``auto``; pinned where answers must
   not move, and by the warm-equals-cold tests).
 
-Attention runs on a transient dequantized float32 copy (``to_working_cache``):
+Attention runs on a transient dequantized float copy (``to_working_cache``):
 on Linux CPU float32 goes through BLAS while ``quantized_matmul`` does not.
-Dequantizing is elementwise work that MLX's CPU backend runs on one thread per
-stream, so the layers alternate between two streams, and the output has room for
+The copy is built where the model runs (``working_streams``): on a GPU, on its
+stream; on the CPU, dequantizing is elementwise work that MLX runs on one thread
+per stream, so the layers alternate between two streams. The output has room for
 the next prefill step (``capacity``): a cache loaded after a restart is ready in
 half the time, and its first chunk does not copy it again.
 """
@@ -398,12 +399,12 @@ def capacity(n_tokens: int) -> int:
 
 def working_cache(n_layers: int, layer: Callable[[int], tuple[mx.array, mx.array]], n_tokens: int) -> list[KVCache]:
     """Caches holding the first ``n_tokens`` of each ``layer(i)``'s keys and values, evaluated
-    (what follows them in the arrays is room for the next tokens). Layers alternate between
-    two streams: MLX's CPU backend runs each stream's elementwise work on one thread."""
-    streams = (mx.default_stream(mx.cpu), _second_stream())
+    (what follows them in the arrays is room for the next tokens), computed on
+    ``working_streams()`` in turn."""
+    streams = working_streams()
     cache = []
     for i in range(n_layers):
-        with mx.stream(streams[i % 2]):
+        with mx.stream(streams[i % len(streams)]):
             keys, values = layer(i)
         cache.append(KVCache())
         cache[-1].state = (keys, values, n_tokens)
@@ -415,6 +416,17 @@ def with_room(x: mx.array, n_tokens: int) -> mx.array:
     """The first ``n_tokens`` of ``x`` along the token axis, in a new buffer of ``capacity(n_tokens)`` tokens."""
     room = mx.zeros((*x.shape[:2], capacity(n_tokens) - n_tokens, x.shape[3]), dtype=x.dtype)
     return mx.concatenate([x[..., :n_tokens, :], room], axis=2)
+
+
+def working_streams() -> tuple[mx.Stream, ...]:
+    """Where a working copy is built: on the model's device and stream. A GPU model's is its
+    device's default stream (on a GPU, CPU streams made a 9.9K-token restore of an 8B-shaped
+    model take 8.4 s); on the CPU, two streams in turn, because MLX's CPU backend runs each
+    stream's elementwise work on one thread of its own."""
+    device = mx.default_device()
+    if device.type == mx.gpu:
+        return (mx.default_stream(device),)
+    return (mx.default_stream(mx.cpu), _second_stream())
 
 
 _local = threading.local()

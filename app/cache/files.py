@@ -46,7 +46,7 @@ from app.cache.records import CacheRecord
 if TYPE_CHECKING:
     from app.cache.records import ConversationCache
     from app.cache.shared_tier import S3Tier
-    from app.store.cache_index import CacheEntry
+    from app.store.cache_index import BlockRow, CacheEntry
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
 CHECKSUM_KEY = "sha256"
 QUARANTINE = "quarantine"
 FETCH_THREADS = 8  # GETs from the shared tier at once, for one conversation
+READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at once, for one conversation
 
 Arrays = dict[str, np.ndarray]
 
@@ -94,7 +95,7 @@ def checksum(arrays: Arrays, metadata: dict[str, str]) -> str:
     for name in sorted(arrays):
         array = np.ascontiguousarray(arrays[name])
         digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
-        digest.update(array.tobytes())
+        digest.update(array.reshape(-1).view(np.uint8).data)  # its bytes, without a copy
     digest.update(json.dumps(metadata, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -370,12 +371,20 @@ class CacheFiles:
             raise ValueError("record file and index disagree on the block chain")
         needed = [row for row in entry.blocks if row.hash not in skip]
         self.fetch_missing(row.path for row in needed)
-        blocks = {row.hash: self.read_block(row.hash, row.path, row.checksum or None) for row in needed}
+        blocks = dict(zip((row.hash for row in needed), self._read_blocks(needed)))
         tail_tokens = int(meta["tail_tokens"])
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
             raise ValueError("blocks do not cover the record")
         return StoredConversation(record, chain, blocks, tail, tail_tokens)
+
+    def _read_blocks(self, rows: list[BlockRow]) -> list[Arrays]:
+        """``read_block`` of each row, side by side: reading and hashing a file wait on the
+        disk and on sha256, which run outside the GIL, so a restore uses every core."""
+        if len(rows) < 2:
+            return [self.read_block(row.hash, row.path, row.checksum or None) for row in rows]
+        with ThreadPoolExecutor(min(READ_THREADS, len(rows)), thread_name_prefix="cache-read") as pool:
+            return list(pool.map(lambda row: self.read_block(row.hash, row.path, row.checksum or None), rows))
 
     def read_text(self, record_path: str) -> str:
         """The text a stored record spells (its header only, unverified: for matching;

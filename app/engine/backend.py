@@ -1,0 +1,76 @@
+"""The machine the engine computes on, and the defaults it implies.
+
+``Backend`` says what MLX computes on (the CPU, an NVIDIA GPU through mlx-cuda, an Apple
+GPU through Metal) and how much memory it computes in (RAM; the GPU's memory; the unified
+memory). The defaults that depend on it are pure functions of that value, so each choice is
+tested without the hardware: ``prefill_step`` (the largest prefill chunk: 256 tokens measured
+best on a 2-core CPU, 2048 was 2.4x faster than 256 on an H200) and ``cache_budget`` (the bytes
+of KV cache kept in memory: a share of what the weights leave). ``detect`` is the only
+function that asks MLX. (Where a restored cache's working copy is built is the cache's own
+choice, by the device: ``app.cache.blocks.working_streams``.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["cpu", "cuda", "metal"]
+
+# The largest prefill chunk per backend, in tokens (setting prefill_step_size = 0).
+PREFILL_STEP: dict[Kind, int] = {"cpu": 256, "cuda": 2048, "metal": 2048}
+# The share of the memory left beside the weights that KV caches may hold (setting
+# cache_memory_bytes = 0). A CPU shares its RAM with everything else on the machine; a GPU's
+# memory holds the weights, the activations of a prefill chunk and the caches.
+CACHE_SHARE: dict[Kind, float] = {"cpu": 0.25, "cuda": 0.5, "metal": 0.5}
+MIN_CACHE_BUDGET = 1 << 30  # the budget never goes below 1 GiB, however full the memory
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    kind: Kind
+    memory_bytes: int  # what the model and its caches compute in
+    name: str  # the device's name, for logs and benchmark results
+
+    @property
+    def gpu(self) -> bool:
+        return self.kind != "cpu"
+
+
+def prefill_step(backend: Backend) -> int:
+    """The largest prefill chunk on ``backend``, in tokens."""
+    return PREFILL_STEP[backend.kind]
+
+
+def cache_budget(backend: Backend, weights_bytes: int) -> int:
+    """Bytes of KV cache to keep in memory on ``backend`` beside ``weights_bytes`` of weights
+    (whole MiB)."""
+    left = max(0, backend.memory_bytes - weights_bytes)
+    return max(MIN_CACHE_BUDGET, int(left * CACHE_SHARE[backend.kind])) >> 20 << 20
+
+
+def detect() -> Backend:
+    """The backend MLX computes on in this process (its default device)."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.gpu:
+        kind: Kind = "metal" if mx.metal.is_available() else "cuda"
+        info = mx.device_info()
+        memory = int(info.get("total_memory") or info.get("memory_size") or 0) or _ram_bytes()
+        return Backend(kind, memory, str(info.get("device_name") or info.get("architecture") or kind))
+    info = mx.device_info()
+    return Backend("cpu", _ram_bytes(), str(info.get("device_name") or "cpu"))
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return 8 << 30
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """Bytes of a model directory's weight files (0 if it is not there yet)."""
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors")) if model_dir.is_dir() else 0
