@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import falcon
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from app.catalog.registry import Catalog
 
 log = logging.getLogger(__name__)
+_LOADED_AT = time.monotonic()
 
 
 def create_app(deps: Deps) -> falcon.App:
@@ -100,7 +103,8 @@ def _serve(settings: Settings) -> None:
     threading.Thread(target=_report_loaded, args=(engine, settings), name="semantic-load-watch", daemon=True).start()
     worker = start_worker(settings) if settings.worker else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    log.info("listening on http://%s:%d (model loading; /health says when ready)", settings.host, settings.port)
+    log.info("listening on http://%s:%d (model loading; /health says when ready; %.1f s after the process started)",
+             settings.host, settings.port, process_age_s())
     try:
         server.run()
     except KeyboardInterrupt:
@@ -111,6 +115,16 @@ def _serve(settings: Settings) -> None:
             stop_worker(worker)
         engine.stop()
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module loaded)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _LOADED_AT
 
 
 def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int]:
@@ -168,5 +182,5 @@ def _report_loaded(engine: Engine, settings: Settings) -> None:
         _thread.interrupt_main()
         return
     status = engine.status()
-    log.info("model %s on %s ready, BLAS: %s, cache reuse %s", status.model, status.backend, blas_in_use(),
-             "on" if settings.cache_reuse else "OFF")
+    log.info("model %s on %s ready, BLAS: %s, cache reuse %s (%.1f s after the process started)", status.model,
+             status.backend, blas_in_use(), "on" if settings.cache_reuse else "OFF", process_age_s())

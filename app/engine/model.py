@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 import json
 import logging
 import re
@@ -328,7 +329,9 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
         InvalidModelFile: the directory is missing or not loadable, or the KV format
             cannot store the keys and values it caches (``KVFormat.unfit_reason``).
     """
+    started = time.perf_counter()
     spec = load_spec(name, path, dtype, kv_format)
+    specced = time.perf_counter()
     model, config = load_weights(path)
     unsupported = unsupported_caches(model)
     if unsupported:
@@ -340,8 +343,10 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
         model.set_dtype(target)
     mx.eval(model.parameters())
     used = _param_dtype(model)
-    log.info("loaded model %s from %s (context %d, dtype %s, tool calls: %s)", name, path, spec.context_length, used,
-             f"its own format ({spec.tool_syntax.parser})" if spec.tool_syntax else "the generic format")
+    log.info("loaded model %s from %s (context %d, dtype %s, tool calls: %s) in %.1f s (tokenizer and fingerprint "
+             "%.1f s, weights %.1f s)", name, path, spec.context_length, used,
+             f"its own format ({spec.tool_syntax.parser})" if spec.tool_syntax else "the generic format",
+             time.perf_counter() - started, specced - started, time.perf_counter() - specced)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:

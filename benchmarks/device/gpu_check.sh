@@ -127,9 +127,22 @@ print('the app imports')" || {
 }
 phase make-model 150 "$PY" -m benchmarks.synthetic "${SHAPE[@]}" "$MODEL" "${TOKENIZER[@]}" || exit 1
 phase warmup 200 "$PY" benchmarks/device/warmup.py "$MODEL" --tokens "$WARM_TOKENS" --json "$OUT/warmup.json"
+if [ "$MODE" = stage2 ]; then RESTORE=(--shape llama3-8b --tokens 10000 32768); else RESTORE=(--shape tiny --tokens 2048); fi
+phase restore 120 "$PY" -m benchmarks.restore "${RESTORE[@]}" --runs 2 --name "$NAME" --out "$OUT"
 phase peers 330 "$PY" benchmarks/peers.py --model "$MODEL" --servers mlx_lm semantic "${PEERS[@]}" \
   --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --name "$NAME" --out "$OUT" --scratch "$SCRATCH"
 rc=$?
+# The server's own account of each turn (requests: time to first token and its parts), for
+# comparison with the client's figures above.
+phase requests 30 "$PY" -c "
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1])
+names = [r[1] for r in db.execute('PRAGMA table_info(requests)')]
+wanted = [c for c in ('created_at', 'n_input_tokens', 'n_cached_tokens', 'reuse_reason', 'ttft_ms', 'queue_ms',
+                      'restore_ms', 'prefill_ms') if c in names]
+print(*wanted, sep='  ')
+for row in db.execute(f'SELECT {\", \".join(wanted)} FROM requests ORDER BY created_at'):
+    print(*row, sep='  ')" "$SCRATCH/semantic/semantic.db"
 cp "$SCRATCH/mlx_lm.log" "$OUT/mlx_lm.log" 2>/dev/null
 cp "$SCRATCH/semantic/server.log" "$OUT/semantic.log" 2>/dev/null
 log "done (peers exit $rc); in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"

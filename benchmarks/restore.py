@@ -1,0 +1,193 @@
+"""The restart path against its floor: a conversation's cache read back from disk.
+
+    .venv/bin/python -m benchmarks.restore [--shape llama3.2-1b] [--layers N] [--tokens 16384] [--format q8]
+
+A conversation of ``--tokens`` tokens of a named model shape (benchmarks/synthetic.py's
+shapes: only the KV shape matters, so no weights are made) is stored by the cache manager
+as a turn stores it, then restored by a fresh manager, as after a restart: its files read
+and verified, its blocks decoded, its float working copy built (``CacheManager.lease``).
+The floor is what no restore can avoid: reading the same files' bytes (one thread, then
+side by side) and dequantizing the same blocks already in memory into the working copy.
+KV values are random: the time does not depend on them. The files are in the page cache
+(each figure is the best of ``--runs``): this measures the code, not the disk.
+
+Prints a table, writes benchmarks/results/restore[-NAME].json and .png, naming the device
+and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine.blas import load_fast_blas  # noqa: E402
+
+load_fast_blas("")
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from app.cache.blocks import KV_FORMATS, KVBlock, to_working_cache  # noqa: E402
+from app.cache.manager import CacheManager  # noqa: E402
+from app.cache.records import CacheRecord  # noqa: E402
+from app.store.db import make_engine, make_session_factory, upgrade  # noqa: E402
+from app.store.history import touch_agent, utcnow  # noqa: E402
+from app.types import Prompt  # noqa: E402
+from benchmarks.common import device, print_table, pyplot, save_plot, write_results  # noqa: E402
+from benchmarks.synthetic import SHAPES, shape_config  # noqa: E402
+
+FINGERPRINT = "b" * 64
+
+
+def _prompt(n_tokens: int) -> Prompt:
+    tokens = tuple(i % 30000 + 100 for i in range(n_tokens))
+    return Prompt("".join(chr(0x4E00 + t % 20000) for t in tokens), tokens, tuple(range(1, n_tokens + 1)))
+
+
+def _manager(home: Path, n_layers: int, kv_format: Any, dtype: mx.Dtype) -> CacheManager:
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:
+        touch_agent(session, "agent", "direct", utcnow())
+    return CacheManager(fingerprint=FINGERPRINT, n_layers=n_layers, dtype=dtype, blocks_dir=home / "blocks",
+                        sessions=sessions, budget_bytes=1 << 40, kv_format=kv_format, working_copies=0)
+
+
+def _store(home: Path, config: dict[str, Any], n_tokens: int, kv_format: Any, dtype: mx.Dtype) -> None:
+    """One turn's commit of a conversation of ``n_tokens`` random KV, written to disk."""
+    n_layers = config["num_hidden_layers"]
+    heads, head_dim = config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // \
+        config["num_attention_heads"]
+    caches = _manager(home, n_layers, kv_format, dtype)
+    prompt = _prompt(n_tokens)
+    lease = caches.lease("agent", "conversation", prompt)
+    mx.random.seed(0)
+    for layer in lease.cache:
+        keys = mx.random.normal((1, heads, n_tokens, head_dim)).astype(dtype)
+        values = mx.random.normal((1, heads, n_tokens, head_dim)).astype(dtype)
+        layer.update_and_fetch(keys, values)
+    caches.commit(lease, CacheRecord(prompt.token_ids, prompt.text, prompt.ends), lease.cache)
+    assert caches.flush(600)
+    caches.close()
+
+
+def _best(runs: int, step: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None) -> float:
+    """The fastest of ``runs`` calls of ``step`` (each given what an untimed ``setup`` made)."""
+    times = []
+    for _ in range(runs):
+        made = setup()
+        start = time.perf_counter()
+        step(made)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _files(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "blocks").rglob("*.safetensors"))
+
+
+def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, runs: int) -> dict[str, Any]:
+    config = shape_config(shape, layers)
+    n_layers = config["num_hidden_layers"]
+    dtype = mx.bfloat16 if mx.default_device().type == mx.gpu else mx.float32
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_format = KV_FORMATS[format_name].for_head_dim(head_dim)
+    with tempfile.TemporaryDirectory(prefix="restore-") as scratch:
+        home = Path(scratch)
+        started = time.perf_counter()
+        _store(home, config, n_tokens, kv_format, dtype)
+        print(f"stored {n_tokens} tokens of {shape} ({n_layers} layers) in {format_name}: "
+              f"{time.perf_counter() - started:.1f} s")
+        files = _files(home)
+        nbytes = sum(p.stat().st_size for p in files)
+        prompt = _prompt(n_tokens + 1)
+
+        def fresh() -> CacheManager:  # as after a restart: nothing in memory
+            return _manager(home, n_layers, kv_format, dtype)
+
+        def restore(caches: CacheManager) -> None:
+            lease = caches.lease("agent", "conversation", prompt)
+            assert lease.n_reused == n_tokens, lease.n_reused
+            mx.eval([layer.keys for layer in lease.cache])
+            caches.close()
+
+        def read_files(caches: CacheManager) -> None:
+            caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
+            caches.close()
+
+        def read_serial(_: None) -> None:
+            for path in files:
+                path.read_bytes()
+
+        def read_parallel(_: None) -> None:
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(Path.read_bytes, files))
+
+        caches = _manager(home, n_layers, kv_format, dtype)
+        stored = caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
+        blocks = [KVBlock.from_numpy(stored.blocks[h], n_layers, 256) for h in stored.chain]
+        blocks += [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
+        mx.eval([a for block in blocks for layer in block.layers for a in layer])
+        caches.close()
+
+        def dequantize(_: None) -> None:
+            cache: list[KVCache] = to_working_cache(blocks, n_layers, n_tokens, dtype, kv_format)
+            mx.eval([layer.keys for layer in cache])
+
+        restore(fresh())  # warm: page cache, kernels
+        figures = {
+            "restore_s": _best(runs, restore, fresh),
+            "read_and_verify_s": _best(runs, read_files, fresh),
+            "floor_read_serial_s": _best(runs, read_serial),
+            "floor_read_parallel_s": _best(runs, read_parallel),
+            "floor_dequantize_s": _best(runs, dequantize),
+        }
+    floor = min(figures["floor_read_serial_s"], figures["floor_read_parallel_s"]) + figures["floor_dequantize_s"]
+    return {"shape": shape, "layers": n_layers, "tokens": n_tokens, "format": kv_format.name,
+            "files": len(files), "bytes": nbytes, **figures, "floor_s": floor,
+            "restore_vs_floor": figures["restore_s"] / floor, "gb_per_s": nbytes / figures["restore_s"] / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--format", default="q8", choices=sorted(KV_FORMATS))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--name", default="", help="results file suffix (restore-NAME.json)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
+    args = parser.parse_args()
+    where = device()
+    print(f"device: {where['mlx_device']} ({where['name']})")
+    rows = [measure(args.shape, args.layers, n, args.format, args.runs) for n in args.tokens]
+    print_table(["tokens", "MB", "restore s", "read+verify s", "floor read s", "floor dequantize s", "floor s",
+                 "restore / floor", "GB/s"],
+                [[r["tokens"], round(r["bytes"] / 1e6, 1), r["restore_s"], r["read_and_verify_s"],
+                  min(r["floor_read_serial_s"], r["floor_read_parallel_s"]), r["floor_dequantize_s"], r["floor_s"],
+                  r["restore_vs_floor"], r["gb_per_s"]] for r in rows])
+    name = "restore" + (f"-{args.name}" if args.name else "")
+    extra = {"directory": args.out} if args.out else {}
+    path = write_results(name, {"device": where, "runs": rows}, **extra)
+    print(f"wrote {path}")
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        labels = [f"{r['tokens']} tokens" for r in rows]
+        ax.barh([f"{label}: floor" for label in labels], [r["floor_s"] for r in rows], color="#999")
+        ax.barh([f"{label}: restore" for label in labels], [r["restore_s"] for r in rows], color="#2a6")
+        ax.set_xlabel("seconds")
+        ax.set_title(f"restore vs floor, {args.shape} {args.format}, {where['name'][:40]}")
+        save_plot(fig, name, **extra)
+
+
+if __name__ == "__main__":
+    main()
