@@ -421,6 +421,11 @@ class CacheManager:
             agent_id, conversation_id = self._to_prefetch.popleft()
             if conversation_id in self._hot or not self._still_mine(agent_id):
                 continue
+            if not self._fits_beside_hot(conversation_id):  # never loaded only to be spilled
+                log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
+                         conversation_id)
+                self._to_prefetch.clear()
+                return False
             cache = self._load(agent_id, conversation_id)
             if cache is None:
                 continue
@@ -437,6 +442,22 @@ class CacheManager:
             log.info("conversation %s: prefetched with its working copy", conversation_id)
             return True
         return False
+
+    def _fits_beside_hot(self, conversation_id: str) -> bool:
+        """Whether the conversation's stored blocks and its float working copy (estimated from
+        the stored bytes: as many values, in the working dtype) fit the pool's budget beside
+        what is in memory now."""
+        entry = self._index.load(conversation_id)
+        if entry is None:
+            return True  # nothing to load: _load says so
+        try:  # the record file holds the private tail's KV
+            tail = self._files.local(entry.record_path, fetch=False).stat().st_size
+        except OSError:  # not on this disk (a pool's tier has it): as many bytes a token as the blocks
+            tail = (entry.n_tokens - len(entry.blocks) * BLOCK_TOKENS) * (
+                entry.blocks[0].nbytes // BLOCK_TOKENS if entry.blocks else 0)
+        stored = sum(block.nbytes for block in entry.blocks) + tail
+        working = int(stored / self.kv_format.bytes_per_value * self._dtype.size)
+        return self._pool.nbytes + stored + working <= self._pool.budget_bytes
 
     def _still_mine(self, agent_id: str) -> bool:
         """Outside a pool, True. In a pool: whether this server still owns the agent (a server

@@ -451,6 +451,7 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     full = manager(tmp_path, n_layers)
     full._pool.budget_bytes = 1
     assert full.prefetch() is False and full.record("a-c") is None and not full._working
+    assert full.stats().n_spilled == 0  # not loaded, then spilled: not loaded at all
     full.close()
 
     reloaded = manager(tmp_path, n_layers)

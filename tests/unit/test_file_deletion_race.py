@@ -68,8 +68,8 @@ def test_a_block_deleted_between_the_servers_check_and_its_commit_is_rewritten(s
     write_block = files.write_block
     deletions = [doomed]
 
-    def then_the_worker_deletes(block_id: str, data: KVBlock) -> tuple[Path, str]:
-        found = write_block(block_id, data)  # first time: the file exists, it is not written again
+    def then_the_worker_deletes(block_id: str, data: KVBlock, indexed: str | None = None) -> tuple[Path, str]:
+        found = write_block(block_id, data, indexed)  # first time: the file exists, it is not written again
         if deletions:  # ... and the worker deletes it right after, once
             delete_unreferenced(sessions, deletions.pop())
             assert not files.block_path(BLOCK).exists()
