@@ -115,6 +115,10 @@ class GenerationRequest:
     persist: bool = True  # write the conversation's cache to disk (OpenAI ttl 0: memory only)
     hot_ttl_s: float | None = None  # keep it in memory only this long unused (Anthropic cache_control)
     model: str | None = None  # the model to run it on (None: the default model)
+    # time.perf_counter() when its HTTP request arrived: its time to first token counts from
+    # there (None: from when it was submitted).
+    arrived_at: float | None = None
+    staged_s: float = 0.0  # seconds spent before the queue restoring its cache's files (a pool's tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +160,14 @@ class Finished:
     n_cached_tokens: int
     n_cache_written: int
     n_output_tokens: int
-    ttft_s: float
-    total_s: float
+    ttft_s: float  # from the request's arrival to its first token (0.0: it generated none)
+    total_s: float  # from the request's arrival to its end
     output_token_ids: tuple[int, ...] = field(default=(), repr=False)
     reuse: ReuseReport | None = None  # None: the request never reached the cache (cancelled in the queue)
+    # ttft_s in parts (app.engine.timing.FirstToken; with no token, up to the turn's end):
+    queue_s: float = 0.0  # arrival until the engine thread took it (reading, rendering, the queue)
+    restore_s: float = 0.0  # its cache brought into memory as a working copy (from disk, a pool's tier)
+    prefill_s: float = 0.0  # the prompt's new tokens computed, until the first token
 
 
 @dataclass(frozen=True, slots=True)

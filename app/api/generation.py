@@ -137,7 +137,7 @@ class GenerationResource:
             job = self._engine.submit(GenerationRequest(
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
-                hot_ttl_s=parsed.hot_ttl_seconds, model=model))
+                hot_ttl_s=parsed.hot_ttl_seconds, model=model, arrived_at=req.context.arrived))
             self._agents.accept(target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
                                 hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
@@ -243,9 +243,10 @@ def _log_turn(turn: Turn, finished: Finished, reuse: ReuseReport | None) -> None
     rate = (finished.n_output_tokens - 1) / decode_s if finished.n_output_tokens > 1 and decode_s > 0 else 0.0
     agent, conversation = turn.target.agent.agent_id, turn.target.conversation_id
     log.info("request %s agent %s conversation %s: prompt %d tokens (cached %d, new %d), output %d, "
-             "ttft %.2f s, %.1f tok/s, %s, %s", turn.request_id, agent, conversation, finished.n_prompt_tokens,
-             finished.n_cached_tokens, finished.n_prompt_tokens - finished.n_cached_tokens,
-             finished.n_output_tokens, finished.ttft_s, rate, reuse.reason if reuse else "-",
+             "ttft %.2f s (queue %.2f, restore %.2f, prefill %.2f), %.1f tok/s, %s, %s", turn.request_id, agent,
+             conversation, finished.n_prompt_tokens, finished.n_cached_tokens,
+             finished.n_prompt_tokens - finished.n_cached_tokens, finished.n_output_tokens, finished.ttft_s,
+             finished.queue_s, finished.restore_s, finished.prefill_s, rate, reuse.reason if reuse else "-",
              finished.stop_reason)
     if reuse is not None and reuse.reason not in ("extend", "exact"):
         where = (f"; stored text parts from the prompt at char {reuse.offset} in {reuse.part}: "

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from app.engine.surface import EngineSurface
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+TTFT_PART_BUCKETS = (0.001, 0.005, 0.01, 0.025, *TTFT_BUCKETS)  # a part may be next to nothing
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
@@ -58,7 +59,16 @@ class Metrics:
         self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason "
                                      "(app.types.ReuseReason: extend, exact, diverge, sibling, shared, miss, off)",
                                      ["reason"], registry=r)
-        self.ttft = Histogram("semantic_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram("semantic_ttft_seconds", "Time to first token, from the request's arrival",
+                              buckets=TTFT_BUCKETS, registry=r)
+        # Its parts (they add up to it): arrival until the engine took the request (reading,
+        # rendering, waiting), its cache brought into memory, the prompt's new tokens computed.
+        self.ttft_queue, self.ttft_restore, self.ttft_prefill = (
+            Histogram(f"semantic_ttft_{part}_seconds", f"Time to first token: {doc}", buckets=TTFT_PART_BUCKETS,
+                      registry=r)
+            for part, doc in (("queue", "arrival until the engine took the request"),
+                              ("restore", "the conversation's cache brought into memory (disk, a pool's tier)"),
+                              ("prefill", "the prompt's new tokens computed, until the first token")))
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)
         for name, doc, read in (
@@ -85,6 +95,9 @@ class Metrics:
             self.reuse_reasons.labels(finished.reuse.reason).inc()
         if finished.n_output_tokens:
             self.ttft.observe(finished.ttft_s)
+            self.ttft_queue.observe(finished.queue_s)
+            self.ttft_restore.observe(finished.restore_s)
+            self.ttft_prefill.observe(finished.prefill_s)
         decode_s = finished.total_s - finished.ttft_s
         if finished.n_output_tokens > 1 and decode_s > 0:
             self.decode_rate.observe((finished.n_output_tokens - 1) / decode_s)

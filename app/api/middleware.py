@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 import uuid
 from typing import Literal
 
@@ -42,12 +43,15 @@ class RequestContextMiddleware:
     response (``x-semantic-server``: which server of a pool answered), and one log line a
     request once its status is known, errors included: method, path, status, request id,
     agent (where the URL or the body named or matched one) and client (its User-Agent).
-    Probes that succeed (``PROBES``: health checkers, scrapers) are logged at DEBUG only."""
+    Probes that succeed (``PROBES``: health checkers, scrapers) are logged at DEBUG only.
+    ``req.context.arrived`` (``time.perf_counter()``, first thing: this middleware runs first)
+    is when a generation's time to first token starts."""
 
     def __init__(self, server_id: str) -> None:
         self._server_id = server_id
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        req.context.arrived = time.perf_counter()
         req.context.request_id = f"req_{uuid.uuid4().hex[:24]}"
         req.context.protocol = protocol_of(req.path)
         req.context.agent = None  # set by the URL (below) or by identity resolution (generation)

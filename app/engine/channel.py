@@ -47,6 +47,13 @@ class Job:
     _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     stored: threading.Event | None = None  # set once the turn's cache is on disk (None: not persisted)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def arrived(self) -> float:
+        """When its time to first token starts: its HTTP request's arrival, else its submission."""
+        arrived = self.request.arrived_at
+        return self.submitted if arrived is None else arrived
 
     def cancel(self) -> None:
         """Stop as soon as possible (the client went away): dropped if still queued, stopped
@@ -97,8 +104,10 @@ class Job:
 
 def cancelled_in_queue(job: Job) -> Finished:
     """The end of a job dropped before it started: nothing computed, nothing stored."""
+    waited = max(0.0, time.perf_counter() - job.arrived)
     return Finished(stop_reason="cancelled", stop_sequence=None, n_prompt_tokens=job.request.prompt.n_tokens,
-                    n_cached_tokens=0, n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=0.0)
+                    n_cached_tokens=0, n_cache_written=0, n_output_tokens=0, ttft_s=0.0, total_s=waited,
+                    queue_s=waited)
 
 
 @dataclass(frozen=True)

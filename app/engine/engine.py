@@ -169,15 +169,18 @@ class Engine:
             MemoryExhausted: its working cache alone would exceed the memory budget;
             Overloaded: ``max_queue`` requests already wait for a place in the batch.
         """
+        arrived = request.arrived_at if request.arrived_at is not None else time.perf_counter()
         spec = self._spec(request.model)
-        request = replace(request, model=spec.name)
+        request = replace(request, model=spec.name, arrived_at=arrived)
         self.check_fits(request.prompt, spec.name)
         refusal = self._admission.refusal(request, spec)
         if refusal is not None:
             raise MemoryExhausted(refusal)
         caches = self._runner.caches
         if caches is not None and request.conversation_id is not None:
+            start = time.perf_counter()
             caches.stage(request.conversation_id)  # a restore's network time on this thread
+            request = replace(request, staged_s=request.staged_s + time.perf_counter() - start)
         return self._runner.submit(request)
 
     def check_fits(self, prompt: Prompt, model: str | None = None) -> None:

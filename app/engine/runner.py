@@ -42,6 +42,7 @@ from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
 from app.engine.model import LoadedModel
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
+from app.engine.timing import TurnClock
 from app.engine.surface import EngineCounters
 from app.errors import EngineUnavailable
 from app.types import GenerationRequest, Started
@@ -272,9 +273,11 @@ class Runner(threading.Thread):
         """A lease on the conversation's cache, and the generation that continues it."""
         loaded, caches, request = self.loaded, self.caches, job.request
         assert loaded is not None and caches is not None
+        taken = time.perf_counter()
         lease = caches.lease(request.agent_id, request.conversation_id, request.prompt,
                              whole_blocks=request.whole_blocks)
-        sequence = Sequence.begin(job, lease, loaded)
+        clock = TurnClock(arrived=job.arrived, taken=taken, leased=time.perf_counter(), staged_s=request.staged_s)
+        sequence = Sequence.begin(job, lease, loaded, clock)
         job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
         return sequence
 

@@ -16,6 +16,7 @@ from app.cache.records import CacheRecord
 from app.engine.channel import Job
 from app.engine.model import ModelSpec
 from app.engine.stopping import EndMatcher, StopMatcher
+from app.engine.timing import TurnClock
 from app.engine.token_text import TextTracker, TokenBytes, spells
 from app.types import Finished, GenerationEvent, StopReason, TextDelta
 
@@ -31,17 +32,18 @@ class Sequence:
     sampler: Callable[..., Any]
     token_bytes: TokenBytes
     stop_ids: frozenset[int]
-    started: float = field(default_factory=time.perf_counter)
+    clock: TurnClock
     n_prefilled: int = 0
     seconds_per_token: float | None = None  # the speed of its last prefill chunk
     output: list[int] = field(default_factory=list)
-    ttft: float = 0.0
+    first_token_at: float | None = None
     reason: StopReason = "max_tokens"
     stop_sequence: str | None = None
 
     @classmethod
-    def begin(cls, job: Job, lease: Lease, model: ModelSpec) -> Sequence:
-        """The generation of ``job`` on ``model``, after the ``lease``'s reused tokens.
+    def begin(cls, job: Job, lease: Lease, model: ModelSpec, clock: TurnClock) -> Sequence:
+        """The generation of ``job`` on ``model``, after the ``lease``'s reused tokens;
+        ``clock``: when its request arrived, was taken from the queue and got its lease.
 
         The lease holds the prompt's first tokens exactly as the prompt's own tokenization
         has them (``cache.matcher``), so the rest are the prompt's own tokens too: warm
@@ -57,7 +59,7 @@ class Sequence:
                    max_new=min(sampling.max_tokens, model.context_length - n - len(ids)),
                    sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
                                         top_k=sampling.top_k if sampling.top_k < model.vocab_size else 0),
-                   token_bytes=model.token_bytes, stop_ids=model.stop_token_ids)
+                   token_bytes=model.token_bytes, stop_ids=model.stop_token_ids, clock=clock)
 
     def __post_init__(self) -> None:
         self.tracker = TextTracker(self.token_bytes)
@@ -94,7 +96,7 @@ class Sequence:
     def accept(self, token: int) -> bool:
         """Take one generated token (already in the cache); True when the turn is over."""
         if not self.output:
-            self.ttft = time.perf_counter() - self.started
+            self.first_token_at = time.perf_counter()
         self.output.append(token)
         text = self.tracker.add(token)
         if self.job.cancelled:
@@ -141,9 +143,13 @@ class Sequence:
             .extend(self.output, self.tracker.text, self.tracker.ends)
 
     def finished(self, committed: bool) -> Finished:
-        """The turn's last event; ``committed``: its cache was stored."""
+        """The turn's last event; ``committed``: its cache was stored. Its times count from
+        the request's arrival (``TurnClock``)."""
+        now = time.perf_counter()
+        parts = self.clock.split(self.first_token_at if self.first_token_at is not None else now)
         return Finished(
             stop_reason=self.reason, stop_sequence=self.stop_sequence, n_prompt_tokens=self.n_prompt,
             n_cached_tokens=self.lease.n_reused, n_cache_written=self.n_written if committed else 0,
-            n_output_tokens=len(self.output), ttft_s=self.ttft, total_s=time.perf_counter() - self.started,
-            output_token_ids=tuple(self.output), reuse=self.lease.report)
+            n_output_tokens=len(self.output), ttft_s=parts.ttft_s if self.first_token_at is not None else 0.0,
+            total_s=self.clock.since_arrival(now), output_token_ids=tuple(self.output), reuse=self.lease.report,
+            queue_s=parts.queue_s, restore_s=parts.restore_s, prefill_s=parts.prefill_s)

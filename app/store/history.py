@@ -156,6 +156,8 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
     row.n_cached_tokens = finished.n_cached_tokens
     row.n_output_tokens = finished.n_output_tokens
     row.ttft_ms = finished.ttft_s * 1000
+    row.queue_ms, row.restore_ms = finished.queue_s * 1000, finished.restore_s * 1000
+    row.prefill_ms = finished.prefill_s * 1000
     row.total_ms = finished.total_s * 1000
     row.finished_at = now
     if reuse is not None:

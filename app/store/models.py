@@ -100,7 +100,13 @@ class Request(Base):
     diverge_part: Mapped[str | None] = mapped_column(String(64))
     diverge_stored: Mapped[str | None]
     diverge_new: Mapped[str | None]
+    # Times from the request's arrival: to the first token (0 when none came), in its three
+    # parts (they add up to ttft_ms: arrival until the engine took it, its cache brought into
+    # memory, the prompt computed until the first token; NULL in rows from before 0009), to the end.
     ttft_ms: Mapped[float | None]
+    queue_ms: Mapped[float | None]
+    restore_ms: Mapped[float | None]
+    prefill_ms: Mapped[float | None]
     total_ms: Mapped[float | None]
     # running / ok / error / rejected / cancelled
     status: Mapped[str] = mapped_column(String(16), index=True)

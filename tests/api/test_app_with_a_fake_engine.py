@@ -5,6 +5,7 @@ tested end to end in tests/e2e."""
 from __future__ import annotations
 
 import inspect
+import logging
 import sqlite3
 import time
 from dataclasses import asdict, dataclass
@@ -33,12 +34,15 @@ CONTEXT = 64
 class FakeJob:
     request: GenerationRequest
     cancelled: bool = False
+    parts: tuple[float, float, float] = (0.002, 0.003, 0.005)  # queue, restore, prefill (seconds)
 
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
         yield Started(n, 0, n)
         yield TextDelta("Hello there.")
-        yield Finished("end_turn", None, n, 0, n, 3, 0.01, 0.02)
+        queue_s, restore_s, prefill_s = self.parts
+        yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01,
+                       queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -54,6 +58,8 @@ class FakeEngine:
         self.refuse: Exception | None = None
         self.loading = False
         self.submitted: list[GenerationRequest] = []
+        self.submitted_at: list[float] = []  # time.perf_counter() as each was submitted
+        self.parts = (0.002, 0.003, 0.005)  # the queue, restore and prefill seconds its jobs report
         self.hot: dict[str, dict[str, int]] = {}  # agent -> conversation -> tokens in memory
 
     def resolve(self, requested: str | None) -> ModelInfo:
@@ -78,7 +84,8 @@ class FakeEngine:
         if self.refuse is not None:
             raise self.refuse
         self.submitted.append(request)
-        return FakeJob(request)
+        self.submitted_at.append(time.perf_counter())
+        return FakeJob(request, parts=self.parts)
 
     def hot_tokens(self, agent_id: str) -> dict[str, int]:
         return self.hot.get(agent_id, {})
@@ -149,6 +156,28 @@ def test_a_turn_is_answered_and_its_history_stored(app) -> None:  # type: ignore
     assert query(db, "SELECT role FROM messages WHERE agent_id = 's1' ORDER BY position") == [("user",), ("assistant",)]
     chat = client.simulate_post("/v1/chat/completions", json=CHAT)
     assert chat.status_code == 200 and chat.json["choices"][0]["message"]["content"] == "Hello there."
+
+
+def test_time_to_first_token_counts_from_arrival_and_is_stored_and_reported_in_parts(app, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The engine's clock starts at the request's arrival (middleware), before the body is
+    read and the prompt rendered; the parts it reports are logged, stored and exported."""
+    client, engine, db = app
+    engine.parts = (0.25, 1.5, 0.75)
+    before = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="app.api.generation"):
+        response = client.simulate_post("/v1/messages", json=MESSAGES, headers={"x-session-id": "s-ttft"})
+    assert response.status_code == 200
+    assert "ttft 2.50 s (queue 0.25, restore 1.50, prefill 0.75)" in caplog.text
+    arrived = engine.submitted[-1].arrived_at
+    assert arrived is not None and before <= arrived <= engine.submitted_at[-1]
+    row = query(db, "SELECT ttft_ms, queue_ms, restore_ms, prefill_ms, total_ms FROM requests "
+                    "WHERE agent_id = 's-ttft'")
+    assert row == [(pytest.approx(2500), pytest.approx(250), pytest.approx(1500), pytest.approx(750),
+                    pytest.approx(2510))]
+    metrics = client.simulate_get("/metrics").text
+    for name, total in (("semantic_ttft_seconds", 2.5), ("semantic_ttft_queue_seconds", 0.25),
+                        ("semantic_ttft_restore_seconds", 1.5), ("semantic_ttft_prefill_seconds", 0.75)):
+        assert f"{name}_count 1.0" in metrics and f"{name}_sum {total}" in metrics, name
 
 
 @pytest.mark.parametrize("refusal,status,kind", [

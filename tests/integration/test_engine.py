@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +48,19 @@ def test_events_start_stream_and_finish(engine: Engine) -> None:
     assert 0 < finished.n_output_tokens <= GREEDY.max_tokens
     assert finished.stop_reason in ("end_turn", "max_tokens")
     assert 0 < finished.ttft_s <= finished.total_s
+
+
+def test_time_to_first_token_counts_from_the_requests_arrival_in_parts(engine: Engine) -> None:
+    """A request that arrived (over HTTP) 0.5 s before it was submitted waited those 0.5 s:
+    they are queue time, and the parts add up to the time to first token."""
+    arrived = time.perf_counter() - 0.5
+    job = engine.submit(GenerationRequest("req_arrived", engine.render(QUESTION),
+                                          SamplingParams(temperature=0.0, max_tokens=4), arrived_at=arrived))
+    finished = [e for e in job.events() if isinstance(e, Finished)][0]
+    waited = time.perf_counter() - arrived
+    assert finished.queue_s >= 0.5 and finished.restore_s >= 0 and finished.prefill_s > 0
+    assert finished.ttft_s == pytest.approx(finished.queue_s + finished.restore_s + finished.prefill_s)
+    assert 0.5 < finished.ttft_s <= finished.total_s <= waited
 
 
 def test_greedy_is_deterministic(engine: Engine) -> None:

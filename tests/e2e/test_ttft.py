@@ -1,0 +1,111 @@
+"""The server's time to first token is the client's: counted from the request's arrival,
+with the queue and the restore of a cache from disk after a restart, in the log, the
+``requests`` table and ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ServerProcess, start_server, stop_server
+from support.dbcheck import query, wait_persisted
+
+WORDS = ("shelf hammer nail copper wire drill bracket plank glue varnish hinge ladder bolt washer "
+         "socket chisel clamp sander pliers tape level anchor screw gasket valve pipe").split()
+
+
+def notes(rng: random.Random, n_words: int) -> str:
+    return "Notes: " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + ". Summarise."
+
+
+def streamed_turn(client: httpx.Client, server: ServerProcess, session: str,
+                  messages: list[dict]) -> tuple[float, str]:
+    """(seconds from sending the request to the first text delta, as the client sees them;
+    the reply's text) for one streamed Anthropic turn."""
+    body = {"model": "claude-sonnet-5", "max_tokens": 8, "temperature": 0, "stream": True, "messages": messages}
+    first: float | None = None
+    text: list[str] = []
+    start = time.perf_counter()
+    with client.stream("POST", f"{server.url}/v1/messages", json=body,
+                       headers={"X-Claude-Code-Session-Id": session}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "content_block_delta" and event["delta"].get("type") == "text_delta":
+                first = first if first is not None else time.perf_counter() - start
+                text.append(event["delta"]["text"])
+    assert first is not None, "no text came"
+    return first, "".join(text)
+
+
+def timings(server: ServerProcess, session: str) -> list[tuple[float, float, float, float, str | None]]:
+    """(ttft_ms, queue_ms, restore_ms, prefill_ms, reuse_reason) of the session's requests, in order."""
+    return query(server.db_path, "SELECT ttft_ms, queue_ms, restore_ms, prefill_ms, reuse_reason FROM requests "
+                 "WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", session)
+
+
+def assert_honest(client_s: float, row: tuple[float, float, float, float, str | None]) -> None:
+    """The stored time to first token is the client's, less only the HTTP round trip, and
+    its parts add up to it."""
+    ttft_ms, queue_ms, restore_ms, prefill_ms, _ = row
+    assert 0.9 * client_s * 1000 <= ttft_ms <= client_s * 1000, (client_s, row)
+    assert queue_ms >= 0 and restore_ms >= 0 and prefill_ms > 0
+    assert abs(queue_ms + restore_ms + prefill_ms - ttft_ms) < 1.0, row
+
+
+def metric_counts(server: ServerProcess) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    return {s.name: s.value for f in families for s in f.samples if s.name.endswith(("_count", "_sum"))}
+
+
+def test_ttft_after_a_restart_counts_the_restore_from_disk(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A conversation of ~1,500 tokens, then SIGKILL and a restart: its next turn restores
+    the cache from disk before it prefills. The server's TTFT equals the client's within
+    10%, on the cold turn and on the restored one, and the restore is reported on its own."""
+    home, session = tmp_path / "home", str(uuid.uuid4())
+    rng = random.Random(7)
+    history = [{"role": "user", "content": notes(rng, 1400)}]
+    client = httpx.Client(timeout=120)  # made before the clock starts, as a real client's is
+    server = start_server(home, smollm2_dir)
+    try:
+        cold_s, reply = streamed_turn(client, server, session, history)
+        assert_honest(cold_s, timings(server, session)[0])
+        n_cached = query(server.db_path, "SELECT n_input_tokens + n_output_tokens FROM requests "
+                         "WHERE agent_id = ?", session)[0][0]
+        wait_persisted(server.db_path, session, n_cached - 1)
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        # Last used two hours ago: not among those a start brings back into memory while idle
+        # (CacheManager.prefetch), so the turn itself restores it from disk.
+        long_ago = (datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(hours=2)).isoformat(" ")
+        with sqlite3.connect(server.db_path) as db:
+            db.execute("UPDATE caches SET last_access_at = ? WHERE agent_id = ?", (long_ago, session))
+        server = start_server(home, smollm2_dir)
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}]
+        restored_s, _ = streamed_turn(client, server, session, history)
+        row = timings(server, session)[1]
+        assert row[4] == "extend"  # the cache came from disk
+        assert_honest(restored_s, row)
+        assert row[2] > 0.05 * row[0], row  # the restore is a visible part of it, on its own
+        counts = metric_counts(server)
+        for part in ("", "_queue", "_restore", "_prefill"):
+            assert counts[f"semantic_ttft{part}_seconds_count"] == 1
+        assert abs(counts["semantic_ttft_seconds_sum"] * 1000 - row[0]) < 1.0
+        assert abs(counts["semantic_ttft_restore_seconds_sum"] * 1000 - row[2]) < 1.0
+        assert f"(queue {row[1] / 1000:.2f}, restore {row[2] / 1000:.2f}, prefill {row[3] / 1000:.2f})" \
+            in server.log()
+    finally:
+        client.close()
+        stop_server(server)
