@@ -78,13 +78,15 @@ def _apply_mask(scores: np.ndarray, mask: Any, n_queries: int) -> None:
 
 def attention(plain: Attention) -> Attention:
     """mlx-lm's ``scaled_dot_product_attention`` with the softmax in NumPy where that pays;
-    ``plain`` where it does not apply (decode steps, quantized caches, attention sinks)."""
+    ``plain`` where it does not apply (decode steps, quantized caches, attention sinks, and
+    any dtype but float32: NumPy has no bfloat16)."""
 
     def numpy_softmax_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                                 mask: Any, sinks: Any = None) -> mx.array:
         batch, heads, n_queries, dim = queries.shape
         kv_heads, n_keys = keys.shape[1], keys.shape[2]
-        if n_queries == 1 or sinks is not None or hasattr(cache, "bits") or heads % kv_heads:
+        if n_queries == 1 or sinks is not None or hasattr(cache, "bits") or heads % kv_heads \
+                or queries.dtype != mx.float32:  # the patch is process-wide: another model of the family may not be float32
             return plain(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         per_kv = heads // kv_heads
         # The query heads sharing a key/value head are rows of one matmul: the cache is never broadcast.

@@ -81,3 +81,13 @@ def test_softmax_in_place_over_threads() -> None:
     expected /= expected.sum(-1, keepdims=True)
     attention.softmax_in_place(rows)
     np.testing.assert_allclose(rows, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_of_another_dtype_in_the_same_family_stays_in_mlx() -> None:
+    """The patch is process-wide per model family: after a float32 model installed it, a
+    bfloat16 model of the same family (mlx_lm.load, a benchmark's model) runs MLX's own
+    attention. It raised "'bfloat16' is not a valid PEP 3118 buffer format string"."""
+    q, k, v = (x.astype(mx.bfloat16) for x in qkv(1, 4, 2, 64, 64))
+    out = FAST(q, k, v, cache=None, scale=0.125, mask="causal")
+    assert out.dtype == mx.bfloat16
+    assert mx.array_equal(out, reference(q, k, v, scale=0.125, mask="causal"))
