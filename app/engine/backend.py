@@ -55,13 +55,22 @@ def detect() -> Backend:
     """The backend MLX computes on in this process (its default device)."""
     import mlx.core as mx
 
-    if mx.default_device().type == mx.gpu:
-        kind: Kind = "metal" if mx.metal.is_available() else "cuda"
+    kind = device_kind()
+    if kind != "cpu":
         info = mx.device_info()
         memory = int(info.get("total_memory") or info.get("memory_size") or 0) or _ram_bytes()
         return Backend(kind, memory, str(info.get("device_name") or info.get("architecture") or kind))
     info = mx.device_info()
     return Backend("cpu", _ram_bytes(), str(info.get("device_name") or "cpu"))
+
+
+def device_kind() -> Kind:
+    """What MLX's default device is: the CPU, an NVIDIA GPU (mlx-cuda) or an Apple GPU (Metal)."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.gpu:
+        return "metal" if mx.metal.is_available() else "cuda"
+    return "cpu"
 
 
 def _ram_bytes() -> int:

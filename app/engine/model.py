@@ -22,6 +22,7 @@ from mlx_lm.utils import load_tokenizer
 
 from app.cache.blocks import KV_FORMATS, KVFormat, to_working_cache
 from app.engine import attention, calibration, cores
+from app.engine.backend import device_kind
 from app.engine.calibration import Calibration, Measured
 from app.engine.cores import CoreSplit
 from app.engine.token_text import TokenBytes
@@ -175,10 +176,7 @@ def unsupported_caches(model: nn.Module) -> list[str]:
 
 
 def backend_name() -> str:
-    device = mx.default_device()
-    if device.type == mx.gpu:
-        return "metal" if mx.metal.is_available() else "cuda"
-    return "cpu"
+    return device_kind()
 
 
 def _compute_dtype(requested: str) -> Any:

@@ -86,16 +86,22 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
     unshared.close()
 
 
-def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -> None:
+def _stored_on_a(tmp_path: Path, s3_url: str, seed: int) -> tuple[int, list[int]]:
+    """Server a stores a 600-token conversation "c" of agent "a" (two full blocks and a
+    tail), written, indexed and uploaded; returns the model's layer count and the tokens."""
     model = build("llama")
-    n_layers = len(model.layers)
-    tokens = np.random.default_rng(4).integers(0, VOCAB, 600).tolist()
-    a = server(tmp_path, "a", n_layers, S3Tier(s3_url))
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, 600).tolist()
+    a = server(tmp_path, "a", len(model.layers), S3Tier(s3_url))
     lease = a.lease("a", "c", as_prompt(tokens))
     forward(model, lease.cache, tokens)
     a.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
     assert a.flush(60)
     a.close()
+    return len(model.layers), tokens
+
+
+def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -> None:
+    n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=4)
 
     down = S3Tier(f"s3://blocks/pool?endpoint=http://127.0.0.1:{free_port()}", timeout_s=1)  # nothing listens
     b = server(tmp_path, "b", n_layers, down)
@@ -119,15 +125,7 @@ def test_a_record_rewritten_in_the_tier_with_its_checksum_recomputed_is_refused(
     """The record (tokens, text, the tail's KV) is checked against the index's checksum, as
     blocks are: a record object rewritten whole, its own checksum recomputed, is not used
     (the conversation's full blocks, which verify, still are)."""
-    model = build("llama")
-    n_layers = len(model.layers)
-    tokens = np.random.default_rng(5).integers(0, VOCAB, 600).tolist()
-    a = server(tmp_path, "a", n_layers, S3Tier(s3_url))
-    lease = a.lease("a", "c", as_prompt(tokens))
-    forward(model, lease.cache, tokens)
-    a.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
-    assert a.flush(60)
-    a.close()
+    n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=5)
 
     (record_path, stored), = query(tmp_path / "pool.db", "SELECT record_path, record_checksum FROM caches")
     arrays, meta = files.read(Path(record_path), stored)

@@ -5,6 +5,7 @@ from pathlib import Path
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from app.errors import ConfigError
@@ -37,7 +38,13 @@ def test_upgrade_matches_models_and_downgrade_round_trips(store_url: str) -> Non
 def test_upgrade_is_idempotent(store_url: str) -> None:
     url = store_url
     upgrade(url)
-    upgrade(url)
+    upgrade(url)  # a second start changes nothing: still at head, the schema still the models'
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        heads = ScriptDirectory.from_config(alembic_config(url)).get_heads()
+        assert [connection.execute(text("SELECT version_num FROM alembic_version")).scalar()] == heads
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    engine.dispose()
 
 
 def test_database_from_a_newer_version_is_refused(store_url: str) -> None:
