@@ -48,6 +48,16 @@ def serving(settings: Settings) -> Iterator[None]:
         lock.release()
 
 
+def serving_address(home: Path) -> tuple[str, int] | None:
+    """The host and port the process serving ``home`` listens on (its ``serve.json``), or
+    None when none serves it (or it has not written its address yet)."""
+    try:
+        owner = json.loads((home / OWNER_FILE).read_text())
+        return str(owner["host"]), int(owner["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _holder(home: Path) -> str:
     """`` (pid N, port P)``, or nothing while the holder has not written it yet."""
     try:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from app.home_lock import serving_address
 from app.settings import Settings
 from app.store import cache_index, jobs
 from app.store.db import make_engine, make_session_factory
@@ -39,9 +40,11 @@ def read_health(url: str) -> dict[str, Any] | None:
 
 
 def server_url(settings: Settings) -> str:
-    """Where the configured server answers on this machine."""
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    return f"http://{host}:{settings.port}"
+    """Where the server of this home answers on this machine: the address the running one
+    wrote beside its lock (``serve --port`` included), else the configured one."""
+    host, port = serving_address(settings.home) or (settings.host, settings.port)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{port}"
 
 
 def collect(settings: Settings, url: str) -> StatusReport:

@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,29 @@ def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | N
     return ttft or time.perf_counter() - start, "".join(text), usage
 
 
-def openai_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
-    """POST a streaming chat completion to ``url``: (seconds to the first content
-    delta, reply text, usage if the server sent it)."""
+@dataclass(frozen=True)
+class StreamTimes:
+    """One streamed reply, timed by the client from its request: the first content delta,
+    the last one, and the stream's end (what an agent waits for before its next step)."""
+
+    ttft_s: float
+    last_token_s: float
+    end_s: float
+    text: str
+    usage: dict
+
+    @property
+    def close_gap_s(self) -> float:
+        """From the reply's last text to the end of the stream."""
+        return self.end_s - self.last_token_s
+
+
+def openai_stream_timed(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> StreamTimes:
+    """POST a streaming chat completion to ``url`` and time it (``StreamTimes``)."""
     start = time.perf_counter()
-    ttft, text, usage = None, [], {}
+    ttft = last = None
+    text: list[str] = []
+    usage: dict = {}
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -136,9 +155,18 @@ def openai_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None
             usage.update(chunk.get("usage") or {})
             for choice in chunk.get("choices") or []:
                 if choice.get("delta", {}).get("content"):
-                    ttft = ttft or time.perf_counter() - start
+                    last = time.perf_counter() - start
+                    ttft = ttft or last
                     text.append(choice["delta"]["content"])
-    return ttft or time.perf_counter() - start, "".join(text), usage
+    end = time.perf_counter() - start
+    return StreamTimes(ttft or end, last or end, end, "".join(text), usage)
+
+
+def openai_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
+    """POST a streaming chat completion to ``url``: (seconds to the first content
+    delta, reply text, usage if the server sent it)."""
+    times = openai_stream_timed(url, body, headers)
+    return times.ttft_s, times.text, times.usage
 
 
 def generation_speed(loaded: Any, prompt_tokens: int, gen_tokens: int) -> dict[str, float]:

@@ -62,7 +62,7 @@ from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.blas import find_openblas  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    RESULTS, device, machine, openai_stream, print_table, pyplot, save_plot, write_results)
+    RESULTS, device, machine, openai_stream_timed, print_table, pyplot, save_plot, write_results)
 from benchmarks.multi_turn import user_message  # noqa: E402
 from conftest import free_port, start_server  # noqa: E402
 
@@ -237,11 +237,12 @@ def chat(url: str, model: str, messages: list[dict], reply_tokens: int = REPLY_T
     """One streamed turn: TTFT, total seconds, the server's token counts, the reply."""
     body = {"model": model, "messages": messages, "max_tokens": reply_tokens, "temperature": 0,
             "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, reply, usage = openai_stream(f"{url}/v1/chat/completions", body, HEADERS)
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens"),
+    times = openai_stream_timed(f"{url}/v1/chat/completions", body, HEADERS)
+    usage = times.usage
+    return {"ttft_s": times.ttft_s, "last_token_s": times.last_token_s, "total_s": times.end_s,
+            "close_gap_s": times.close_gap_s, "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "reply": reply}
+            "completion_tokens": usage.get("completion_tokens"), "reply": times.text}
 
 
 def converse(contender: Contender, conversation: Plan, reply_tokens: int = REPLY_TOKENS) -> dict[str, Any]:
@@ -308,11 +309,12 @@ def gpu_memory_mb(pid: int) -> float | None:
 
 def summary(turns: list[dict], processes: list[dict]) -> dict[str, float | None]:
     first = turns[0]
-    decode = [(t["completion_tokens"] - 1) / (t["total_s"] - t["ttft_s"]) for t in turns
-              if (t["completion_tokens"] or 0) > 1 and t["total_s"] > t["ttft_s"]]
+    decode = [(t["completion_tokens"] - 1) / (t["last_token_s"] - t["ttft_s"]) for t in turns
+              if (t["completion_tokens"] or 0) > 1 and t["last_token_s"] > t["ttft_s"]]
     return {"cold_prefill_tps": first["prompt_tokens"] / first["ttft_s"] if first["prompt_tokens"] else None,
             "decode_tps": statistics.median(decode) if decode else None,
             "turns_total_s": sum(t["total_s"] for t in turns),
+            "close_gap_s": statistics.median(t["close_gap_s"] for t in turns),
             "peak_rss_mb": max(p["peak_rss_mb"] for p in processes),
             "rss_after_conversation_mb": processes[0]["rss_mb"]}
 
@@ -322,11 +324,11 @@ def report(conversation: dict, servers: dict[str, dict]) -> None:
     names = [n for n in NAMES if n in servers]
     headers = ["turn", "prompt", "new"]
     for name in names:
-        headers += [f"{NAMES[name]} s", "cached"]
+        headers += [f"{NAMES[name]} s", "turn s", "cached"]
     peers = [n for n in names if n != "semantic"]
     compare = "semantic" in servers and bool(peers)
     if compare:
-        headers.append("fastest peer / Semantic")
+        headers += ["fastest peer / Semantic", "turn: fastest peer / Semantic"]
     rows = []
     for i, label in enumerate(conversation["labels"]):
         turns = {name: servers[name]["turns"][i] for name in names}
@@ -334,17 +336,18 @@ def report(conversation: dict, servers: dict[str, dict]) -> None:
         row: list[Any] = [label, first["prompt_tokens"], (first["prompt_tokens"] or 0) - (first["cached_tokens"] or 0)]
         for name in names:
             cached = turns[name]["cached_tokens"]
-            row += [turns[name]["ttft_s"], "-" if cached is None else cached]
+            row += [turns[name]["ttft_s"], turns[name]["total_s"], "-" if cached is None else cached]
         if compare:
-            row.append(min(turns[p]["ttft_s"] for p in peers) / turns["semantic"]["ttft_s"])
+            row += [min(turns[p]["ttft_s"] for p in peers) / turns["semantic"]["ttft_s"],
+                    min(turns[p]["total_s"] for p in peers) / turns["semantic"]["total_s"]]
         rows.append(row)
     print_table(headers, rows)
     print()
-    print_table(["server", "version", "cold prefill tok/s", "decode tok/s", "turns total s", "start s",
-                 "peak RSS MiB", "RSS after conversation MiB"],
+    print_table(["server", "version", "cold prefill tok/s", "decode tok/s", "turns total s", "stream end gap s",
+                 "start s", "peak RSS MiB", "RSS after conversation MiB"],
                 [[NAMES[n], servers[n]["version"], servers[n]["cold_prefill_tps"], servers[n]["decode_tps"],
-                  servers[n]["turns_total_s"], servers[n]["processes"][0]["start_s"], servers[n]["peak_rss_mb"],
-                  servers[n]["rss_after_conversation_mb"]] for n in names])
+                  servers[n]["turns_total_s"], servers[n].get("close_gap_s"), servers[n]["processes"][0]["start_s"],
+                  servers[n]["peak_rss_mb"], servers[n]["rss_after_conversation_mb"]] for n in names])
 
 
 def plot(name: str, conversation: dict, servers: dict[str, dict], directory: Path = RESULTS) -> None:

@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-# A turn's end is reported once its cache is on disk (a kill right after the reply loses
-# nothing), unless writing it takes longer than this.
-DURABLE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +43,6 @@ class Job:
     alive: Callable[[], bool]
     _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
-    stored: threading.Event | None = None  # set once the turn's cache is on disk (None: not persisted)
     submitted: float = field(default_factory=time.perf_counter)
 
     @property
@@ -94,9 +90,6 @@ class Job:
             last = time.monotonic()
             if isinstance(event, Failed):
                 raise EngineUnavailable(event.message)
-            if isinstance(event, Finished) and self.stored is not None and not self.stored.wait(DURABLE_WAIT_S):
-                log.warning("request %s: its cache is not on disk after %.0f s; answering anyway",
-                            self.request.request_id, DURABLE_WAIT_S)
             yield event
             if isinstance(event, Finished):
                 return

@@ -13,11 +13,12 @@ whole, never changed). Each loop iteration of this thread:
 3. prefills one chunk of one sequence (``scheduler.PrefillPolicy``: the shortest
    prompt first, a time-bounded chunk while others decode).
 
-A sequence that finishes hands its cache back to the cache manager (commit,
-4-bit blocks, persistence) before its ``Finished`` event, as a lone one did. The
-reader receives ``Finished`` once the cache is on disk (``Job.events`` waits for the
-background write, at most ``DURABLE_WAIT_S``): a turn that has ended survives a kill,
-reply included, while this thread has already moved on to the next step.
+A sequence that finishes sends its ``Finished`` event, then hands its cache back to the
+cache manager (commit, quantized blocks, persistence) before this thread does anything
+else. The turn's history is committed before its reply ends (``api/generation.py``),
+which is what must survive a kill; the cache is written in the background
+(``cache/persist.py``: files, then the index row that names them), and a kill before
+that costs a prefill, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ class Runner(threading.Thread):
         self.caches.release_agents()
 
     def _publish(self) -> None:
-        """Replace the snapshot other threads read (called between steps, and before a turn's
-        ``Finished`` or a call's result is handed over, so its reader sees what it did)."""
+        """Replace the snapshot other threads read (called between steps, after a finished
+        turn's commit, and before a call's result is handed over, so its reader sees what it did)."""
         caches = self.caches
         hot = MappingProxyType({agent: MappingProxyType(conversations)
                                 for agent, conversations in caches.hot_by_agent().items()}) if caches else {}
@@ -305,7 +306,7 @@ class Runner(threading.Thread):
                 done.append(uid)
         for uid in done:
             sequence = self._decoding.pop(uid)
-            self._finish(sequence, self._batch.remove(uid))
+            self._finish(sequence, lambda: self._batch.remove(uid))
 
     def _prefill_step(self) -> None:
         for sequence in [s for s in self._prefilling if s.job.cancelled]:
@@ -334,7 +335,7 @@ class Runner(threading.Thread):
                 self._begin_decoding(sequence)
             else:  # prefill only: the cache is the result
                 sequence.reason = "max_tokens"
-                self._finish(sequence, sequence.cache)
+                self._finish(sequence, lambda: sequence.cache)
 
     def _begin_decoding(self, sequence: Sequence) -> None:
         assert self._batch is not None
@@ -343,23 +344,34 @@ class Runner(threading.Thread):
         self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
                         self._processors)
 
-    def _finish(self, sequence: Sequence, cache: list[Any]) -> None:
-        """Commit the turn's cache (before ``Finished``: a client that saw its turn end finds
-        it committed), then end the job."""
+    def _finish(self, sequence: Sequence, take_cache: Callable[[], list[Any]]) -> None:
+        """End the turn, then commit its cache (``take_cache`` hands it over).
+
+        A reply ends first: its reader commits the turn's history, which is what must be
+        durable, and the agent's next step need not wait for the cache's quantization. The
+        cache is committed right after, on this thread, before any later job is admitted or
+        call is run: a next turn, fork or export finds it. A prefill-only turn (an agent's
+        creation) ends after its commit: its cache is its result. A failed commit loses reuse only.
+        """
         caches, request = self.caches, sequence.job.request
         assert caches is not None
         if sequence.reason == "cancelled":
             log.info("request %s: cancelled after %d output tokens", request.request_id, len(sequence.output))
         sequence.flush_text()
         committed = sequence.committable
+        reply_first = sequence.max_new > 0
+        if reply_first:
+            sequence.put(sequence.finished(committed))
+        cache = take_cache()
         if committed:
             try:
-                sequence.job.stored = caches.commit(sequence.lease, sequence.record(), cache,
-                                                    persist=request.persist, hot_ttl_s=request.hot_ttl_s)
+                caches.commit(sequence.lease, sequence.record(), cache,
+                              persist=request.persist, hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
         self._publish()
-        sequence.put(sequence.finished(committed))
+        if not reply_first:
+            sequence.put(sequence.finished(committed))
 
     def _fail_all(self, message: str) -> None:
         """After a failed step: every running sequence fails (their caches are in doubt)."""

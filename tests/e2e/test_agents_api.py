@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 
@@ -70,6 +71,10 @@ def test_without_prefill_the_first_turn_is_cold(server: ServerProcess) -> None:
     first = api.post("/v1/agents/lazy/generate", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "max_tokens": 4}).json()
     assert first["usage"]["cache_read_input_tokens"] == 0
+    # The reply ends before its cache is committed (issue 38); the status follows that commit.
+    deadline = time.monotonic() + 10
+    while api.get("/v1/agents/lazy").json()["tier"] != "hot" and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert api.get("/v1/agents/lazy").json()["tier"] == "hot"
 
 

@@ -88,6 +88,10 @@ def test_flags_reach_the_server_and_its_worker(tmp_path: Path, smollm2_dir: Path
         assert health is not None and health["server_id"] == "from-a-flag", (tmp_path / "serve.log").read_text()
         assert (flag_home / "semantic.db").exists() and (flag_home / "huey.db").exists()  # the worker's queue
         assert not env_home.exists()
+        # `semantic status` finds the server of its home on the port the flag gave it, not the configured one.
+        status = subprocess.run([sys.executable, "-m", "app", "status"], cwd=ROOT, capture_output=True, text=True,
+                                env=semantic_env(flag_home, 1), timeout=60)
+        assert status.returncode == 0 and f"http://127.0.0.1:{port}: ok" in status.stdout, status.stdout
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0

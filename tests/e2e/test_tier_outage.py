@@ -38,8 +38,11 @@ def ask(history: list[dict], n: int) -> None:
 
 
 def newest_cache(db: Path) -> tuple[str, int, list[str]]:
-    (record, n_tokens, cache_id), = query(db, "SELECT record_path, n_tokens, id FROM caches WHERE agent_id = ? "
-                                              "ORDER BY updated_at DESC LIMIT 1", AGENT)
+    rows = query(db, "SELECT record_path, n_tokens, id FROM caches WHERE agent_id = ? "
+                     "ORDER BY updated_at DESC LIMIT 1", AGENT)
+    if not rows:  # a reply ends before its cache is written (the caller waits for it)
+        return "", 0, []
+    (record, n_tokens, cache_id), = rows
     blocks = [p for p, in query(db, "SELECT b.path FROM cache_blocks c JOIN blocks b ON b.hash = c.block_hash "
                                     "WHERE c.cache_id = ? ORDER BY c.position", cache_id)]
     return record, n_tokens, blocks

@@ -13,6 +13,7 @@ from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+from support.engines import wait_idle
 
 # Long answers (a list that does not end within max_tokens) and prompts of different lengths,
 # about 40, 85, 175 and 300 tokens: the requests overlap whatever the machine's speed. The
@@ -70,6 +71,7 @@ def collect(engine: Engine, requests: list[GenerationRequest]) -> dict[str, tupl
         thread.start()
     for thread in threads:
         thread.join()
+    assert wait_idle(engine)  # the last reply ended before its cache was committed
     return results
 
 

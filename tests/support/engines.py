@@ -48,8 +48,9 @@ def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], samplin
 
 
 def wait_idle(engine: Engine, timeout_s: float = 60) -> bool:
-    """Wait until the engine runs and queues no generation (a finished one's cache is
-    committed before its ``Finished``). Polls the status the engine thread publishes."""
+    """Wait until the engine runs and queues no generation, and every finished one's cache is
+    committed (a reply ends first; the engine publishes its status after the commit).
+    Polls the status the engine thread publishes."""
     deadline = time.monotonic() + timeout_s
     while (status := engine.status()).n_active or status.queue_depth:
         if time.monotonic() > deadline:
