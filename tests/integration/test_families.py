@@ -104,3 +104,11 @@ def test_a_family_that_cannot_be_served_is_refused_by_name(family_dirs: dict[str
     with pytest.raises(InvalidModelFile, match=r"falcon_h1.*CacheList") as refused:
         load_model("falcon", family_dirs["falcon_h1"], kv_format="f32")
     assert "\n" not in str(refused.value)
+
+
+def test_auto_calibrates_a_hybrid_model_on_its_attention_layers(family_dirs: dict[str, Path]) -> None:
+    """The ``auto`` KV format's calibration scores formats on the attention layers, the
+    recurrent layers keeping their state exact (it used to run every layer as attention)."""
+    loaded = load_model("lfm2", family_dirs["lfm2"], kv_format="auto")
+    assert loaded.kv.chosen_by == "calibration" and loaded.cache_layout.hybrid
+    assert loaded.n_layers == loaded.cache_layout.n_attention == 2
