@@ -13,8 +13,9 @@ by the worker's compact job) and never a half-written file under a name that is 
 Each file carries a sha256 of its arrays and metadata. A block file holds the arrays of
 every layer, metadata fingerprint / hash / n_tokens; a record file (a new one each turn,
 the previous one deleted once the index points to the new) holds token ids and char ends
-as arrays, the private tail block's arrays, metadata agent_id / conversation_id / text /
-chain / tail_tokens.
+as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
+checkpoints' arrays (``ckpt.<i>.<layer>.<array>``, lossless), metadata agent_id /
+conversation_id / text / chain / tail_tokens (/ checkpoints: each one's tokens and dtypes).
 
 Verification: every read checks the checksum; a block file also that it is this model's
 and this block's, a conversation that its record, its index row and its blocks agree. A
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
 CHECKSUM_KEY = "sha256"
+CHECKPOINT_PREFIX = "ckpt."  # a record file's recurrent-state checkpoints: ckpt.<i>.<layer>.<array>
 QUARANTINE = "quarantine"
 FETCH_THREADS = 8  # GETs from the shared tier at once, for one conversation
 READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at once, for one conversation
@@ -251,6 +253,21 @@ def readdress_record(source: Path, target: Path, agent_id: str, conversation_id:
     return digest
 
 
+def _checkpoints(arrays: Arrays, meta: dict[str, str],
+                 n_tokens: int) -> tuple[tuple[int, Arrays, list[list[str]]], ...]:
+    """The recurrent-state checkpoints a record file holds (``StoredConversation.checkpoints``).
+    Raises ValueError if its metadata does not describe them."""
+    listed = json.loads(meta.get("checkpoints", "[]"))
+    out = []
+    for i, (at, dtypes) in enumerate(listed):
+        if not 0 < int(at) <= n_tokens:
+            raise ValueError("a checkpoint lies outside the record")
+        prefix = f"{CHECKPOINT_PREFIX}{i}."
+        out.append((int(at), {k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)},
+                    [[str(d) for d in layer] for layer in dtypes]))
+    return tuple(out)
+
+
 def temporary_files(root: Path) -> Iterator[Path]:
     """Files being written under ``root``, or left half-written by a crash."""
     return root.rglob(f"*{TEMP_SUFFIX}") if root.exists() else iter(())
@@ -283,6 +300,9 @@ class StoredConversation:
     blocks: dict[str, Arrays]  # the chain's blocks that were read (not those skipped)
     tail: Arrays | None
     tail_tokens: int
+    # Recurrent-state checkpoints (hybrid models): (tokens, arrays named CHECKPOINT_PREFIX
+    # + "<layer>.<array>", each array's dtype by layer), oldest first.
+    checkpoints: tuple[tuple[int, Arrays, list[list[str]]], ...] = ()
 
 
 class CacheFiles:
@@ -363,10 +383,17 @@ class CacheFiles:
                   "ends": np.array(cache.record.ends, dtype=np.int64)}
         if cache.tail is not None:
             arrays.update(cache.tail.to_numpy("tail."))
+        checkpoints = []
+        for i, point in enumerate(cache.checkpoints):
+            point_arrays, dtypes = point.to_numpy(f"{CHECKPOINT_PREFIX}{i}.")
+            arrays.update(point_arrays)
+            checkpoints.append([point.n_tokens, dtypes])
         path = self.record_path(cache.conversation_id)
-        digest, _ = write(path, arrays, {
-            "agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
-            "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)})
+        meta = {"agent_id": cache.agent_id, "conversation_id": cache.conversation_id, "text": cache.record.text,
+                "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)}
+        if checkpoints:
+            meta["checkpoints"] = json.dumps(checkpoints)
+        digest, _ = write(path, arrays, meta)
         return path, digest
 
     def copy_record(self, source: str | Path, agent_id: str, conversation_id: str,
@@ -413,7 +440,7 @@ class CacheFiles:
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
             raise ValueError("blocks do not cover the record")
-        return StoredConversation(record, chain, blocks, tail, tail_tokens)
+        return StoredConversation(record, chain, blocks, tail, tail_tokens, _checkpoints(arrays, meta, record.n_tokens))
 
     def _read_blocks(self, rows: list[BlockRow]) -> list[Arrays]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the

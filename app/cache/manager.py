@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, cache_nbytes, copy_prefix,
                               join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
                               to_working_cache)
+from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
 from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileUnavailable, StoredConversation
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
@@ -61,6 +62,9 @@ class Lease:
     report: ReuseReport  # how reuse ended (its ``reason``) and where the prompt parted
     blocks: tuple[KVBlock, ...] = ()  # the 4-bit data the reused prefix came from
     chain: tuple[str, ...] = ()  # ids of the full blocks among ``blocks``
+    # Hybrid models: the recurrent-state checkpoints the turn has (reused) and takes as it
+    # prefills (``checkpoints.py``); None for attention-only models.
+    plan: CheckpointPlan | None = None
 
     @property
     def n_reused(self) -> int:
@@ -97,8 +101,13 @@ class CacheManager:
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
                  max_conversations: int = 8, working_copies: int = 4, kv_format: KVFormat = DEFAULT_KV_FORMAT,
                  clock: Callable[[], float] = time.monotonic, tier: S3Tier | None = None,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, layout: CacheLayout | None = None) -> None:
+        """``n_layers``: the model's attention layers (those whose KV the blocks hold);
+        ``layout``: what each entry of its working cache holds (hybrid models: some keep
+        recurrent state, kept as checkpoints; None: attention layers only)."""
         self.fingerprint = fingerprint
+        self._layout = layout if layout is not None else CacheLayout.attention_only(n_layers)
+        assert self._layout.n_attention == n_layers
         self.kv_format = kv_format
         self.enabled = enabled
         self._n_layers = n_layers
@@ -163,7 +172,11 @@ class CacheManager:
         own = best is not None and best.cache.conversation_id == conversation_id
         n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
-        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
+        if best is not None and self._layout.hybrid:
+            n_text = self._resumable(best.cache, n_text, whole_blocks)
+        # Shared blocks hold no recurrent state: a hybrid model reuses its own conversations only.
+        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS and \
+            not self._layout.hybrid else []
         n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
                                            len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
@@ -176,6 +189,26 @@ class CacheManager:
             return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
                                      ReuseReport("shared", prompt.ends[n_shared - 1], **divergence))
         return self.cold(agent_id, conversation_id, ReuseReport("miss", 0, **divergence))
+
+    def _resumable(self, cache: ConversationCache, n_tokens: int, whole_blocks: bool) -> int:
+        """Hybrid models: how many of a stored cache's first ``n_tokens`` a lease may reuse:
+        up to its latest checkpoint there (where its KV may be cut, and on a whole block if
+        asked), else none."""
+        point = latest_at(cache.checkpoints, n_tokens, lambda at: self.kv_format.reusable(at, cache.n_grouped) == at
+                          and not (whole_blocks and at % BLOCK_TOKENS))
+        return point.n_tokens if point is not None else 0
+
+    def _hybrid_lease(self, attention: list[KVCache], n_reused: int,
+                      source: ConversationCache | None) -> tuple[list, CheckpointPlan | None]:
+        """The working cache of the model's layout, holding ``attention``'s KV and, in a
+        hybrid model, the recurrent state of ``source``'s checkpoint at ``n_reused`` tokens
+        (its checkpoints up to there travel with the lease)."""
+        if not self._layout.hybrid:
+            return attention, None
+        taken = [p for p in (source.checkpoints if source else ()) if p.n_tokens <= n_reused]
+        point = next((p for p in taken if p.n_tokens == n_reused), None)
+        assert point is not None or n_reused == 0, "a hybrid lease resumes at a checkpoint"
+        return self._layout.assemble(attention, point), CheckpointPlan(self._layout, taken=taken)
 
     def _own(self, agent_id: str) -> bool:
         """Claim the agent for this server (pool mode). If another server owned it since this
@@ -260,13 +293,14 @@ class CacheManager:
             cache = copy_prefix(working, n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
+        cache, plan = self._hybrid_lease(cache, n_reused, source)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
-                     tuple(blocks), source.chain[:min(n_blocks, len(source.chain))])
+                     tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan)
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
-        return Lease(agent_id, conversation_id, to_working_cache([], self._n_layers, 0, self._dtype),
-                     CacheRecord.empty(), report)
+        cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
+        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan)
 
     def _shared_prefix(self, prompt: Prompt) -> list[str]:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
@@ -317,6 +351,8 @@ class CacheManager:
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return None
         conversation_id = lease.conversation_id
+        checkpoints = self._checkpoints(lease, cache, record.n_tokens)
+        cache = self._layout.attention(cache)
         if cache[0].offset != record.n_tokens:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
                       conversation_id, cache[0].offset, record.n_tokens)
@@ -339,7 +375,7 @@ class CacheManager:
             chain.append(block)
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
-        stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail)
+        stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints)
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
@@ -351,6 +387,15 @@ class CacheManager:
         self._remember(lease.agent_id, conversation_id)
         self._enforce_budget(keep=conversation_id)
         return written
+
+    def _checkpoints(self, lease: Lease, cache: list, n_tokens: int) -> tuple[Checkpoint, ...]:
+        """Hybrid models: the checkpoints a conversation keeps after a turn whose cache holds
+        ``n_tokens``: those its lease had and its prefill took, and one of the cache as it
+        is now (the reply's end), within ``checkpoints.MAX_CHECKPOINTS``."""
+        if lease.plan is None:
+            return ()
+        taken = [p for p in lease.plan.taken if p.n_tokens < n_tokens]
+        return keep([*taken, capture(self._layout, cache, n_tokens)])
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least
@@ -574,7 +619,11 @@ class CacheManager:
         blocks = {block: KVBlock.from_numpy(arrays, self._n_layers, BLOCK_TOKENS)
                   for block, arrays in stored.blocks.items()}
         tail = KVBlock.from_numpy(stored.tail, self._n_layers, stored.tail_tokens) if stored.tail is not None else None
-        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail), blocks
+        checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
+        n_recurrent = len(self._layout.kinds) - self._layout.n_attention
+        if any(len(p.states) != n_recurrent for p in checkpoints):
+            raise ValueError("a checkpoint does not hold every recurrent layer's state")
+        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints), blocks
 
     def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""

@@ -19,6 +19,7 @@ from app.cache.hashing import BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from app.cache.blocks import KVBlock
+    from app.cache.checkpoints import Checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +62,19 @@ class CacheRecord:
 @dataclass(frozen=True)
 class ConversationCache:
     """A conversation's cache as it stands after a turn: the record, its full blocks
-    (by id, in order) and its private partial block."""
+    (by id, in order), its private partial block and, in a hybrid model, the checkpoints
+    of its recurrent state (``checkpoints.py``), oldest first."""
 
     agent_id: str
     conversation_id: str
     record: CacheRecord
     chain: tuple[str, ...]
     tail: KVBlock | None
+    checkpoints: tuple[Checkpoint, ...] = ()
 
     @property
     def private_bytes(self) -> int:
-        return self.tail.nbytes if self.tail else 0
+        return (self.tail.nbytes if self.tail else 0) + sum(p.nbytes for p in self.checkpoints)
 
     @property
     def n_grouped(self) -> int:

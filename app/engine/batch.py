@@ -52,7 +52,7 @@ class DecodeBatch:
         with mx.stream(generation_stream):
             cache = self._batch.extract_cache(index)
             self._batch.filter([i for i in range(len(self._batch)) if i != index])
-            mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+            mx.eval(cache_arrays(cache))
         return cache
 
 
@@ -60,4 +60,11 @@ def prefill(model: nn.Module, cache: list[KVCache], tokens: Sequence[int]) -> No
     """Feed ``tokens`` into ``cache`` (one forward pass; the logits are not needed)."""
     with mx.stream(generation_stream):
         model(mx.array([list(tokens)]), cache=cache)
-        mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+        mx.eval(cache_arrays(cache))
+
+
+def cache_arrays(cache: list[Any]) -> list[mx.array]:
+    """The arrays a working cache holds: each attention layer's keys and values, each
+    recurrent layer's state (``ArraysCache``, hybrid models)."""
+    return [x for layer in cache for x in ((layer.keys, layer.values) if hasattr(layer, "keys") else layer.cache)
+            if x is not None]

@@ -49,7 +49,7 @@ class CacheConfig:
                             dtype=loaded.compute_dtype, blocks_dir=self.blocks_dir, sessions=self.sessions,
                             budget_bytes=self.budget_bytes, enabled=self.enabled,
                             max_conversations=self.max_conversations, kv_format=loaded.kv_format, tier=self.tier,
-                            owner=self.owner)
+                            owner=self.owner, layout=loaded.cache_layout)
 
 
 class Engine:

@@ -19,9 +19,10 @@ from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from app.cache.blocks import KVFormat, quantize_span, to_working_cache
+from app.cache.checkpoints import CacheLayout
 from app.engine.batch import prefill as feed
 
 TEXTS_DIR = Path(__file__).with_name("texts")
@@ -35,15 +36,27 @@ def natural_texts() -> dict[str, str]:
 
 def prefill(model: nn.Module, tokens: list[int], step: int = 256) -> list[KVCache]:
     """A float working cache of ``tokens``, prefilled as the engine does (no logits computed)."""
-    cache = to_working_cache([], len(model.layers), 0, mx.float32)
+    layout = CacheLayout.of(model)  # hybrid models: recurrent layers keep their state, exactly
+    cache = layout.assemble(to_working_cache([], layout.n_attention, 0, mx.float32), None)
     for start in range(0, len(tokens), step):
         feed(model, cache, tokens[start:start + step])
     return cache
 
 
+def _same_state(layer: ArraysCache) -> ArraysCache:
+    """A recurrent layer's cache of its own holding the same state (the model replaces a
+    state's arrays, never writes into them)."""
+    fresh = ArraysCache(len(layer.cache))
+    fresh.cache = list(layer.cache)
+    return fresh
+
+
 def copy_cache(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
     out = []
     for layer in cache:
+        if isinstance(layer, ArraysCache):
+            out.append(_same_state(layer))
+            continue
         fresh = KVCache()
         fresh.state = (mx.array(layer.keys[..., :n_tokens, :]), mx.array(layer.values[..., :n_tokens, :]), n_tokens)
         out.append(fresh)
@@ -52,8 +65,10 @@ def copy_cache(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
 
 def roundtrip(cache: list[KVCache], n_tokens: int, kv_format: KVFormat) -> list[KVCache]:
     """The float cache's first ``n_tokens`` as the model sees them after being stored in ``kv_format``."""
-    block = quantize_span(cache, 0, n_tokens, kv_format)
-    return to_working_cache([block], len(cache), n_tokens, mx.float32, kv_format)
+    attention = [layer for layer in cache if not isinstance(layer, ArraysCache)]  # the format stores their KV only
+    block = quantize_span(attention, 0, n_tokens, kv_format)
+    stored = iter(to_working_cache([block], len(attention), n_tokens, mx.float32, kv_format))
+    return [_same_state(layer) if isinstance(layer, ArraysCache) else next(stored) for layer in cache]
 
 
 def continuation_logprobs(model: nn.Module, cache: list[KVCache], tokens: list[int]) -> mx.array:

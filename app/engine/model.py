@@ -15,12 +15,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.cache.blocks import KV_FORMATS, KVFormat, to_working_cache
+from app.cache.checkpoints import CacheLayout, unsupported_caches
 from app.engine import attention, calibration, cores
 from app.engine.backend import device_kind
 from app.engine.calibration import Calibration, Measured
@@ -89,10 +89,16 @@ class LoadedModel(ModelSpec):
     model: nn.Module
     dtype: str
     cores: CoreSplit | None = None  # batched decode steps split over both CPU cores
+    layout: CacheLayout | None = None  # what each layer's cache holds (None: attention KV in every layer)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.layout if self.layout is not None else CacheLayout.attention_only(len(self.model.layers))
 
     @property
     def n_layers(self) -> int:
-        return len(self.model.layers)
+        """Layers whose attention keys and values the cache blocks hold."""
+        return self.cache_layout.n_attention
 
     @property
     def compute_dtype(self) -> mx.Dtype:
@@ -164,15 +170,6 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int) -> int:
     heads = int(config.get("num_attention_heads", 1))
     kv_heads = int(config.get("num_key_value_heads") or heads)
     return int(config.get("num_hidden_layers", 0)) * 2 * kv_heads * config_head_dim(config) * dtype_bytes
-
-
-def unsupported_caches(model: nn.Module) -> list[str]:
-    """The kinds of per-layer cache ``model`` needs that Semantic's caches cannot hold. They
-    hold attention keys and values: mlx-lm's ``KVCache``, and ``RotatingKVCache`` (a
-    sliding window, which the engine keeps in full and masks)."""
-    make = getattr(model, "make_cache", None)
-    caches = make() if make is not None else []
-    return sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
 
 
 def backend_name() -> str:
@@ -263,9 +260,10 @@ def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path, head_di
 def cached_head_dims(model: nn.Module) -> set[int]:
     """The widths of the keys and values ``model`` caches (one token prefilled): the config's
     head_dim, except in architectures whose keys and values differ from it."""
-    cache = to_working_cache([], len(model.layers), 0, _param_dtype(model))
+    layout = CacheLayout.of(model)
+    cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
     mx.eval(model(mx.array([[0]]), cache=cache))
-    return {a.shape[-1] for layer in cache for a in (layer.keys, layer.values)}
+    return {a.shape[-1] for layer in layout.attention(cache) for a in (layer.keys, layer.values)}
 
 
 def _refuse_unstorable(head_dims: set[int], kv_format: KVFormat) -> None:
@@ -333,9 +331,9 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     model, config = load_weights(path)
     unsupported = unsupported_caches(model)
     if unsupported:
-        raise InvalidModelFile(f"{name} ({config.get('model_type')}): its layers keep {', '.join(unsupported)} state "
-                               "(a recurrent or linear-attention architecture); Semantic's caches hold attention "
-                               "keys and values only")
+        raise InvalidModelFile(f"{name} ({config.get('model_type')}): its layers keep {', '.join(unsupported)} state; "
+                               "Semantic's caches hold attention keys and values and, beside them, recurrent "
+                               "state (ArraysCache) as checkpoints")
     target = _compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)
@@ -358,4 +356,5 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     except InvalidModelFile as exc:
         raise InvalidModelFile(f"{name}: {exc}") from None
     split = cores.install(model) if split_cores and used == mx.float32 else None
-    return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split)
+    return LoadedModel(**fields, model=model, dtype=str(used).removeprefix("mlx.core."), cores=split,
+                       layout=CacheLayout.of(model))

@@ -320,7 +320,7 @@ class Runner(threading.Thread):
         sequence = self._prefilling[self._policy.pick(self._prefilling)]
         if sequence.n_pending > 0:
             alone = len(self._prefilling) == 1 and not self._decoding and not len(self._queue)
-            n = self._policy.chunk(sequence, alone)
+            n = sequence.clip_chunk(self._policy.chunk(sequence, alone))
             loaded = self.loaded
             assert loaded is not None
             start = time.perf_counter()
@@ -328,6 +328,7 @@ class Runner(threading.Thread):
             elapsed = time.perf_counter() - start
             sequence.seconds_per_token = elapsed / n
             sequence.n_prefilled += n
+            sequence.after_prefill()
             self._counters = self._counters.after_prefill(n, elapsed)
         if sequence.n_pending <= 0:
             self._prefilling.remove(sequence)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from mlx_lm.sample_utils import make_sampler
 
+from app.cache import checkpoints
 from app.cache.manager import Lease
 from app.cache.records import CacheRecord
 from app.engine.channel import Job
@@ -55,8 +56,10 @@ class Sequence:
         start = prompt.ends[n - 1] if n else 0
         ids, ends = prompt.token_ids[n:], tuple(end - start for end in prompt.ends[n:])
         storable = bool(prompt.ends) and spells(model.token_bytes, prompt.token_ids, prompt.text)
-        return cls(job, lease, tuple(ids), tuple(ends), storable,
-                   max_new=min(sampling.max_tokens, model.context_length - n - len(ids)),
+        max_new = min(sampling.max_tokens, model.context_length - n - len(ids))
+        if lease.plan is not None:  # a hybrid model: checkpoints where its prefill stops (the last token decodes)
+            lease.plan.positions = checkpoints.plan(n, n + len(ids) - (1 if max_new > 0 else 0))
+        return cls(job, lease, tuple(ids), tuple(ends), storable, max_new=max_new,
                    sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
                                         top_k=sampling.top_k if sampling.top_k < model.vocab_size else 0),
                    token_bytes=model.token_bytes, stop_ids=model.stop_token_ids, clock=clock)
@@ -73,6 +76,17 @@ class Sequence:
     @property
     def n_prompt(self) -> int:
         return self.lease.n_reused + len(self.prompt_ids)
+
+    def clip_chunk(self, n: int) -> int:
+        """How many tokens a prefill chunk of at most ``n`` takes: a hybrid model's ends where
+        a checkpoint is due."""
+        plan = self.lease.plan
+        return plan.chunk(self.lease.n_reused + self.n_prefilled, n) if plan is not None else n
+
+    def after_prefill(self) -> None:
+        """After a prefill chunk: a hybrid model takes the checkpoint due there, if any."""
+        if self.lease.plan is not None:
+            self.lease.plan.after_prefill(self.cache, self.lease.n_reused + self.n_prefilled)
 
     @property
     def n_written(self) -> int:

@@ -1,5 +1,7 @@
 """Which mlx-lm architectures the engine serves: those whose layers keep attention keys
-and values (tiny random-weight models of each kind, built in-process)."""
+and values, and hybrids whose other layers keep recurrent state (``ArraysCache``, kept as
+checkpoints) beside at least one attention layer (tiny random-weight models of each kind,
+built in-process); and where a prefill takes its checkpoints, and which a conversation keeps."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from app.cache.checkpoints import MAX_CHECKPOINTS, Checkpoint, CheckpointPlan, CacheLayout, keep, plan
 from app.engine.model import unsupported_caches
 
 VOCAB = 64
@@ -41,6 +44,42 @@ def test_attention_models_are_served(family: str) -> None:
     assert unsupported_caches(_build(ATTENTION[family])) == []
 
 
+HYBRID = {
+    "lfm2": dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                 block_dim=32, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                 intermediate_size=32, layer_types=["conv", "full_attention", "conv"]),
+}
+
+
 @pytest.mark.parametrize("family", sorted(RECURRENT))
-def test_models_with_recurrent_state_are_refused_by_name(family: str) -> None:
-    assert unsupported_caches(_build(RECURRENT[family])) == ["ArraysCache"]
+def test_models_of_recurrent_layers_only_are_refused_by_name(family: str) -> None:
+    assert unsupported_caches(_build(RECURRENT[family])) == ["ArraysCache (and no attention layer)"]
+
+
+def test_hybrid_models_are_served_with_their_layout() -> None:
+    model = _build(HYBRID["lfm2"])
+    assert unsupported_caches(model) == []
+    layout = CacheLayout.of(model)
+    assert layout.kinds == ("state:1", "kv", "state:1") and layout.hybrid and layout.n_attention == 1
+    cache = layout.assemble(["kv0"], None)
+    assert layout.attention(cache) == ["kv0"] and len(layout.recurrent(cache)) == 2
+    assert not CacheLayout.of(_build(ATTENTION["llama"])).hybrid
+
+
+def test_a_prefill_stops_at_its_end_and_at_blocks_spaced_back_from_it() -> None:
+    assert plan(0, 100) == (100,)
+    assert plan(0, 2000) == (768, 1280, 1536, 2000)  # 1, 2 and 4 blocks before the end, on a block
+    assert plan(1900, 2000) == (2000,)
+    assert plan(1500, 2000) == (1536, 2000)
+    assert plan(10, 10) == ()
+    point = CheckpointPlan(CacheLayout(("kv",)), positions=(256, 700))
+    assert [point.chunk(0, 512), point.chunk(256, 512), point.chunk(700, 64)] == [256, 444, 64]
+
+
+def test_a_conversation_keeps_its_newest_checkpoints_and_spaced_older_ones() -> None:
+    points = [Checkpoint(n, ()) for n in (100, 200, 300, 400, 500, 600, 700, 800, 900, 990, 1000)]
+    # The newest two, then each at least twice as far back from the newest as the last kept.
+    assert [p.n_tokens for p in keep(points)] == [200, 600, 800, 900, 990, 1000]
+    assert MAX_CHECKPOINTS == 6
+    assert [p.n_tokens for p in keep(points[:3])] == [100, 200, 300]

@@ -214,7 +214,7 @@ def test_no_module_import_points_up_or_closes_a_circle() -> None:
 
 
 def test_mlx_is_imported_at_module_level_only_where_layout_says() -> None:
-    allowed_cache = {"blocks.py"}
+    allowed_cache = {"blocks.py", "checkpoints.py"}  # KV blocks and recurrent-state checkpoints
     for path in (ROOT / "app").rglob("*.py"):
         tree = ast.parse(path.read_text())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

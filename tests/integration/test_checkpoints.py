@@ -1,0 +1,109 @@
+"""Recurrent-state checkpoints of hybrid models, through the cache manager and its files
+(issue 37): a turn stores its checkpoints, a new manager on the same home (a restart)
+resumes an edited prompt at the latest checkpoint before the edit with exactly the logits
+a cold prefill of the same split gives, and without the checkpoint's state they differ
+(so the comparison can fail). Tiny random models of each served hybrid family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from app.cache import checkpoints
+from app.cache.blocks import KV_FORMATS
+from app.cache.checkpoints import CacheLayout
+from app.cache.records import CacheRecord
+from support.families import HYBRID, build
+from test_cache_round_trips import as_prompt, manager
+
+SERVED = sorted(set(HYBRID) - {"falcon_h1"})
+F32 = KV_FORMATS["f32"]
+TOKENS = 15000  # as_prompt spells token t as chr(0x4E00 + t): below the surrogates
+
+
+def prefill(model: Any, cache: list[Any], tokens: list[int], start: int, plan: checkpoints.CheckpointPlan | None,
+            step: int = 128) -> mx.array:
+    """Feed ``tokens`` (after ``start`` cached ones) as the engine does: chunks that end at
+    the plan's positions, a checkpoint taken at each. Returns the last logits."""
+    at, logits = 0, None
+    while at < len(tokens):
+        n = plan.chunk(start + at, min(step, len(tokens) - at)) if plan else min(step, len(tokens) - at)
+        logits = model(mx.array([tokens[at:at + n]]), cache=cache)
+        mx.eval(logits)
+        at += n
+        if plan:
+            plan.after_prefill(cache, start + at)
+    assert logits is not None
+    return logits[0, -1]
+
+
+def store(caches: Any, model: Any, tokens: list[int]) -> None:
+    lease = caches.lease("a", "a-c", as_prompt(tokens))
+    assert lease.plan is not None and lease.n_reused == 0
+    lease.plan.positions = checkpoints.plan(0, len(tokens))
+    prefill(model, lease.cache, tokens, 0, lease.plan)
+    prompt = as_prompt(tokens)
+    caches.commit(lease, CacheRecord(prompt.token_ids, prompt.text, prompt.ends), lease.cache)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_a_restart_resumes_an_edited_prompt_at_the_checkpoint_before_the_edit(family: str, tmp_path: Path) -> None:
+    model = build(HYBRID[family])
+    layout = CacheLayout.of(model)
+    assert layout.hybrid and layout.n_attention > 0
+    rng = np.random.default_rng(1)
+    first = rng.integers(100, TOKENS, 700).tolist()
+    edited = first[:450] + rng.integers(100, TOKENS, 30).tolist()  # the prompt changes at token 450
+    caches = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    store(caches, model, first)
+    # plan(0, 700): the prompt's end, and block boundaries 1 and 2 blocks before it.
+    assert [p.n_tokens for p in caches._hot["a-c"].checkpoints] == [256, 700]
+    assert caches.flush(30)
+    caches.close()
+
+    reloaded = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    lease = reloaded.lease("a", "a-c", as_prompt(edited))
+    assert lease.n_reused == 256, lease.report  # the matched 450 tokens, back to the checkpoint
+    warm = prefill(model, lease.cache, edited[256:], 256, None)
+
+    cold_cache = model.make_cache()
+    prefill(model, cold_cache, first[:256], 0, None)
+    emptied = layout.assemble(layout.attention(cold_cache), None)  # the same KV, no recurrent state
+    cold = prefill(model, cold_cache, edited[256:], 256, None)
+    assert mx.array_equal(warm, cold), family
+    without_state = prefill(model, emptied, edited[256:], 256, None)
+    assert not mx.allclose(without_state, cold, atol=1e-4), family  # the state matters: this test can fail
+    reloaded.close()
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_checkpoints_are_lossless_on_disk_and_a_damaged_one_is_a_miss(family: str, tmp_path: Path) -> None:
+    model = build(HYBRID[family])
+    layout = CacheLayout.of(model)
+    tokens = np.random.default_rng(2).integers(100, TOKENS, 300).tolist()
+    caches = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    store(caches, model, tokens)
+    stored = caches._hot["a-c"].checkpoints
+    assert caches.flush(30)
+    caches.close()
+    reloaded = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    lease = reloaded.lease("a", "a-c", as_prompt(tokens + [5]))
+    assert lease.n_reused == 300
+    loaded = reloaded._hot["a-c"].checkpoints
+    assert [p.n_tokens for p in loaded] == [p.n_tokens for p in stored]
+    for a, b in zip(stored, loaded):
+        for x, y in zip((x for s in a.states for x in s), (y for s in b.states for y in s)):
+            assert x.dtype == y.dtype and mx.array_equal(x, y)
+    reloaded.close()
+    # A record file whose checkpoint bytes changed fails its checksum: the cache is a miss.
+    record = next((tmp_path / "blocks").rglob("conversations/*.safetensors"))
+    data = bytearray(record.read_bytes())
+    data[-8] ^= 0xFF
+    record.write_bytes(bytes(data))
+    again = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    assert again.lease("a", "a-c", as_prompt(tokens + [5])).n_reused == 0
+    again.close()
