@@ -72,8 +72,8 @@ class FakeEngine:
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
 
-    def render_start(self, system: str, model: str | None = None) -> None:
-        return None
+    def render_start(self, system: str, model: str | None = None) -> Prompt:
+        return self.render((ChatMessage("system", system),))
 
     def check_fits(self, prompt: Prompt, model: str | None = None) -> None:
         if prompt.n_tokens > CONTEXT - 1:
@@ -97,6 +97,8 @@ class FakeEngine:
         pass
 
     def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
+        if self.refuse is not None:
+            raise self.refuse
         return True  # no cache to copy
 
     def status(self) -> EngineStatus:
