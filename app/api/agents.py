@@ -180,7 +180,8 @@ class AgentForkResource(_AgentsBase):
             done = True
         else:
             with self._undone_on_failure(new_id):
-                done = self._engine.fork_cache(copied.source_conversation, new_id, copied.conversation_id)
+                done = self._engine.fork_cache(copied.source_conversation, new_id, copied.conversation_id,
+                                               copied.point)
         if not done:
             log.warning("agent %s: the fork's cache copy did not finish in time; its first turn may be cold", new_id)
         resp.status = falcon.HTTP_201

@@ -33,10 +33,10 @@ from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
-from app.cache.records import CacheRecord, ConversationCache
+from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.store.cache_index import CacheEntry, CacheIndex
 from app.store.history import utcnow
-from app.types import Prompt, ReuseReport
+from app.types import ForkPoint, Prompt, ReuseReport
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -396,10 +396,36 @@ class CacheManager:
         self._persister.flush(60)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
 
-    def fork(self, source: str, agent_id: str, conversation_id: str) -> threading.Event:
-        """Give a forked agent's conversation a copy of the ``source`` conversation's stored
-        cache (queued after the source's own writes; the event is set once it is done)."""
-        return self._persister.submit(Copy(source, agent_id, conversation_id))
+    def fork(self, source: str, agent_id: str, conversation_id: str,
+             point: ForkPoint | None = None) -> threading.Event:
+        """Give a forked agent's conversation a copy of the ``source`` conversation's cache,
+        up to ``point`` (None: all of it). Queued after the source's own writes; the event
+        is set once the copy is stored. A copy up to a point holds the record's tokens
+        before it and their KV only: the full blocks before it, shared, and a private tail
+        cut from the block the point falls in."""
+        if point is None:
+            return self._persister.submit(Copy(source, agent_id, conversation_id))
+        cache = self._hot.get(source) if self.enabled else None
+        if cache is None and self.enabled and (source_agent := self._index.agent_of(source)) is not None:
+            cache = self._load(source_agent, source)
+        n_kept = 0
+        if cache is not None:
+            n_kept = self.kv_format.reusable(cache.record.n_tokens_within(fork_cut(cache.record.text, point)),
+                                             cache.n_grouped)
+        if cache is None or n_kept == 0:
+            done = threading.Event()
+            done.set()
+            return done
+        n_full = n_kept // BLOCK_TOKENS
+        tail = None
+        if n_kept > n_full * BLOCK_TOKENS:
+            cut = self._blocks[cache.chain[n_full]] if n_full < len(cache.chain) else cache.tail
+            assert cut is not None
+            tail = slice_block(cut, 0, n_kept - n_full * BLOCK_TOKENS)
+        copy = ConversationCache(agent_id, conversation_id, cache.record.truncate(n_kept), cache.chain[:n_full], tail)
+        log.info("agent %s: forked with %d of conversation %s's %d cached tokens", agent_id, n_kept, source,
+                 cache.record.n_tokens)
+        return self._persister.submit(Snapshot(copy, {h: self._blocks[h] for h in copy.chain}))
 
     # -- after a start -----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from app.errors import ContextTooLong, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
 from support.dbcheck import query
 
 CONTEXT = 64
@@ -96,7 +96,8 @@ class FakeEngine:
     def forget_agent(self, agent_id: str) -> None:
         pass
 
-    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, point: ForkPoint | None = None,
+                   timeout_s: float = 60) -> bool:
         if self.refuse is not None:
             raise self.refuse
         return True  # no cache to copy
