@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, cache_nbytes, copy_prefix,
                               join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
                               to_working_cache)
-from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileUnavailable, StoredConversation
+from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
@@ -579,12 +579,15 @@ class CacheManager:
             return None
         try:
             cache, loaded = self._decode(agent_id, conversation_id, self._files.read_conversation(entry, self._blocks))
-        except FileUnavailable as exc:  # nothing says it is damaged: a miss now, kept for later
-            log.warning("conversation %s: cache on disk unreadable just now (%s); a miss", conversation_id, exc)
-            return None
-        except Exception as exc:  # whatever else went wrong reading it, the cache is not used
-            log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
-            self._discard(conversation_id, entry)
+        except Exception as exc:  # whatever went wrong reading it, the cache is not used now
+            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
+            # having lost the object: nothing says it is damaged, so the row and the writer's
+            # files stay. Anything else is damage: the cache is discarded.
+            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
+                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
+            else:
+                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
+                self._discard(conversation_id, entry)
             return None
         for block, data in loaded.items():
             self._blocks.setdefault(block, data)

@@ -236,3 +236,36 @@ def test_a_restarted_server_prefetches_only_the_agents_it_still_owns(tmp_path: P
     assert restarted.record("a-c") is not None and restarted.record("z-c") is None
     assert restarted._epochs == {"a": 1}
     restarted.close()
+
+
+def test_a_block_the_tier_lost_is_a_miss_that_deletes_neither_the_row_nor_the_writers_files(
+        tmp_path: Path, s3_url: str) -> None:
+    """Server b (on the same machine as a, as a local pool runs) restores a conversation one
+    of whose blocks the tier no longer holds: a miss, and nothing else. Before, the failed
+    fetch was damage: b dropped the pool's ``caches`` row and unlinked the paths the row
+    names, a's own files."""
+    n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=8)
+    rows = query(tmp_path / "pool.db", "SELECT conversation_id, n_tokens, record_path FROM caches")
+    written = sorted((tmp_path / "a" / "blocks").rglob("*.safetensors"))
+    (second,), = query(tmp_path / "pool.db", "SELECT hash FROM blocks WHERE parent_hash IS NOT NULL")
+    tier = S3Tier(s3_url)
+    lost = next(p for p in written if p.name == f"{second}.safetensors").relative_to(tmp_path / "a" / "blocks")
+    assert tier.delete([lost.as_posix()]) == 1
+
+    b = server(tmp_path, "b", n_layers, tier)
+    assert b.lease("a", "c", as_prompt(tokens)).n_reused <= 256  # at most the first block, which b fetched
+    assert b.flush(60)
+    b.close()
+    assert query(tmp_path / "pool.db", "SELECT conversation_id, n_tokens, record_path FROM caches") == rows
+    assert all(path.exists() for path in written)  # a's files, untouched
+
+    a = server(tmp_path, "a", n_layers, tier)  # a itself still serves it from its own disk
+    assert a.lease("a", "c", as_prompt(tokens + [1])).n_reused == 600
+    a.close()
+
+    b = server(tmp_path, "b", n_layers, tier)
+    b.forget_agent("a")  # the pool's rows go; b deletes its own copies, never a's paths
+    b.close()
+    assert query(tmp_path / "pool.db", "SELECT count(*) FROM caches") == [(0,)]
+    assert all(path.exists() for path in written)
+
