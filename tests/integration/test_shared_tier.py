@@ -269,3 +269,30 @@ def test_a_block_the_tier_lost_is_a_miss_that_deletes_neither_the_row_nor_the_wr
     assert query(tmp_path / "pool.db", "SELECT count(*) FROM caches") == [(0,)]
     assert all(path.exists() for path in written)
 
+
+def test_a_block_the_tier_lost_is_uploaded_again_by_the_server_that_uploaded_it(tmp_path: Path, s3_url: str) -> None:
+    """The uploader skips blocks it put recently, not for the life of the process: once its
+    memo of a block is older than ``memo_s`` the next upload that names the block puts it
+    again, so a tier that lost the object gets it back (before: never, from that server)."""
+    from app.cache.shared_tier import Upload, Uploader
+
+    tier = S3Tier(s3_url.replace("/pool?", "/reupload-test?"))  # moto keeps one store per process
+    now = [0.0]
+    uploader = Uploader(tier, clock=lambda: now[0], memo_s=60)
+    uploader.start()
+    block, record = tmp_path / "block", tmp_path / "record"
+    block.write_bytes(b"kv")
+    record.write_bytes(b"tokens")
+    upload = Upload((("fp/aa/block.safetensors", block),), ("fp/conversations/r.safetensors", record))
+
+    def keys() -> set[str]:
+        uploader.submit(upload)
+        assert uploader.flush(30) and uploader.n_failed == 0
+        return {key for key, _ in tier.listing()}
+
+    assert "fp/aa/block.safetensors" in keys()
+    tier.delete(["fp/aa/block.safetensors"])  # the tier lost it
+    assert "fp/aa/block.safetensors" not in keys()  # within the memo: not checked again
+    now[0] += 60
+    assert "fp/aa/block.safetensors" in keys()  # the memo expired: put again
+    uploader.stop()
