@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlparse
 
 from app.cache import durable
 from app.errors import ConfigError
+from app.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def parse_block_store(url: str) -> S3Location:
     """
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"block_store: {url!r} is not s3://bucket[/prefix][?endpoint=URL]")
+        raise ConfigError(f"block_store: {redact(url)!r} is not s3://bucket[/prefix][?endpoint=URL]")
     endpoint = parse_qs(parsed.query).get("endpoint", [None])[0]
     return S3Location(parsed.netloc, parsed.path.strip("/"), endpoint)
 
