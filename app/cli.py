@@ -14,6 +14,7 @@ from typing import Sequence
 from app import __version__
 from app.errors import ConfigError, InvalidModelFile, NotFound, SemanticError
 from app.logs import configure_logging
+from app.redaction import redact, shown_setting
 from app.setting_flags import add_setting_flags, setting_overrides
 from app.settings import Settings, config_file, load_settings
 
@@ -39,7 +40,7 @@ def cmd_serve(settings: Settings, _args: argparse.Namespace) -> int:
     try:
         serve(settings)
     except SemanticError as exc:
-        print(f"semantic: error: {exc}", file=sys.stderr)
+        print(f"semantic: error: {redact(str(exc))}", file=sys.stderr)
         code = 2
     # Everything is stopped and written by now. Exit without running static destructors:
     # MLX's CPU backend sometimes aborts in them (std::terminate on a joinable thread),
@@ -67,7 +68,7 @@ def cmd_jobs_run(settings: Settings, args: argparse.Namespace) -> int:
     try:
         result = job.call_local()
     except Exception as exc:  # recorded in job_runs as an error by the job's wrapper
-        print(f"semantic: job {args.name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"semantic: job {args.name} failed: {type(exc).__name__}: {redact(str(exc))}", file=sys.stderr)
         return 1
     print(json.dumps(result))
     return 0
@@ -96,9 +97,8 @@ def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     source = config_file(os.environ)
     print(f"# effective settings (file: {source or 'none'}; SEMANTIC_* variables override it)")
     for name, value in settings.as_dict().items():
-        if name == "api_key" and value:
-            value = "(set, not shown)"  # the output ends up in terminals, logs and bug reports
-        print(f"{name} = {json.dumps(str(value) if isinstance(value, Path) else value)}")
+        value = shown_setting(name, str(value) if isinstance(value, Path) else value)  # ends up in bug reports
+        print(f"{name} = {json.dumps(value)}")
     return 0
 
 
@@ -509,7 +509,7 @@ def _run(argv: Sequence[str] | None) -> int:
         _keep_private(settings.home)
         return int(args.handler(settings, args))
     except SemanticError as exc:
-        print(f"semantic: error: {exc}", file=sys.stderr)
+        print(f"semantic: error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] != "mlx":

@@ -28,6 +28,20 @@ ReuseReason = Literal["extend", "exact", "diverge", "sibling", "shared", "miss",
 
 
 @dataclass(frozen=True, slots=True)
+class ForkPoint:
+    """Where a fork's copy of a conversation's cache ends: before the text of the first
+    message the fork leaves out, so no later turn's text or KV reaches the fork.
+
+    ``kept``: the texts of the messages the fork keeps, in order; ``dropped``: the first
+    left-out message's text ("" when it has none). Texts are found in the cache's text in
+    order, each after the one before, so a text found early only cuts earlier (see
+    ``app/cache/records.py``, ``fork_cut``)."""
+
+    kept: tuple[str, ...]
+    dropped: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCall:
     """A call of a tool: found in a reply, or an earlier one of the conversation."""
 

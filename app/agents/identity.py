@@ -25,12 +25,14 @@ from app.errors import InvalidRequest
 from app.types import SESSION_ID_PATTERN
 
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
+# How an agent came to be known: the API that named it, or its content.
+ORIGINS = frozenset({"direct", "openai", "anthropic", "responses", "content"})
 
 
 @dataclass(frozen=True, slots=True)
 class AgentKey:
     agent_id: str
-    origin: str  # direct / openai / anthropic / responses / content
+    origin: str  # one of ORIGINS
     thread: str | None = None  # the client's thread under the agent (None: recognised by content)
 
 

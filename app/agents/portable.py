@@ -36,6 +36,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import __version__
+from app.agents.identity import ORIGINS
 from app.cache import durable
 from app.cache import files as cache_files
 from app.cache.files import CacheFiles
@@ -57,6 +58,11 @@ log = logging.getLogger(__name__)
 MEMBER = re.compile(r"(blocks|records)/[A-Za-z0-9_-]{1,128}\.safetensors")
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a model fingerprint, a sha256 (it names a directory)
 AGENT_ID = re.compile(SESSION_ID_PATTERN)
+# An archive's members are read into memory: each at most this large (a block of a 70B-class
+# model in float32 is 160 MiB), its agent.json smaller still. A sparse member (GNU sparse:
+# a few bytes that expand to gigabytes as they are read) is refused whatever its size.
+MAX_MEMBER_BYTES = 512 << 20
+MAX_MANIFEST_BYTES = 64 << 20
 
 # A cache as staged: its description in agent.json, its record file, that file's checksum, its block rows.
 _StagedCache = tuple[dict[str, Any], Path, str, list[cache_index.BlockRow]]
@@ -168,6 +174,9 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
     agent_id = new_id or agent["id"]
     if not isinstance(agent_id, str) or not AGENT_ID.fullmatch(agent_id):
         raise InvalidRequest(f"agent id {str(agent_id)[:80]!r} is not 1-128 letters, digits or ._:-", "id")
+    if agent.get("origin") not in ORIGINS:
+        raise InvalidRequest(f"archive: origin {str(agent.get('origin'))[:80]!r} is not one of "
+                             f"{', '.join(sorted(ORIGINS))}", "archive")
     with sessions() as session:  # checked again below, under the write lock
         taken = session.get(Agent, agent_id) is not None
     if taken:
@@ -204,9 +213,16 @@ def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
         with tarfile.open(fileobj=source, mode="r|") as archive:
             for member in archive:
                 if not member.isfile() or (member.name != MANIFEST and not MEMBER.fullmatch(member.name)):
-                    raise InvalidRequest(f"archive: unexpected member {member.name!r}", "archive")
+                    raise InvalidRequest(f"archive: unexpected member {member.name[:200]!r}", "archive")
+                limit = MAX_MANIFEST_BYTES if member.name == MANIFEST else MAX_MEMBER_BYTES
+                if member.issparse() or member.size > limit:
+                    raise InvalidRequest(f"archive: member {member.name!r} is sparse or larger than {limit} bytes",
+                                         "archive")
                 handle = archive.extractfile(member)
-                members[member.name] = handle.read() if handle else b""
+                data = handle.read(limit + 1) if handle else b""
+                if len(data) > limit:  # never more than the header said, but never trusted either
+                    raise InvalidRequest(f"archive: member {member.name!r} is larger than {limit} bytes", "archive")
+                members[member.name] = data
     except tarfile.TarError as exc:
         raise InvalidRequest(f"archive: not a tar archive ({exc})", "archive") from exc
     try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import falcon
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,7 +19,7 @@ from app.agents.identity import AgentKey
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.generation import GenerationResource
-from app.errors import InvalidRequest
+from app.errors import InvalidRequest, SemanticError
 from app.protocol import anthropic
 from app.protocol.validation import validate
 from app.store.history import new_conversation_id
@@ -105,6 +106,22 @@ class _AgentsBase:
     def _render(self, agent: AgentView) -> dict[str, Any]:
         return render_agent(agent, self._engine.hot_tokens(agent.id), self._engine.model.fingerprint)
 
+    @contextmanager
+    def _undone_on_failure(self, agent_id: str) -> Iterator[None]:
+        """Delete the agent just written (rows, and any cache the engine made for it) when the
+        engine refuses or fails what follows: a refused request (429, 529) changes no row, so the
+        client's retry creates it instead of finding it taken."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self._engine.forget_agent(agent_id)
+            except SemanticError as exc:  # the engine is gone: it holds no cache of the agent either
+                log.warning("agent %s: its caches were not forgotten (%s)", agent_id, exc)
+            self._agents.delete(agent_id)
+            log.info("agent %s: not created, the engine refused or failed its first step", agent_id)
+            raise
+
 
 class AgentsResource(_AgentsBase):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
@@ -120,7 +137,8 @@ class AgentsResource(_AgentsBase):
         system_digest = anthropic.system_digest(create.system_prompt or "")
         self._agents.create(agent_id, metadata, create.ttl_seconds, (conversation, system_digest))
         if start is not None:
-            self._prefill(agent_id, conversation, start)
+            with self._undone_on_failure(agent_id):
+                self._prefill(agent_id, conversation, start)
         resp.status = falcon.HTTP_201
         resp.media = self._render(self._agents.get(agent_id))
 
@@ -158,8 +176,13 @@ class AgentForkResource(_AgentsBase):
         fork = validate(ForkAgent, _object(read_json(req)) if req.content_length else {})
         new_id = fork.id or f"agent-{uuid.uuid4().hex}"
         copied = self._agents.fork(agent_id, new_id, fork.metadata, fork.at_turn)
-        if copied is not None and not self._engine.fork_cache(copied.source_conversation, new_id,
-                                                              copied.conversation_id):
+        if copied is None:
+            done = True
+        else:
+            with self._undone_on_failure(new_id):
+                done = self._engine.fork_cache(copied.source_conversation, new_id, copied.conversation_id,
+                                               copied.point)
+        if not done:
             log.warning("agent %s: the fork's cache copy did not finish in time; its first turn may be cold", new_id)
         resp.status = falcon.HTTP_201
         resp.media = self._render(self._agents.get(new_id))

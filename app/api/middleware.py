@@ -38,6 +38,15 @@ def protocol_of(path: str) -> Protocol:
     return "anthropic"
 
 
+def loggable(value: str | None) -> str | None:
+    """``value`` with every character that is not printable (newlines, carriage returns, other
+    control and separator characters) written as its Python escape: what a client sent
+    (``%0A`` in a URL decodes to a newline) can never start a line of its own in the log."""
+    if value is None or value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
 class RequestContextMiddleware:
     """Each request's id (the ``request-id`` header) and protocol, the server's name on every
     response (``x-semantic-server``: which server of a pool answered), and one log line a
@@ -64,8 +73,9 @@ class RequestContextMiddleware:
 
     def process_response(self, req: falcon.Request, resp: falcon.Response, resource: object,
                          req_succeeded: bool) -> None:
-        fields = {"method": req.method, "path": req.path, "status": resp.status_code,
-                  "request_id": req.context.request_id, "agent": req.context.agent, "client": req.user_agent}
+        fields = {"method": loggable(req.method), "path": loggable(req.path), "status": resp.status_code,
+                  "request_id": req.context.request_id, "agent": loggable(req.context.agent),
+                  "client": loggable(req.user_agent)}
         probe = req.path in PROBES and resp.status_code < 400
         log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d request %s agent %s client %r",
                 *fields.values(), extra=fields)

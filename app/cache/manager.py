@@ -29,15 +29,15 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
                               join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
                               to_working_cache)
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
-from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileUnavailable, StoredConversation
+from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
-from app.cache.records import CacheRecord, ConversationCache
+from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.store.cache_index import CacheEntry, CacheIndex
 from app.store.history import utcnow
-from app.types import Prompt, ReuseReport
+from app.types import ForkPoint, Prompt, ReuseReport
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -441,10 +441,37 @@ class CacheManager:
         self._persister.flush(60)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
 
-    def fork(self, source: str, agent_id: str, conversation_id: str) -> threading.Event:
-        """Give a forked agent's conversation a copy of the ``source`` conversation's stored
-        cache (queued after the source's own writes; the event is set once it is done)."""
-        return self._persister.submit(Copy(source, agent_id, conversation_id))
+    def fork(self, source: str, agent_id: str, conversation_id: str,
+             point: ForkPoint | None = None) -> threading.Event:
+        """Give a forked agent's conversation a copy of the ``source`` conversation's cache,
+        up to ``point`` (None: all of it). Queued after the source's own writes; the event
+        is set once the copy is stored. A copy up to a point holds the record's tokens
+        before it and their KV only: the full blocks before it, shared, and a private tail
+        cut from the block the point falls in."""
+        if point is None:
+            return self._persister.submit(Copy(source, agent_id, conversation_id))
+        cache = self._hot.get(source) if self.enabled else None
+        if cache is None and self.enabled and (source_agent := self._index.agent_of(source)) is not None:
+            cache = self._load(source_agent, source)
+        n_kept = 0
+        if cache is not None:
+            n_kept = self.kv_format.reusable(cache.record.n_tokens_within(fork_cut(cache.record.text, point)),
+                                             cache.n_grouped)
+        if cache is None or n_kept == 0:
+            done = threading.Event()
+            done.set()
+            return done
+        n_full = n_kept // BLOCK_TOKENS
+        tail = None
+        if n_kept > n_full * BLOCK_TOKENS:
+            cut = self._blocks[cache.chain[n_full]] if n_full < len(cache.chain) else cache.tail
+            assert cut is not None
+            tail = slice_block(cut, 0, n_kept - n_full * BLOCK_TOKENS)
+        copy = ConversationCache(agent_id, conversation_id, cache.record.truncate(n_kept), cache.chain[:n_full], tail,
+                                 tuple(p for p in cache.checkpoints if p.n_tokens <= n_kept))
+        log.info("agent %s: forked with %d of conversation %s's %d cached tokens", agent_id, n_kept, source,
+                 cache.record.n_tokens)
+        return self._persister.submit(Snapshot(copy, {h: self._blocks[h] for h in copy.chain}))
 
     # -- after a start -----------------------------------------------------------------------
 
@@ -598,12 +625,15 @@ class CacheManager:
             return None
         try:
             cache, loaded = self._decode(agent_id, conversation_id, self._files.read_conversation(entry, self._blocks))
-        except FileUnavailable as exc:  # nothing says it is damaged: a miss now, kept for later
-            log.warning("conversation %s: cache on disk unreadable just now (%s); a miss", conversation_id, exc)
-            return None
-        except Exception as exc:  # whatever else went wrong reading it, the cache is not used
-            log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
-            self._discard(conversation_id, entry)
+        except Exception as exc:  # whatever went wrong reading it, the cache is not used now
+            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
+            # having lost the object: nothing says it is damaged, so the row and the writer's
+            # files stay. Anything else is damage: the cache is discarded.
+            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
+                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
+            else:
+                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
+                self._discard(conversation_id, entry)
             return None
         for block, data in loaded.items():
             self._blocks.setdefault(block, data)

@@ -201,4 +201,5 @@ class Persister(threading.Thread):
             orphans = cache_index.drop_cache(session, conversation_id, self._files.fingerprint)
         paths = [entry.record_path] if entry else []
         for path in [*paths, *orphans]:
-            Path(path).unlink(missing_ok=True)
+            # This server's copy: a row may name another server's root (a pool on one machine).
+            self._files.local(path, fetch=False).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from app.cache.hashing import BLOCK_TOKENS
 if TYPE_CHECKING:
     from app.cache.blocks import KVBlock
     from app.cache.checkpoints import Checkpoint
+    from app.types import ForkPoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,23 @@ class CacheRecord:
         base = len(self.text)
         return CacheRecord(self.tokens + tuple(tokens), self.text + text,
                            self.ends + tuple(base + e for e in ends))
+
+
+def fork_cut(text: str, point: ForkPoint) -> int:
+    """The character offset in a cache's ``text`` before which a fork keeps it: where the
+    first left-out message's text starts, or where the last kept text found ends.
+
+    Each text is searched after the previous one's match; a search can only match at or
+    before the message's own place (its place comes after the previous message's), so the
+    cut is never past the left-out message: a text not found stops the search there."""
+    at = 0
+    for kept in point.kept:
+        found = text.find(kept, at) if kept else at
+        if found < 0:
+            return at
+        at = found + len(kept)
+    found = text.find(point.dropped, at) if point.dropped else -1
+    return found if found >= 0 else at
 
 
 @dataclass(frozen=True)

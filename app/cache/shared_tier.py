@@ -17,17 +17,26 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import parse_qs, urlparse
 
 from app.cache import durable
 from app.errors import ConfigError
+from app.redaction import redact
 
 log = logging.getLogger(__name__)
+
+# A block this server put in the tier (or found there) is taken to be there for this long,
+# then put again with ``If-None-Match`` (a no-op while the object exists): a tier that lost
+# it gets it back from the next turn that uses it. At most this many keys are remembered.
+UPLOADED_MEMO_S = 600.0
+UPLOADED_MEMO_KEYS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +54,7 @@ def parse_block_store(url: str) -> S3Location:
     """
     parsed = urlparse(url)
     if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"block_store: {url!r} is not s3://bucket[/prefix][?endpoint=URL]")
+        raise ConfigError(f"block_store: {redact(url)!r} is not s3://bucket[/prefix][?endpoint=URL]")
     endpoint = parse_qs(parsed.query).get("endpoint", [None])[0]
     return S3Location(parsed.netloc, parsed.path.strip("/"), endpoint)
 
@@ -152,13 +161,20 @@ class Uploader(threading.Thread):
     next turn uploads its blocks and record again, so the tier catches up when it returns.
     """
 
-    def __init__(self, tier: S3Tier) -> None:
+    def __init__(self, tier: S3Tier, clock: Callable[[], float] = time.monotonic,
+                 memo_s: float = UPLOADED_MEMO_S, memo_keys: int = UPLOADED_MEMO_KEYS) -> None:
         super().__init__(name="semantic-upload", daemon=True)
         self._tier = tier
         self._queue: queue.Queue[Upload | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
-        self._uploaded: set[str] = set()  # block keys known to be in the tier (blocks never change)
+        # Block keys seen in the tier, and when (oldest first): skipped for ``memo_s``, then
+        # put again, since the tier may lose an object (blocks never change, so a put is a no-op
+        # while it holds one). Bounded: the oldest beyond ``memo_keys`` are forgotten.
+        self._uploaded: OrderedDict[str, float] = OrderedDict()
+        self._clock = clock
+        self._memo_s = memo_s
+        self._memo_keys = memo_keys
         self.n_failed = 0
 
     def submit(self, upload: Upload) -> None:
@@ -174,13 +190,24 @@ class Uploader(threading.Thread):
         self._queue.put(None)
         self.join(timeout_s)
 
+    def _known(self, key: str) -> bool:
+        """Whether the block was seen in the tier recently enough to skip putting it."""
+        seen = self._uploaded.get(key)
+        return seen is not None and self._clock() - seen < self._memo_s
+
+    def _remember(self, key: str) -> None:
+        self._uploaded[key] = self._clock()
+        self._uploaded.move_to_end(key)
+        while len(self._uploaded) > self._memo_keys:
+            self._uploaded.popitem(last=False)
+
     def run(self) -> None:
         while (upload := self._queue.get()) is not None:
             try:
                 for key, path in upload.blocks:
-                    if key not in self._uploaded:
+                    if not self._known(key):
                         self._tier.put(key, path, once=True)
-                        self._uploaded.add(key)
+                        self._remember(key)
                 self._tier.put(*upload.record)  # last: a record in the tier means its blocks are there
             except Exception as exc:  # the tier is down or refused: the next turn uploads again
                 self.n_failed += 1

@@ -27,7 +27,7 @@ from app.engine.prompting import check_fits, render_chat, render_conversation_st
 from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
 from app.errors import EngineUnavailable, MemoryExhausted
-from app.types import ChatMessage, GenerationRequest, Prompt, ToolSyntax
+from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt, ToolSyntax
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,11 +225,12 @@ class Engine:
         """Delete the agent's caches: memory, files and index rows (engine thread)."""
         self._runner.call(lambda caches: caches.forget_agent(agent_id))
 
-    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
-        """Copy the ``source`` conversation's stored cache to a forked agent's conversation
-        (its blocks shared by reference) and wait for it. Queued on the engine thread, so the
-        source's last finished turn is written first."""
-        done = self._runner.call(lambda caches: caches.fork(source, agent_id, conversation_id))
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, point: ForkPoint | None = None,
+                   timeout_s: float = 60) -> bool:
+        """Copy the ``source`` conversation's stored cache to a forked agent's conversation, up to
+        ``point`` (None: all of it; its full blocks shared by reference) and wait for it. Queued
+        on the engine thread, so the source's last finished turn is written first."""
+        done = self._runner.call(lambda caches: caches.fork(source, agent_id, conversation_id, point))
         return done.wait(timeout_s)
 
     def _info(self, spec: ModelSpec) -> ModelInfo:

@@ -18,11 +18,13 @@ from app.errors import ContextTooLong, InvalidRequest
 from app.types import ChatMessage, Prompt
 
 
-# Whose text is data, not structure: a user or a tool result that writes "<|im_end|>" must not
-# end its turn (llama.cpp tokenizes such content with special tokens off).
-UNTRUSTED_ROLES = frozenset({"user", "tool"})
-# Put after a special token's first character in untrusted text, so the tokenizer reads it
-# as the plain text it looks like (a zero-width joiner: invisible, and rare in real text).
+# Every text a request brings is data, not structure: only the chat template's own markup
+# becomes special tokens. A user or a tool result that writes "<|im_end|>" must not end its
+# turn, and neither may system text (it carries CLAUDE.md, git status and third parties' tool
+# descriptions), tool schemas, calls' arguments or earlier assistant text (llama.cpp tokenizes
+# such content with special tokens off). A special token's string in any of them gets ``BREAK``
+# after its first character, so the tokenizer reads it as the plain text it looks like (a
+# zero-width joiner: invisible, and rare in real text).
 BREAK = "\u2060"
 
 
@@ -44,6 +46,18 @@ def neutralize(tokenizer: Any, text: str) -> str:
     return pattern.sub(lambda m: m.group(0)[0] + BREAK + m.group(0)[1:], text)
 
 
+def neutralize_all(tokenizer: Any, value: Any) -> Any:
+    """A JSON-like value (a tool's definition, a call's arguments) with ``neutralize`` applied
+    to every string in it, keys included."""
+    if isinstance(value, str):
+        return neutralize(tokenizer, value)
+    if isinstance(value, dict):
+        return {neutralize_all(tokenizer, k): neutralize_all(tokenizer, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [neutralize_all(tokenizer, v) for v in value]
+    return value
+
+
 ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -58,17 +72,19 @@ def template_call_id(client_id: str) -> str:
 def template_messages(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """``messages`` as chat templates take them: calls as OpenAI-style ``tool_calls`` (the text
     before them without trailing whitespace: templates put their own separator there), a
-    ``tool`` result with the id and name of the call it answers, untrusted text neutralized."""
+    ``tool`` result with the id and name of the call it answers, every text of every role
+    neutralized (only the template's own markup is special)."""
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": neutralize(tokenizer, m.content)
-                                 if m.role in UNTRUSTED_ROLES else m.content}
+        entry: dict[str, Any] = {"role": m.role, "content": neutralize(tokenizer, m.content)}
         if m.tool_calls:
             entry["content"] = entry["content"].rstrip()
             entry["tool_calls"] = [{"id": template_call_id(c.id), "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
-            names.update((c.id, c.name) for c in m.tool_calls)
+                                    "function": {"name": neutralize(tokenizer, c.name),
+                                                 "arguments": neutralize_all(tokenizer, c.arguments)}}
+                                   for c in m.tool_calls]
+            names.update((c.id, neutralize(tokenizer, c.name)) for c in m.tool_calls)
         if m.role == "tool":
             entry["tool_call_id"] = template_call_id(m.tool_call_id)
             if m.tool_call_id in names:
@@ -81,7 +97,8 @@ def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage], tools: Sequ
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model has no chat template; it cannot serve chat requests")
     try:
-        return tokenizer.apply_chat_template(template_messages(tokenizer, messages), tools=list(tools) or None,
+        return tokenizer.apply_chat_template(template_messages(tokenizer, messages),
+                                             tools=[neutralize_all(tokenizer, t) for t in tools] or None,
                                              tokenize=False, add_generation_prompt=True)
     except TemplateError as exc:
         raise InvalidRequest(f"messages: the model's chat template rejected them: {exc}", "messages") from exc

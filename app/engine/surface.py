@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
-from app.types import ChatMessage, GenerationEvent, GenerationRequest, Prompt, ToolSyntax
+from app.types import ChatMessage, ForkPoint, GenerationEvent, GenerationRequest, Prompt, ToolSyntax
 
 if TYPE_CHECKING:
     from app.cache.manager import CacheStats
@@ -145,7 +145,8 @@ class EngineSurface(Protocol):
         """Delete the agent's caches: memory, files and index rows."""
         ...
 
-    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
-        """Copy the ``source`` conversation's stored cache to a forked agent's conversation;
-        False if that did not finish within ``timeout_s``."""
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, point: ForkPoint | None = None,
+                   timeout_s: float = 60) -> bool:
+        """Copy the ``source`` conversation's stored cache to a forked agent's conversation, up
+        to ``point`` (None: all of it); False if that did not finish within ``timeout_s``."""
         ...

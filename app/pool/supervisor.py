@@ -32,6 +32,7 @@ from app.errors import ConfigError
 from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
 from app.pool.seaweed import LocalS3
+from app.redaction import redact
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
             print(f"postgres  starting in {cluster.root}", flush=True)
             cluster.start()
             database_url = cluster.url("postgres")
-        print(f"database  {database_url}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
+        print(f"database  {redact(database_url)}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
         base = {**os.environ, "SEMANTIC_DATABASE_URL": database_url, "SEMANTIC_MODEL": settings.model}
         base.pop("SEMANTIC_CONFIG", None)
         block_store = settings.block_store

@@ -13,6 +13,7 @@ from app.errors import InvalidRequest
 from app.store.history import new_conversation_id
 from app.store import cache_index
 from app.store.models import Agent, Conversation, Message, Request, StoredResponse
+from app.types import ForkPoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class Fork:
     source_conversation: str
     conversation_id: str
     n_messages: int
+    point: ForkPoint | None = None  # where the copied cache ends (None: the whole conversation is kept)
 
 
 def fork(session: Session, source_id: str, new_id: str, metadata: dict[str, Any], at_turn: int | None,
@@ -162,4 +164,17 @@ def fork(session: Session, source_id: str, new_id: str, metadata: dict[str, Any]
     session.add_all(Message(agent_id=new_id, conversation_id=copy.id, position=m.position, digest=m.digest,
                             role=m.role, content=m.content, created_at=m.created_at,
                             request_id=m.request_id) for m in kept)
-    return Fork(conversation_id, copy.id, len(kept))
+    point = None if len(kept) == len(messages) else \
+        ForkPoint(tuple(_first_text(m.content) for m in kept), _first_text(messages[len(kept)].content))
+    return Fork(conversation_id, copy.id, len(kept), point)
+
+
+def _first_text(content: Any) -> str:
+    """The first text a stored message holds, whatever the protocol that stored it ("" if none):
+    a string, a list of text parts (Anthropic, Responses), an OpenAI message with its content."""
+    if isinstance(content, dict):
+        content = content.get("content")
+    if isinstance(content, list):
+        content = next((part["text"] for part in content
+                        if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]), "")
+    return content if isinstance(content, str) else ""

@@ -342,6 +342,12 @@ class CacheIndex:
         with self.sessions() as session:
             return load_cache(session, conversation_id, self.fingerprint)
 
+    def agent_of(self, conversation_id: str) -> str | None:
+        """The agent of the conversation's stored cache (None: it has none)."""
+        with self.sessions() as session:
+            return session.scalar(select(Cache.agent_id).where(Cache.conversation_id == conversation_id,
+                                                                Cache.model_fingerprint == self.fingerprint))
+
     def block_file(self, block_hash: str) -> tuple[str, str | None] | None:
         """See ``block_file``."""
         with self.sessions() as session:

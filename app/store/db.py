@@ -21,6 +21,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import ConfigError, StoreBusy
+from app.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def database_url(url: str) -> str:
             return "postgresql+psycopg://" + url.removeprefix(prefix)
     if url.startswith(("sqlite:///", "postgresql+psycopg://")):
         return url
-    raise ConfigError(f"database_url: {url!r} is neither sqlite:///PATH nor postgresql://...")
+    raise ConfigError(f"database_url: {redact(url)!r} is neither sqlite:///PATH nor postgresql://...")
 
 
 def libpq_dsn(url: str) -> str:

@@ -24,7 +24,7 @@ from app.errors import ContextTooLong, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
+from app.types import ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
 from support.dbcheck import query
 
 CONTEXT = 64
@@ -72,8 +72,8 @@ class FakeEngine:
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
 
-    def render_start(self, system: str, model: str | None = None) -> None:
-        return None
+    def render_start(self, system: str, model: str | None = None) -> Prompt:
+        return self.render((ChatMessage("system", system),))
 
     def check_fits(self, prompt: Prompt, model: str | None = None) -> None:
         if prompt.n_tokens > CONTEXT - 1:
@@ -96,7 +96,10 @@ class FakeEngine:
     def forget_agent(self, agent_id: str) -> None:
         pass
 
-    def fork_cache(self, source: str, agent_id: str, conversation_id: str, timeout_s: float = 60) -> bool:
+    def fork_cache(self, source: str, agent_id: str, conversation_id: str, point: ForkPoint | None = None,
+                   timeout_s: float = 60) -> bool:
+        if self.refuse is not None:
+            raise self.refuse
         return True  # no cache to copy
 
     def status(self) -> EngineStatus:
@@ -337,3 +340,26 @@ def test_a_direct_turn_continues_an_agent_whose_history_has_openai_tool_calls(ap
     assert query(db, "SELECT protocol FROM requests ORDER BY created_at") == [("openai",), ("direct",)]
     refused = client.simulate_post("/v1/agents/mixed/generate", json={"messages": "nope"})
     assert refused.status_code == 400 and refused.json["type"] == "error"  # the Anthropic error shape
+
+
+def test_a_url_or_header_cannot_forge_a_line_of_the_request_log(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``%0A`` in a URL (decoded to a newline) and control characters in the User-Agent are
+    logged escaped, before authentication too: the request writes one line, never a second
+    one of the attacker's (before: a forged "... INFO ... 200" line)."""
+    db = tmp_path / "semantic.db"
+    upgrade(f"sqlite:///{db}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    settings = Settings(home=tmp_path, allowed_hosts="falconframework.org", api_key="k")
+    client = falcon.testing.TestClient(create_app(Deps(settings, FakeEngine(tmp_path), AgentService(sessions),
+                                                       sessions)))
+    forged = "\n2026-11-27 00:00:00,000 INFO app.api.middleware: GET /admin 200 request req_x"
+    with caplog.at_level(logging.INFO, logger="app.api.middleware"):
+        refused = client.simulate_get("/v1/agents/x%0A2026-11-27%2000:00:00,000%20INFO%20forged%0D%E2%80%A8",
+                                      headers={"user-agent": "curl" + forged.replace("\n", "\x0b")})
+        missing = client.simulate_get("/nowhere%0Aforged", headers={"x-api-key": "k"})
+    assert (refused.status_code, missing.status_code) == (401, 404)
+    lines = [record.getMessage() for record in caplog.records if record.name == "app.api.middleware"]
+    assert len(lines) == 2
+    for line in lines:
+        assert line.isprintable(), line  # no newline, carriage return or line separator
+    assert "x\\n2026-11-27 00:00:00,000 INFO forged\\r\\u2028" in lines[0] and "/nowhere\\nforged" in lines[1]

@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from app.agents.service import AgentService
 from app.api.routes import Deps
+from app.errors import MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -60,6 +61,7 @@ VALID = {
     "/v1/agents": {"id": "fuzz-agent", "system_prompt": "Be brief.", "metadata": {"k": "v"}, "ttl_seconds": 60,
                    "prefill": False},
     "/v1/agents/fuzz-direct/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+    "/v1/agents/fuzz-direct/fork": {"id": "fuzz-fork", "at_turn": 0, "metadata": {"k": "v"}},
 }
 ROUTES = list(VALID)
 
@@ -91,8 +93,8 @@ def mutated(draw: st.DrawFn, route: str) -> Any:
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def fuzz_app(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, str]]:
+def fuzz_store(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, str, FakeEngine]]:
     """The app on each store: PostgreSQL refuses what SQLite keeps (NUL in text, values
     longer than a column's declared length)."""
     home = tmp_path_factory.mktemp("fuzz")
@@ -101,12 +103,19 @@ def fuzz_app(request: pytest.FixtureRequest,
     upgrade(url)
     engine = make_engine(url)
     sessions = make_session_factory(engine)
-    app = create_app(Deps(Settings(home=home, allowed_hosts="falconframework.org"), FakeEngine(home),
+    fake = FakeEngine(home)
+    app = create_app(Deps(Settings(home=home, allowed_hosts="falconframework.org"), fake,
                           AgentService(sessions), sessions))
     client = falcon.testing.TestClient(app)
     assert client.simulate_post("/v1/agents", json={"id": "fuzz-direct", "prefill": False}).status_code == 201
-    yield client, url
+    yield client, url, fake
     engine.dispose()
+
+
+@pytest.fixture
+def fuzz_app(fuzz_store: tuple[falcon.testing.TestClient, str, FakeEngine]) -> tuple[falcon.testing.TestClient, str]:
+    """The client and the store's URL."""
+    return fuzz_store[0], fuzz_store[1]
 
 
 def _hashable(value: Any) -> Any:
@@ -124,11 +133,15 @@ def stored(url: str) -> dict[str, set[tuple[Any, ...]]]:
         engine.dispose()
 
 
-def check(client: falcon.testing.TestClient, db: str, route: str, **request: Any) -> None:
-    """Refused: no row changed. Accepted: the history of every agent it wrote reads back."""
+def check(client: falcon.testing.TestClient, db: str, route: str, status: int | None = None, **request: Any) -> None:
+    """Refused: no row changed. Accepted: the history of every agent it wrote reads back.
+    ``status``: the answer expected (default: any but a 5xx)."""
     before = stored(db)
     response = client.simulate_post(route, **request)
-    assert response.status_code < 500, (route, request, response.text)
+    if status is None:
+        assert response.status_code < 500, (route, request, response.text)
+    else:
+        assert response.status_code == status, (route, request, response.text)
     after = stored(db)
     if response.status_code >= 400:
         error = response.json
@@ -191,3 +204,25 @@ def test_an_odd_character_or_length_in_any_string_is_refused_or_reads_back(fuzz_
             node = node[key]
         node[path[-1]] = node[path[-1]] + suffix
         check(client, db, route, body=json.dumps(body), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/agents", {**VALID["/v1/agents"], "id": "refused-agent", "prefill": True}),
+    ("/v1/agents/fuzz-direct/fork", {**VALID["/v1/agents/fuzz-direct/fork"], "id": "refused-fork"}),
+], ids=["create", "fork"])
+@pytest.mark.parametrize("refusal,status", [(Overloaded("16 requests are already waiting"), 429),
+                                            (MemoryExhausted("needs 900 MiB"), 529)], ids=["429", "529"])
+def test_a_refused_agent_creation_or_fork_changes_no_row_and_its_retry_succeeds(
+        fuzz_store, route: str, body: dict[str, Any], refusal: Exception, status: int) -> None:  # type: ignore[no-untyped-def]
+    """The engine refuses the agent's first step (the system prompt's prefill, the fork's cache
+    copy) after its rows were written: ``check`` holds (no row changed), and the client's
+    retry creates the agent instead of finding it taken (400 "already exists")."""
+    client, db, engine = fuzz_store
+    engine.refuse = refusal
+    try:
+        check(client, db, route, status, body=json.dumps(body), headers={"content-type": "application/json"})
+    finally:
+        engine.refuse = None
+    retried = client.simulate_post(route, json=body)
+    assert retried.status_code == 201, retried.text
+    assert client.simulate_delete(f"/v1/agents/{body['id']}").status_code == 204

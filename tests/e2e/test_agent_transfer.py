@@ -230,3 +230,46 @@ def test_an_archive_naming_other_paths_is_refused(tmp_path: Path) -> None:
     missing = semantic(tmp_path / "home", "agents", "export", "nobody", "-o", str(tmp_path / "x.tar"))
     assert missing.returncode == 2 and "agent 'nobody' does not exist" in missing.stderr
     assert not (tmp_path / "x.tar").exists() and not (tmp_path / "x.tar.partial").exists()
+
+
+def _sparse_member(name: str, real_size: int) -> bytes:
+    """A GNU sparse member (old format) of 512 stored bytes that reads back as ``real_size``
+    bytes (zeros past them), built by hand: Python's tarfile reads such members, never writes them."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = tarfile.GNUTYPE_SPARSE, 512
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    header[386:398] = b"%011o\0" % 0  # the map's one entry: 512 bytes at offset 0
+    header[398:410] = b"%011o\0" % 512
+    header[483:495] = b"%011o\0" % real_size  # the size the member claims to expand to
+    header[148:156] = b"        "
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header) + b"\0" * 512
+
+
+def test_an_archive_with_a_sparse_or_oversized_member_is_refused_unread(tmp_path: Path) -> None:
+    """A 2 KB tar whose member expands to 2 GiB as it is read (GNU sparse) is refused from its
+    header, as is a member whose header claims more than the limit: nothing is read whole
+    (before: the import read the 2 GiB, 4.2 GB of memory)."""
+    from app.agents.portable import MAX_MEMBER_BYTES
+
+    sparse = tmp_path / "sparse.tar"
+    sparse.write_bytes(_sparse_member("blocks/big.safetensors", 2 << 30) + b"\0" * 1024)
+    assert sparse.stat().st_size < 4096 and tarfile.open(sparse).getmembers()[0].size == 2 << 30
+    result = semantic(tmp_path / "home", "agents", "import", str(sparse), timeout=60)
+    assert result.returncode == 2 and "sparse or larger than" in result.stderr, result.stderr
+
+    oversized = tmp_path / "oversized.tar"
+    info = tarfile.TarInfo("records/0.safetensors")
+    info.size = MAX_MEMBER_BYTES + 1
+    oversized.write_bytes(info.tobuf(tarfile.GNU_FORMAT) + b"\0" * 1024)  # the header alone
+    result = semantic(tmp_path / "home", "agents", "import", str(oversized), timeout=60)
+    assert result.returncode == 2 and "sparse or larger than" in result.stderr, result.stderr
+
+
+def test_an_archive_with_a_foreign_origin_is_refused(tmp_path: Path, exported: Path) -> None:
+    manifest, members = _members(exported)
+    manifest["agent"]["origin"] = "../../etc"
+    home = tmp_path / "home"
+    result = semantic(home, "agents", "import", str(_pack(tmp_path / "origin.tar", manifest, members)))
+    assert result.returncode == 2 and "origin '../../etc' is not one of" in result.stderr, result.stderr
+    assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]

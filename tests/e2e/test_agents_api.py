@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 import time
+from pathlib import Path
 
 import httpx
 
+from app.cache.files import read, read_metadata
 from conftest import ServerProcess
 from support.dbcheck import query, wait_persisted
+from test_cli import semantic
 
 
 def test_five_turns_history_and_delete(server: ServerProcess) -> None:
@@ -149,3 +153,37 @@ def test_fork_errors_and_a_fork_of_nothing(server: ServerProcess) -> None:
     assert empty["parent_id"] == "stub" and empty["n_messages"] == 0
     first = _turn(api, empty["id"], [{"role": "user", "content": "Hello."}])
     assert first["usage"]["cache_read_input_tokens"] > 5  # the system prompt, from the shared cache
+
+
+def test_a_fork_at_turn_n_holds_nothing_of_the_later_turns(server: ServerProcess, tmp_path: Path) -> None:
+    """The fork's cache ends before the first message it leaves out: its record's tokens and
+    text, and its KV (a partial last block is computed anew, not copied from the source's),
+    so an export of the fork ships nothing of the later turns (before: the source's record
+    whole, "SECRET-TURN-3" and its KV included)."""
+    api = httpx.Client(base_url=server.url, timeout=120)
+    api.post("/v1/agents", json={"id": "keeper", "system_prompt": "You are a terse assistant."})
+    for question in ["Name a fruit.", "Name a colour.", "SECRET-TURN-3: name a city."]:
+        _turn(api, "keeper", [{"role": "user", "content": question}])
+    fork = api.post("/v1/agents/keeper/fork", json={"id": "kept-two", "at_turn": 2})
+    assert fork.status_code == 201, fork.text
+    wait_persisted(server.db_path, "kept-two", 1)
+    [(n_tokens, record_path, n_blocks)] = query(
+        server.db_path, "SELECT c.n_tokens, c.record_path, (SELECT count(*) FROM cache_blocks b WHERE "
+        "b.cache_id = c.id) FROM caches c WHERE c.agent_id = 'kept-two'")
+    [(source_tokens, source_path)] = query(server.db_path,
+                                           "SELECT n_tokens, record_path FROM caches WHERE agent_id = 'keeper'")
+    assert "SECRET-TURN-3" in read_metadata(Path(source_path))["text"]  # what the fork must leave out
+    arrays, meta = read(Path(record_path))
+    assert "SECRET-TURN-3" not in meta["text"] and b"SECRET-TURN-3" not in Path(record_path).read_bytes()
+    assert read_metadata(Path(source_path))["text"].startswith(meta["text"])
+    assert 30 < n_tokens < source_tokens and len(arrays["tokens"]) == n_tokens
+    assert int(meta["tail_tokens"]) == n_tokens - n_blocks * 256  # the tail holds the kept tokens' KV only
+
+    archive = tmp_path / "kept-two.tar"
+    assert semantic(server.home, "agents", "export", "kept-two", "-o", str(archive)).returncode == 0
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.isfile():
+                assert b"SECRET-TURN-3" not in tar.extractfile(member).read(), member.name
+    branched = _turn(api, "kept-two", [{"role": "user", "content": "Name a planet."}])
+    assert branched["usage"]["cache_read_input_tokens"] >= n_tokens - 4  # the fork's cache, extended

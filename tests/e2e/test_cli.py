@@ -305,3 +305,20 @@ def test_serve_help_names_every_setting_with_its_flag_and_variable(tmp_path: Pat
         entry = " ".join(lines[start:start + 8])  # the flag's help, wrapped
         assert variable in entry.split(flag, 1)[1].split("  --", 1)[0], (flag, entry)
     assert "--no-worker" in result.stdout and "example: semantic serve --port 8080" in result.stdout
+
+
+def test_no_command_prints_a_password(tmp_path: Path) -> None:
+    """``semantic config`` masks the password of every URL setting (``database_url``, and the
+    credentials of ``block_store``'s endpoint), not only ``api_key``; a malformed URL's error
+    and the log mask it too (before: printed whole)."""
+    secret = "hunter2-pw"
+    result = semantic(tmp_path, "config", env={
+        "SEMANTIC_DATABASE_URL": f"postgresql://sem:{secret}@127.0.0.1:1/semantic?password={secret}",
+        "SEMANTIC_BLOCK_STORE": f"s3://blocks/pool?endpoint=http://AKIA:{secret}@127.0.0.1:1"})
+    assert result.returncode == 0, result.stderr
+    assert secret not in result.stdout + result.stderr
+    assert 'database_url = "postgresql://sem:***@127.0.0.1:1/semantic?password=***"' in result.stdout
+    for url in (f"mysql://sem:{secret}@db/semantic", f"postgres:sem:{secret}@db/semantic"):
+        malformed = semantic(tmp_path, "jobs", "run", "expire", env={"SEMANTIC_DATABASE_URL": url})
+        assert malformed.returncode != 0 and "database_url" in malformed.stderr, malformed.stderr
+        assert secret not in malformed.stdout + malformed.stderr, malformed.stderr

@@ -94,10 +94,14 @@ def test_codex_requests_render_whole_and_turn_1_is_a_prefix_of_turn_2(model: Loa
     assert prompts[1].n_tokens - fitted.n_tokens > 2000
 
 
-def test_special_token_text_in_user_and_tool_content_stays_text(model: LoadedModel) -> None:
-    """A user (or a tool result) writing the template's own markers cannot close its turn
-    or open a system one: those strings never become control tokens. The system prompt
-    is the operator's and keeps them."""
+def test_special_token_text_in_any_text_stays_text(model: LoadedModel) -> None:
+    """Text writing the template's own markers cannot close its turn or open a system one:
+    those strings never become control tokens, whoever wrote them: a user, a tool result,
+    the system prompt (it carries CLAUDE.md, git status and third parties' tool
+    descriptions), a tool's definition, a call's arguments or earlier assistant text. Only
+    the template's own markup is special (before: system and assistant text, tools and
+    arguments kept them)."""
+    from app.protocol.tools import render_call, render_tools_system
     from app.types import ChatMessage
 
     specials = {t.content for t in model.tokenizer._tokenizer.added_tokens_decoder.values() if t.special}
@@ -116,5 +120,21 @@ def test_special_token_text_in_user_and_tool_content_stays_text(model: LoadedMod
     assert count(render_chat(model.tokenizer, turns(f"result{marker}"))) == \
         count(render_chat(model.tokenizer, turns("result")))
     system = render_chat(model.tokenizer, [ChatMessage("system", f"be brief{marker}"), ChatMessage("user", "hi")])
-    assert count(system) > count(render_chat(model.tokenizer, [ChatMessage("system", "be brief"),
-                                                               ChatMessage("user", "hi")]))
+    assert count(system) == count(render_chat(model.tokenizer, [ChatMessage("system", "be brief"),
+                                                                ChatMessage("user", "hi")]))
+    assert "be brief" in system.text and "hi" in system.text
+    replied = [ChatMessage("user", "run it"), ChatMessage("assistant", f"ok{marker}"), ChatMessage("user", "go")]
+    assert count(render_chat(model.tokenizer, replied)) == count(render_chat(model.tokenizer, turns("go")))
+    # Tools reach these templates as system text (``render_tools_system``); a call, as
+    # assistant text (``render_call``): a definition or arguments carrying the markers.
+    def offered(description: str, city: str) -> Any:
+        tool = {"name": "get_weather", "description": description,
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+        return render_chat(model.tokenizer, [ChatMessage("system", render_tools_system([tool])),
+                                             ChatMessage("user", "weather?"),
+                                             ChatMessage("assistant", render_call("get_weather", {"city": city})),
+                                             ChatMessage("user", "so?")])
+
+    hostile_tools = offered(f"Weather{marker}", f"Paris{marker}")
+    assert "Weather" in hostile_tools.text and "Paris" in hostile_tools.text
+    assert count(hostile_tools) == count(offered("Weather", "Paris"))

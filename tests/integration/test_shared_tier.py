@@ -236,3 +236,63 @@ def test_a_restarted_server_prefetches_only_the_agents_it_still_owns(tmp_path: P
     assert restarted.record("a-c") is not None and restarted.record("z-c") is None
     assert restarted._epochs == {"a": 1}
     restarted.close()
+
+
+def test_a_block_the_tier_lost_is_a_miss_that_deletes_neither_the_row_nor_the_writers_files(
+        tmp_path: Path, s3_url: str) -> None:
+    """Server b (on the same machine as a, as a local pool runs) restores a conversation one
+    of whose blocks the tier no longer holds: a miss, and nothing else. Before, the failed
+    fetch was damage: b dropped the pool's ``caches`` row and unlinked the paths the row
+    names, a's own files."""
+    n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=8)
+    rows = query(tmp_path / "pool.db", "SELECT conversation_id, n_tokens, record_path FROM caches")
+    written = sorted((tmp_path / "a" / "blocks").rglob("*.safetensors"))
+    (second,), = query(tmp_path / "pool.db", "SELECT hash FROM blocks WHERE parent_hash IS NOT NULL")
+    tier = S3Tier(s3_url)
+    lost = next(p for p in written if p.name == f"{second}.safetensors").relative_to(tmp_path / "a" / "blocks")
+    assert tier.delete([lost.as_posix()]) == 1
+
+    b = server(tmp_path, "b", n_layers, tier)
+    assert b.lease("a", "c", as_prompt(tokens)).n_reused <= 256  # at most the first block, which b fetched
+    assert b.flush(60)
+    b.close()
+    assert query(tmp_path / "pool.db", "SELECT conversation_id, n_tokens, record_path FROM caches") == rows
+    assert all(path.exists() for path in written)  # a's files, untouched
+
+    a = server(tmp_path, "a", n_layers, tier)  # a itself still serves it from its own disk
+    assert a.lease("a", "c", as_prompt(tokens + [1])).n_reused == 600
+    a.close()
+
+    b = server(tmp_path, "b", n_layers, tier)
+    b.forget_agent("a")  # the pool's rows go; b deletes its own copies, never a's paths
+    b.close()
+    assert query(tmp_path / "pool.db", "SELECT count(*) FROM caches") == [(0,)]
+    assert all(path.exists() for path in written)
+
+
+def test_a_block_the_tier_lost_is_uploaded_again_by_the_server_that_uploaded_it(tmp_path: Path, s3_url: str) -> None:
+    """The uploader skips blocks it put recently, not for the life of the process: once its
+    memo of a block is older than ``memo_s`` the next upload that names the block puts it
+    again, so a tier that lost the object gets it back (before: never, from that server)."""
+    from app.cache.shared_tier import Upload, Uploader
+
+    tier = S3Tier(s3_url.replace("/pool?", "/reupload-test?"))  # moto keeps one store per process
+    now = [0.0]
+    uploader = Uploader(tier, clock=lambda: now[0], memo_s=60)
+    uploader.start()
+    block, record = tmp_path / "block", tmp_path / "record"
+    block.write_bytes(b"kv")
+    record.write_bytes(b"tokens")
+    upload = Upload((("fp/aa/block.safetensors", block),), ("fp/conversations/r.safetensors", record))
+
+    def keys() -> set[str]:
+        uploader.submit(upload)
+        assert uploader.flush(30) and uploader.n_failed == 0
+        return {key for key, _ in tier.listing()}
+
+    assert "fp/aa/block.safetensors" in keys()
+    tier.delete(["fp/aa/block.safetensors"])  # the tier lost it
+    assert "fp/aa/block.safetensors" not in keys()  # within the memo: not checked again
+    now[0] += 60
+    assert "fp/aa/block.safetensors" in keys()  # the memo expired: put again
+    uploader.stop()

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import common_prefix_length, match_prompt
 from app.cache.pool import BlockPool
-from app.cache.records import CacheRecord
-from app.types import Prompt
+from app.cache.records import CacheRecord, fork_cut
+from app.types import ForkPoint, Prompt
 from support.pool_check import check_pool, holds
 
 
@@ -77,6 +77,33 @@ def test_reused_tokens_always_spell_a_prefix_of_the_prompt(cached: str, text: st
     assert record.tokens[:match.n_reused] == prompt.token_ids[:match.n_reused]
     assert match.n_reused < len(text) or match.n_reused == 0
     assert common_prefix_length(cached, text) >= match.n_chars
+
+
+CHAT = "<s>sys\n<u>Hi\n<a>Hello\n<u>user secret\n<a>"
+
+
+def test_a_fork_cut_ends_before_the_first_message_left_out() -> None:
+    assert fork_cut(CHAT, ForkPoint(("Hi", "Hello"), "user secret")) == CHAT.index("user secret")
+    assert fork_cut(CHAT, ForkPoint((), "Hi")) == CHAT.index("Hi")  # at turn 0: the system prompt's part
+    # A kept text found early (in the markup) only cuts earlier; one not found stops at the last found.
+    assert fork_cut(CHAT, ForkPoint(("Hi", "u"), "user secret")) <= CHAT.index("user secret")
+    assert fork_cut(CHAT, ForkPoint(("Hi", "rewritten"), "user secret")) == CHAT.index("Hi") + 2
+    # The left-out message with no text, or rendered otherwise: the end of the last kept text.
+    assert fork_cut(CHAT, ForkPoint(("Hi", "Hello"), "")) == CHAT.index("Hello") + 5
+    assert fork_cut(CHAT, ForkPoint(("Hi", "Hello"), "not there")) == CHAT.index("Hello") + 5
+
+
+@given(st.lists(st.text("ab<>", min_size=1, max_size=4), min_size=2, max_size=6), st.data())
+def test_a_fork_cut_never_passes_the_message_left_out(texts: list[str], data: st.DataObject) -> None:
+    """Whatever the texts (repeats, one inside another, inside the markup), the cut is at or
+    before the place the first left-out message's text starts."""
+    n_kept = data.draw(st.integers(0, len(texts) - 1))
+    chat, starts = "", []
+    for text in texts:
+        chat += "<m>"
+        starts.append(len(chat))
+        chat += text + "</m>"
+    assert fork_cut(chat, ForkPoint(tuple(texts[:n_kept]), texts[n_kept])) <= starts[n_kept]
 
 
 def test_block_hashes_chain_and_salt() -> None:
