@@ -93,7 +93,8 @@ def _serve(settings: Settings) -> None:
                         settings.effective_server_id if tier is not None else None)
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
-                    repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores)
+                    repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
+                    speculative_tokens=settings.speculative_tokens)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
         server = waitress.create_server(app, **waitress_options(settings))

@@ -62,6 +62,11 @@ class Settings:
     repetition_penalty: float = setting(1.0, (
         "Multiplicative penalty on the last 20 tokens' logits (1.0 = off); small models under long agent prompts "
         "fall into loops without it."))
+    speculative_tokens: int = setting(8, (
+        "The longest speculative draft, in tokens: greedy requests (temperature 0) guess the next tokens from the "
+        "conversation (prompt-lookup n-grams) and the model checks them in one forward pass, with the same output "
+        "token for token. 0 = off. Requests at a temperature above 0 never speculate; a request turns it off with "
+        "speculate false (OpenAI chat completions)."))
     max_output_tokens: int = setting(131072, "Upper bound for a request's max_tokens; larger values are a 400.")
     default_max_tokens: int = setting(512, (
         "Output bound of requests that set none (OpenAI may omit max_tokens; the direct API too)."))
@@ -290,6 +295,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "max_output_tokens": (1, 1 << 24),
     "default_max_tokens": (1, 1 << 24),
     "prefill_step_size": (0, 1 << 16),  # 0: per backend
+    "speculative_tokens": (0, 64),
     "max_batch": (1, 256),
     "max_queue": (1, 1 << 16),
     "threads": (2, 1024),

@@ -89,6 +89,7 @@ class SamplingParams:
     max_tokens: int = 256  # 0: no output, prefill only
     stop_sequences: tuple[str, ...] = ()  # end the turn before these (not sent)
     end_after: tuple[str, ...] = ()  # end the turn once the output has one of these (sent): a tool call's end
+    speculate: bool = True  # greedy decoding may draft from the conversation (app/engine/speculation.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +183,8 @@ class Finished:
     queue_s: float = 0.0  # arrival until the engine thread took it (reading, rendering, the queue)
     restore_s: float = 0.0  # its cache brought into memory as a working copy (from disk, a pool's tier)
     prefill_s: float = 0.0  # the prompt's new tokens computed, until the first token
+    n_draft_tokens: int = 0  # speculative draft tokens proposed (app/engine/speculation.py)
+    n_draft_accepted: int = 0  # of which the model's own greedy choice agreed with
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,9 @@ For SmolLM2-135M, the median time of one decode step with B sequences at a
 context of L tokens (every case measured in every round, so the VM's drift
 hits all alike), measured these ways:
 
+- ``floor``: one token of a bare mlx-lm ``generate_step`` loop (one sequence, its own
+  ``KVCache``, the next step queued before the current token is read): what
+  mlx-lm's own generation costs, the floor under the engine's one-sequence step;
 - ``model``: the bare mlx-lm forward pass over a ``(B, 1)`` batch with one
   shared float ``KVCache`` (no engine at all), then an argmax;
 - ``engine``: the server's own ``DecodeBatch`` (mlx-lm's ``GenerationBatch``,
@@ -38,6 +41,7 @@ from app.engine.blas import blas_in_use, load_fast_blas  # noqa: E402
 load_fast_blas()
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 from mlx_lm.sample_utils import greedy_sampler  # noqa: E402
 
@@ -56,6 +60,13 @@ def model_step(model, batch: int, context: int) -> Step:  # type: ignore[no-unty
     mx.eval(model(mx.array([[1] * context] * batch), cache=cache))
     token = mx.array([[1]] * batch)
     return lambda: mx.eval(mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1))
+
+
+def floor_step(model, context: int) -> Step:  # type: ignore[no-untyped-def]
+    """The next token of an endless greedy ``generate_step`` loop over a ``context``-token prompt."""
+    steps = generate_step(mx.array([1] * context), model, max_tokens=-1, sampler=greedy_sampler)
+    next(steps)
+    return lambda: next(steps) and None
 
 
 def engine_step(model, batch: int, context: int) -> Step:  # type: ignore[no-untyped-def]
@@ -95,6 +106,7 @@ def main() -> None:
     for batch in args.batches:
         cases.append(({"kind": "matmul", "context": 0, "batch": batch}, matmul_step(batch), False))
     for context in args.contexts:
+        cases.append(({"kind": "floor", "context": context, "batch": 1}, floor_step(model, context), False))
         for batch in args.batches:
             cases.append(({"kind": "model", "context": context, "batch": batch}, model_step(model, batch, context), False))
             step = engine_step(model, batch, context)
@@ -119,9 +131,16 @@ def main() -> None:
     for r in runs:
         r["tokens_per_s"] = r["batch"] / r["step_s"]
         r["x_one"] = r["tokens_per_s"] * one[("engine" if r["kind"] == "split" else r["kind"], r["context"])]
+    for r in runs:  # the engine's one sequence against mlx-lm's own loop
+        if r["kind"] == "engine" and r["batch"] == 1:
+            r["x_floor"] = one[("floor", r["context"])] / r["step_s"]
     print_table(["measured", "context", "batch", "step ms", "tok/s", "x one"],
                 [[r["kind"], r["context"] or "-", r["batch"], r["step_s"] * 1000, r["tokens_per_s"], r["x_one"]]
                  for r in runs])
+    for r in runs:
+        if "x_floor" in r:
+            print(f"context {r['context']}: the engine's one-sequence step runs at {r['x_floor']:.2f}x mlx-lm's "
+                  "generate_step loop")
     print(f"wrote {write_results('decode_step', {'blas': blas_in_use(), 'args': vars(args), 'runs': runs})}")
     plot(runs)
 
@@ -134,6 +153,8 @@ def plot(runs: list[dict]) -> None:
     series = sorted({(r["kind"], r["context"]) for r in runs})
     contexts = sorted({r["context"] for r in runs if r["context"]})
     for kind, context in series:
+        if kind == "floor":
+            continue
         points = [r for r in runs if (r["kind"], r["context"]) == (kind, context)]
         if kind == "split":  # its one sequence is the engine's
             points = [r for r in runs if (r["kind"], r["context"], r["batch"]) == ("engine", context, 1)] + points

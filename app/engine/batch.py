@@ -2,15 +2,24 @@
 
 A thin layer over mlx-lm's ``GenerationBatch``: a sequence joins with its
 working cache (the float ``KVCache`` per layer its prefill filled) and its last
-prompt token; every ``step`` gives each sequence its next token (whose keys and
+prompt token; every ``step`` gives each sequence its next tokens (whose keys and
 values are then in the cache); ``remove`` takes a sequence out and hands its
-cache back, exactly as long as its prompt plus the tokens it was given.
+cache back, exactly as long as its prompt plus the tokens it was given and used.
 Caches of different lengths are left-padded into one ``BatchKVCache`` and the
 padding is masked, so each sequence attends to its own tokens only.
+
+A sequence that may speculate (greedy, no logits processors, a cache that trims
+exactly: ``speculation.py``) and decodes alone leaves the ``GenerationBatch`` for a
+``speculation.Lane``: it drafts from its own conversation and may get several
+tokens a step. When another sequence joins, the lane goes back into the batch
+(one token a step each); when the batch is down to that sequence again, it
+leaves again. Either way the state moved is the same: the cache of the tokens
+handed out, and the next token, decided and not yet handed out.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -19,39 +28,138 @@ from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches, gener
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from app.engine.drafting import DraftLength, PromptLookup
+from app.engine.speculation import Lane, can_trim_exactly
+
 NO_STOPS = StopSequences()  # the engine decides when a sequence ends (stop tokens, stop strings, cancel)
 NO_LIMIT = 1 << 30
 
 
+@dataclass
+class _Drafting:
+    """A sequence that may speculate: its history (every token in its cache, then its
+    next token once known) and its draft length."""
+
+    lookup: PromptLookup
+    length: DraftLength
+    owed: int | None = None  # its next token, fed on joining the batch, not handed out yet
+
+
 class DecodeBatch:
-    def __init__(self, model: nn.Module) -> None:
+    """The decoding sequences of one model.
+
+    Args:
+        model: the model.
+        max_draft: the most draft tokens a speculating sequence proposes a step (0: none).
+        use_cores: called before each forward pass with whether it has several rows
+            (``cores.CoreSplit.use``), or None.
+    """
+
+    def __init__(self, model: nn.Module, max_draft: int = 0,
+                 use_cores: Callable[[bool], None] | None = None) -> None:
         self._model = model
         self._batch = GenerationBatch.empty(model, greedy_sampler)
+        self._max_draft = max_draft
+        self._use_cores = use_cores
+        self._drafting: dict[int, _Drafting] = {}
+        self._lane: tuple[int, Lane] | None = None
 
     def __len__(self) -> int:
-        return len(self._batch)
+        return len(self._batch) + (self._lane is not None)
+
+    def drafts(self, uid: int) -> tuple[int, int]:
+        """(draft tokens proposed, accepted) for ``uid`` so far; (0, 0) if it does not speculate."""
+        drafting = self._drafting.get(uid)
+        return (drafting.length.drafted, drafting.length.accepted) if drafting else (0, 0)
 
     def add(self, uid: int, cache: list[KVCache], last_token: int, context: Sequence[int],
-            sampler: Callable[[mx.array], mx.array], processors: Sequence[Any]) -> None:
+            sampler: Callable[[mx.array], mx.array], processors: Sequence[Any], speculate: bool = False) -> None:
         """Start decoding ``uid``: ``cache`` holds its prompt but ``last_token``, which is fed now.
-        ``context`` (the tokens in ``cache``) is what logits processors look back on."""
+        ``context`` (the tokens in ``cache``) is what logits processors look back on and drafts
+        are looked up in. ``speculate``: it may draft (the caller checked that it samples
+        greedily; drafts need no processors and a cache that trims exactly as well)."""
+        if speculate and self._max_draft > 0 and not processors and can_trim_exactly(cache):
+            self._drafting[uid] = _Drafting(PromptLookup([*context, last_token]), DraftLength(self._max_draft))
+            if not len(self):
+                self._lane = (uid, Lane(cache, last_token, self._drafting[uid].lookup, self._drafting[uid].length,
+                                        silent=1))
+                return
+        self._join(uid, cache, last_token, context, sampler, processors)
+
+    def _join(self, uid: int, cache: list[Any], token: int, context: Sequence[int],
+              sampler: Callable[[mx.array], mx.array], processors: Sequence[Any]) -> None:
+        """Put ``uid`` in the ``GenerationBatch``: ``token`` is fed now (not handed out)."""
         with mx.stream(generation_stream):
-            joining = GenerationBatch(self._model, [uid], mx.array([last_token]), _merge_caches([cache]),
+            joining = GenerationBatch(self._model, [uid], mx.array([token]), _merge_caches([cache]),
                                       [list(context)], [sampler], greedy_sampler, [tuple(processors)], [NO_STOPS],
                                       [NO_LIMIT])
             self._batch.extend(joining)
 
-    def step(self) -> list[tuple[int, int]]:
-        """One forward pass for every sequence: (uid, its next token)."""
+    def step(self) -> list[tuple[int, list[int]]]:
+        """One forward pass for every sequence: (uid, its next tokens: one, or a speculating
+        sequence's verified draft and the token after it)."""
+        self._arrange()
+        if self._lane is not None:
+            uid, lane = self._lane
+            return [(uid, lane.step(self._model, self._before_forward))]
+        self._before_forward(len(self._batch))
         with mx.stream(generation_stream):
-            return [(r.uid, r.token) for r in self._batch.next()]
+            stepped = [(r.uid, r.token) for r in self._batch.next()]
+        out = []
+        for uid, token in stepped:
+            drafting = self._drafting.get(uid)
+            if drafting is None:
+                out.append((uid, [token]))
+                continue
+            drafting.lookup.extend([token])
+            if drafting.owed is None:
+                out.append((uid, [token]))
+            else:  # its next token when it joined: already in its history
+                out.append((uid, [drafting.owed, token]))
+                drafting.owed = None
+        return out
 
-    def remove(self, uid: int) -> list[KVCache]:
-        """Take ``uid`` out of the batch; returns its cache (one ``KVCache`` per layer)."""
-        index = self._batch.uids.index(uid)
+    def _before_forward(self, rows: int) -> None:
+        if self._use_cores is not None:
+            self._use_cores(rows > 1)
+
+    def _arrange(self) -> None:
+        """A speculating sequence decodes in a lane when alone, in the batch otherwise."""
+        if self._lane is not None and len(self._batch):
+            uid, lane = self._lane
+            self._lane = None
+            if not lane.silent:  # a lane that never stepped joins as it would have at ``add``
+                self._drafting[uid].owed = lane.pending
+            self._join(uid, lane.cache, lane.pending, lane.lookup.tokens[:-1], greedy_sampler, ())
+        elif self._lane is None and len(self._batch) == 1 and self._batch.uids[0] in self._drafting:
+            uid = self._batch.uids[0]
+            drafting = self._drafting[uid]
+            if drafting.owed is not None:  # hand out its owed token from the batch first
+                return
+            with mx.stream(generation_stream):
+                cache = self._batch.extract_cache(0)
+                # NOTE: mlx-lm 0.32.2 (pinned) keeps the token it sampled last, not fed yet, here.
+                pending = int(self._batch._next_tokens[0].item())
+                self._batch.filter([])
+            drafting.lookup.extend([pending])
+            self._lane = (uid, Lane(cache, pending, drafting.lookup, drafting.length))
+
+    def remove(self, uid: int, n_unused: int = 0) -> list[KVCache]:
+        """Take ``uid`` out; returns its cache (one ``KVCache`` per layer) without the last
+        ``n_unused`` tokens it was handed (those after its end, in a verified draft)."""
+        self._drafting.pop(uid, None)
+        if self._lane is not None and self._lane[0] == uid:
+            cache = self._lane[1].cache
+            self._lane = None
+        else:
+            index = self._batch.uids.index(uid)
+            with mx.stream(generation_stream):
+                cache = self._batch.extract_cache(index)
+                self._batch.filter([i for i in range(len(self._batch)) if i != index])
+        if n_unused:
+            for layer in cache:
+                layer.trim(n_unused)
         with mx.stream(generation_stream):
-            cache = self._batch.extract_cache(index)
-            self._batch.filter([i for i in range(len(self._batch)) if i != index])
             mx.eval(cache_arrays(cache))
         return cache
 

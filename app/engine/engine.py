@@ -58,10 +58,12 @@ class Engine:
 
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
-                 max_batch: int = 8, split_cores: bool = True) -> None:
+                 max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
-        ``catalog`` swaps it in. ``split_cores``: see ``cores.py``."""
+        ``catalog`` swaps it in. ``split_cores``: see ``cores.py``. ``speculative_tokens``: the
+        longest prompt-lookup draft a greedy request proposes a step (0: no speculation;
+        ``speculation.py``)."""
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
@@ -73,7 +75,8 @@ class Engine:
                                                       cache.kv_format_for(name), split_cores),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
-                              admission=self._admission, repetition_penalty=repetition_penalty)
+                              admission=self._admission, repetition_penalty=repetition_penalty,
+                              speculative_tokens=speculative_tokens)
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

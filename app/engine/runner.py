@@ -72,7 +72,7 @@ class Runner(threading.Thread):
 
     def __init__(self, load: Callable[[str], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
                  default: str, max_queue: int, prefill_step_size: int, admission: Admission,
-                 repetition_penalty: float = 1.0) -> None:
+                 repetition_penalty: float = 1.0, speculative_tokens: int = 0) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._make_caches = make_caches
@@ -86,6 +86,7 @@ class Runner(threading.Thread):
         self._processors = make_logits_processors(repetition_penalty=repetition_penalty) \
             if repetition_penalty != 1.0 else []
         self._admission = admission
+        self._speculative_tokens = speculative_tokens  # the longest draft (0: no speculation)
         self._prefilling: list[Sequence] = []
         self._decoding: dict[int, Sequence] = {}
         self._batch: DecodeBatch | None = None
@@ -181,7 +182,7 @@ class Runner(threading.Thread):
             loaded = self._load(name)
             self._warm_up(loaded)
             self.caches = self._make_caches(loaded)
-            self._batch = DecodeBatch(loaded.model)
+            self._batch = self._new_batch(loaded)
             self.loaded = loaded
         finally:
             self._loading = None
@@ -282,11 +283,15 @@ class Runner(threading.Thread):
         job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
         return sequence
 
+    def _new_batch(self, loaded: LoadedModel) -> DecodeBatch:
+        """An empty batch for ``loaded``; its forward passes of several rows (sequences, or a
+        draft's positions) split over both cores (``cores.py``)."""
+        return DecodeBatch(loaded.model, self._speculative_tokens,
+                           loaded.cores.use if loaded.cores is not None else None)
+
     def _step(self) -> None:
         assert self.loaded is not None and self._batch is not None
         cores = self.loaded.cores
-        if cores is not None:
-            cores.use(len(self._batch) > 1)
         self._decode_step()
         if cores is not None and self._prefilling:
             cores.use(False)  # a prefill chunk's large matmuls and attention use OpenBLAS's threads
@@ -296,17 +301,23 @@ class Runner(threading.Thread):
         assert self._batch is not None
         if not len(self._batch):
             return
-        done = []
+        done = []  # (uid, tokens it was handed after its end)
         start = time.perf_counter()
-        tokens = self._batch.step()
+        stepped = self._batch.step()
         split = self.loaded is not None and self.loaded.cores is not None and self.loaded.cores.active
-        self._counters = self._counters.after_decode(len(tokens), time.perf_counter() - start, split)
-        for uid, token in tokens:
-            if self._decoding[uid].accept(token):
-                done.append(uid)
-        for uid in done:
+        self._counters = self._counters.after_decode(len(stepped), time.perf_counter() - start, split,
+                                                     sum(len(tokens) for _, tokens in stepped))
+        for uid, tokens in stepped:
+            sequence = self._decoding[uid]
+            for i, token in enumerate(tokens):  # a verified draft ends where plain decoding would
+                if sequence.accept(token):
+                    done.append((uid, len(tokens) - 1 - i))
+                    break
+        for uid, n_unused in done:
             sequence = self._decoding.pop(uid)
-            self._finish(sequence, lambda: self._batch.remove(uid))
+            sequence.n_drafted, sequence.n_accepted = self._batch.drafts(uid)
+            self._counters = self._counters.after_drafts(sequence.n_drafted, sequence.n_accepted)
+            self._finish(sequence, lambda: self._batch.remove(uid, n_unused))
 
     def _prefill_step(self) -> None:
         for sequence in [s for s in self._prefilling if s.job.cancelled]:
@@ -342,8 +353,9 @@ class Runner(threading.Thread):
         assert self._batch is not None
         uid = next(self._uids)
         self._decoding[uid] = sequence
+        sampling = sequence.job.request.sampling
         self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
-                        self._processors)
+                        self._processors, speculate=sampling.speculate and sampling.temperature == 0)
 
     def _finish(self, sequence: Sequence, take_cache: Callable[[], list[Any]]) -> None:
         """End the turn, then commit its cache (``take_cache`` hands it over).
@@ -381,7 +393,7 @@ class Runner(threading.Thread):
         self._prefilling.clear()
         self._decoding.clear()
         assert self.loaded is not None
-        self._batch = DecodeBatch(self.loaded.model)
+        self._batch = self._new_batch(self.loaded)
         self._publish()
 
     @staticmethod

@@ -40,6 +40,8 @@ class Sequence:
     first_token_at: float | None = None
     reason: StopReason = "max_tokens"
     stop_sequence: str | None = None
+    n_drafted: int = 0  # speculative draft tokens proposed, and accepted (set as it ends)
+    n_accepted: int = 0
 
     @classmethod
     def begin(cls, job: Job, lease: Lease, model: ModelSpec, clock: TurnClock) -> Sequence:
@@ -166,4 +168,5 @@ class Sequence:
             n_cached_tokens=self.lease.n_reused, n_cache_written=self.n_written if committed else 0,
             n_output_tokens=len(self.output), ttft_s=parts.ttft_s if self.first_token_at is not None else 0.0,
             total_s=self.clock.since_arrival(now), output_token_ids=tuple(self.output), reuse=self.lease.report,
-            queue_s=parts.queue_s, restore_s=parts.restore_s, prefill_s=parts.prefill_s)
+            queue_s=parts.queue_s, restore_s=parts.restore_s, prefill_s=parts.prefill_s,
+            n_draft_tokens=self.n_drafted, n_draft_accepted=self.n_accepted)

@@ -47,14 +47,21 @@ class EngineCounters:
     # decode steps and their seconds by the number of sequences in the step
     steps_by_batch: Mapping[int, int] = field(default_factory=dict)
     seconds_by_batch: Mapping[int, float] = field(default_factory=dict)
+    draft_tokens: int = 0  # speculative draft tokens proposed by finished turns
+    draft_accepted: int = 0  # of which were accepted
 
-    def after_decode(self, rows: int, seconds: float, split: bool) -> EngineCounters:
-        """These counters after one decode step of ``rows`` sequences."""
+    def after_decode(self, rows: int, seconds: float, split: bool, n_tokens: int | None = None) -> EngineCounters:
+        """These counters after one decode step of ``rows`` sequences, which gave ``n_tokens``
+        (``rows`` unless some verified drafts)."""
         return replace(self, decode_steps=self.decode_steps + 1, split_steps=self.split_steps + int(split),
-                       decode_tokens=self.decode_tokens + rows, decode_s=self.decode_s + seconds,
+                       decode_tokens=self.decode_tokens + (rows if n_tokens is None else n_tokens), decode_s=self.decode_s + seconds,
                        steps_by_batch={**self.steps_by_batch, rows: self.steps_by_batch.get(rows, 0) + 1},
                        seconds_by_batch={**self.seconds_by_batch,
                                          rows: self.seconds_by_batch.get(rows, 0.0) + seconds})
+
+    def after_drafts(self, drafted: int, accepted: int) -> EngineCounters:
+        """These counters after a turn that proposed ``drafted`` draft tokens, ``accepted`` of them held."""
+        return replace(self, draft_tokens=self.draft_tokens + drafted, draft_accepted=self.draft_accepted + accepted)
 
     def after_prefill(self, tokens: int, seconds: float) -> EngineCounters:
         """These counters after one prefill chunk of ``tokens``."""

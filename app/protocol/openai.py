@@ -11,7 +11,8 @@ Extensions (SPEC): ``session_id`` names the agent (also the ``X-Session-ID``
 header); ``cache_mode`` ``"full"`` (default) reuses everything the conversation's
 cache shares with the prompt, ``"prefix"`` only whole shared blocks; ``ttl``
 is how many seconds the agent's conversation caches are kept (recorded on the agent), 0
-keeps this turn's cache off disk.
+keeps this turn's cache off disk; ``speculate`` false turns off speculative decoding
+(prompt-lookup drafts, on by default for greedy requests) for this request.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class ChatBody(_Strict):
     session_id: str | None = None
     cache_mode: CacheMode = "full"
     ttl: int | None = Field(default=None, ge=0, le=MAX_TTL_SECONDS)
+    speculate: bool = True
 
 
 def _text(content: Content | None, where: str) -> str:
@@ -246,6 +248,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, stop_sequences=stops,
         end_after=tool_format.end_markers(syntax) if tools_system else (),
+        speculate=parsed.speculate,
     )
     specs = tuple(t.model_dump() for t in parsed.tools or ()) if tools_system and syntax is not None else ()
     return ParsedTurn(parsed.model, tuple(messages), sampling, parsed.stream, parsed.session_id,

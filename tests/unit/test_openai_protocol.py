@@ -93,3 +93,10 @@ def test_tool_calls_in_the_reply() -> None:
         assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
         assert "".join(d.get("content", "") for d in deltas) == "Checking. "
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_speculate_extension_turns_speculative_decoding_off_per_request() -> None:
+    assert parse().sampling.speculate is True
+    assert parse(speculate=False).sampling.speculate is False
+    with pytest.raises(InvalidRequest):
+        parse(speculate="no")

@@ -1,0 +1,180 @@
+"""Speculative decoding on the real SmolLM2 changes the speed, never the answer.
+
+Greedy output with prompt-lookup drafts equals greedy output without them, token for
+token and text for text, on replies that copy the context (a file re-emitted with one
+change, a tool call quoting paths) and on prose, alone and in a batch beside requests
+that do not speculate; a turn that ends inside a verified draft (max_tokens, a stop
+sequence) ends at the same token, and its committed record is the same. At the level
+of ``DecodeBatch``, the cache handed back holds exactly the prompt and the tokens used:
+never a rejected draft token, never one after the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.sample_utils import greedy_sampler
+
+from app.catalog.registry import Catalog
+from app.engine.batch import DecodeBatch, prefill
+from app.engine.engine import CacheConfig, Engine
+from app.engine.model import load_model
+from app.engine.speculation import can_trim_exactly
+from app.store.db import make_engine, make_session_factory, upgrade
+from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+
+FILE = '''def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def scale(values, factor):
+    """Multiply every value by factor."""
+    return [v * factor for v in values]
+'''
+PROMPTS = {
+    "copy": [ChatMessage("user", "Here is utils.py:\n```python\n" + FILE + "```\n"
+                         "Repeat the whole file exactly, but rename the function add to plus.")],
+    "tool": [ChatMessage("system", "Tools: read_file(path). Answer with one JSON tool call."),
+             ChatMessage("user", "The project has src/app/models/user.py, src/app/models/order.py and "
+                         "tests/test_order.py. Call read_file on src/app/models/order.py, as JSON: "
+                         '{"name": "read_file", "arguments": {"path": "src/app/models/order.py"}}')],
+    "prose": [ChatMessage("user", "Write a short story about a lighthouse keeper who finds a message in a bottle.")],
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+# Ends that fall inside verified drafts of the copy reply: a token budget, and a stop string
+# in the copied code.
+ENDINGS = {"max_tokens": dataclasses.replace(GREEDY, max_tokens=37),
+           "stop": dataclasses.replace(GREEDY, stop_sequences=("a + b",))}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    home = tmp_path_factory.mktemp("speculation-home")
+    url = f"sqlite:///{home / 'semantic.db'}"
+    upgrade(url)
+    cache = CacheConfig(home / "blocks", make_session_factory(make_engine(url)), 1 << 30)
+    running = Engine(Catalog.single("smollm2", smollm2_dir), cache, max_queue=8, max_batch=8,
+                     speculative_tokens=8)
+    running.start()
+    yield running
+    running.stop()
+
+
+def run(engine: Engine, name: str, conversation: str, sampling: SamplingParams) -> tuple[str, Finished]:
+    job = engine.submit(GenerationRequest(f"req-{conversation}", engine.render(PROMPTS[name]), sampling,
+                                          f"agent-{conversation}", conversation))
+    events = list(job.events())
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
+
+
+def assert_same_turn(engine: Engine, plain: tuple[str, Finished], drafted: tuple[str, Finished],
+                     conversations: tuple[str, str]) -> None:
+    assert plain[1].n_cached_tokens == drafted[1].n_cached_tokens == 0  # both cold: same prefill
+    assert drafted[1].output_token_ids == plain[1].output_token_ids
+    assert drafted[0] == plain[0]
+    assert (drafted[1].stop_reason, drafted[1].stop_sequence) == (plain[1].stop_reason, plain[1].stop_sequence)
+    records = [engine.caches.record(c) for c in conversations]
+    assert records[0] is not None and records[0] == records[1]  # tokens, text and ends
+    assert records[1].n_tokens == drafted[1].n_prompt_tokens + drafted[1].n_output_tokens
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_output_is_the_same_with_drafts(engine: Engine, name: str) -> None:
+    plain = run(engine, name, f"plain-{name}", dataclasses.replace(GREEDY, speculate=False))
+    drafted = run(engine, name, f"drafted-{name}", GREEDY)
+    assert_same_turn(engine, plain, drafted, (f"plain-{name}", f"drafted-{name}"))
+    assert plain[1].n_draft_tokens == 0
+    if name != "prose":  # copying replies do speculate (else this test would prove nothing)
+        assert drafted[1].n_draft_accepted >= 10, drafted[1]
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_turn_ending_inside_a_draft_ends_at_the_same_token(engine: Engine, ending: str) -> None:
+    sampling = ENDINGS[ending]
+    plain = run(engine, "copy", f"plain-end-{ending}", dataclasses.replace(sampling, speculate=False))
+    drafted = run(engine, "copy", f"drafted-end-{ending}", sampling)
+    assert plain[1].stop_reason == ("stop_sequence" if ending == "stop" else "max_tokens")
+    assert drafted[1].n_draft_accepted > 0
+    assert_same_turn(engine, plain, drafted, (f"plain-end-{ending}", f"drafted-end-{ending}"))
+
+
+def test_a_drafting_sequence_beside_plain_ones_in_a_batch(engine: Engine) -> None:
+    """The copy reply starts alone (drafting), the others join (it takes batched steps),
+    they end first (it drafts again): every answer is the one it gets alone without drafts."""
+    solo = {name: run(engine, name, f"solo-{name}", dataclasses.replace(GREEDY, speculate=False))
+            for name in PROMPTS}
+    sampling = {"copy": dataclasses.replace(GREEDY, max_tokens=64),
+                "tool": dataclasses.replace(GREEDY, max_tokens=24, speculate=False),
+                "prose": dataclasses.replace(GREEDY, max_tokens=24)}
+    results: dict[str, tuple[str, Finished]] = {}
+    started = threading.Event()
+
+    def read(name: str) -> None:
+        job = engine.submit(GenerationRequest(f"req-mixed-{name}", engine.render(PROMPTS[name]), sampling[name],
+                                              f"agent-mixed-{name}", f"mixed-{name}"))
+        events = []
+        for event in job.events():
+            events.append(event)
+            if isinstance(event, TextDelta) and sum(isinstance(e, TextDelta) for e in events) >= 4:
+                started.set()
+        results[name] = ("".join(e.text for e in events if isinstance(e, TextDelta)), events[-1])
+
+    batched_before = sum(n for rows, n in engine.status().counters.steps_by_batch.items() if rows > 1)
+    first = threading.Thread(target=read, args=("copy",))
+    first.start()
+    assert started.wait(120)
+    others = [threading.Thread(target=read, args=(name,)) for name in ("tool", "prose")]
+    for thread in others:
+        thread.start()
+    for thread in [first, *others]:
+        thread.join()
+    assert sum(n for rows, n in engine.status().counters.steps_by_batch.items() if rows > 1) > batched_before
+    assert results["copy"][1].n_draft_accepted > 0
+    for name in PROMPTS:
+        n = sampling[name].max_tokens
+        assert results[name][1].output_token_ids == solo[name][1].output_token_ids[:n], name
+        record = engine.caches.record(f"mixed-{name}")
+        finished = results[name][1]
+        assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
+
+
+def test_the_cache_handed_back_holds_the_prompt_and_the_used_tokens_only(smollm2_dir: Path) -> None:
+    """Drafted and plain decoding of the same prompt: after ``remove`` (the drafted one
+    handed tokens past the end, which it gives back), both caches hold the same tokens'
+    keys and values."""
+    loaded = load_model("smollm2", smollm2_dir)
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS["copy"][0].content}],
+                                                  add_generation_prompt=True)
+    outputs, caches = [], []
+    for max_draft in (0, 8):
+        cache = [KVCache() for _ in model.layers]
+        prefill(model, cache, prompt[:-1])
+        batch = DecodeBatch(model, max_draft)
+        batch.add(1, cache, prompt[-1], prompt[:-1], greedy_sampler, [], speculate=True)
+        tokens: list[int] = []
+        while len(tokens) < 41:
+            tokens += [t for _, step in batch.step() for t in step]
+        if max_draft:
+            assert batch.drafts(1)[1] > 0
+        caches.append(batch.remove(1, len(tokens) - 41))
+        outputs.append(tokens[:41])
+    assert outputs[0] == outputs[1]
+    for plain, drafted in zip(*caches):
+        assert plain.offset == drafted.offset == len(prompt) + 41
+        n = plain.offset
+        for a, b in ((plain.keys, drafted.keys), (plain.values, drafted.values)):
+            assert mx.allclose(a[..., :n, :], b[..., :n, :], atol=1e-3).item()
+
+
+def test_only_caches_that_trim_exactly_speculate() -> None:
+    assert can_trim_exactly([KVCache(), KVCache()])
+    assert not can_trim_exactly([KVCache(), RotatingKVCache(max_size=8)])
+    assert not can_trim_exactly([])
