@@ -263,13 +263,15 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.engine.model import kv_choice
 
     installed = {m.name: m for m in list_models(settings.models_dir)}
+    print("NAME\tARCHITECTURE\tSOURCE\tPATH\tKV FORMAT\tWEIGHTS")
     for model in (*installed.values(), *list_hf_models(settings.models_dir)):
         default = " (default)" if model.name == settings.model else ""
         try:
             kv = f"KV {kv_choice(model.path, settings.kv_format_for(model.name)).describe()}"
         except InvalidModelFile as exc:  # a pinned format that cannot store its heads: it will not load
             kv = f"KV refused: {exc}"
-        print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\t{kv}")
+        print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\t{kv}\t"
+              f"{_size(_weights_bytes(model.path))}")
     for name, model in EMBEDDED.items():
         if name not in installed:
             package = "package installed" if not model.missing_packages else f"semantic models install {name}"
@@ -277,6 +279,20 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     for alias, target in settings.model_aliases.items():
         print(f"{alias}\talias\t{target}")
     return 0
+
+
+def _weights_bytes(path: Path) -> int:
+    """Bytes of a model directory's weight files (links followed: a Hugging Face view's point
+    into the cache)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.exists())
+
+
+def _size(n_bytes: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n_bytes < 1000:
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.1f} {unit}"
+        n_bytes /= 1000
+    return f"{n_bytes:.1f} GB"
 
 
 def cmd_pool_up(settings: Settings, args: argparse.Namespace) -> int:
@@ -363,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="semantic", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-V", "--version", action="version", version=f"semantic {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=False, title="commands", metavar="COMMAND")
 
     serve = commands.add_parser(
         "serve", help="serve the HTTP API (and run the worker beside it)", usage="%(prog)s [--SETTING VALUE ...]",
@@ -379,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(handler=cmd_worker)
 
     jobs = commands.add_parser("jobs", help="run a worker job now")
-    job_commands = jobs.add_subparsers(dest="jobs_command", required=True, title="commands", metavar="COMMAND")
+    job_commands = jobs.add_subparsers(dest="jobs_command", required=False, title="commands", metavar="COMMAND")
     run = job_commands.add_parser("run", help="run one job now and print its result",
                                   epilog="example: semantic jobs run compact")
     run.add_argument("name", choices=JOBS, metavar="JOB", help=f"one of: {', '.join(JOBS)}")
@@ -398,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     pool = commands.add_parser("pool", help="run several servers on this machine as one (docs/pool.md)")
-    pool_commands = pool.add_subparsers(dest="pool_command", required=True, title="commands",
+    pool_commands = pool.add_subparsers(dest="pool_command", required=False, title="commands",
                                         metavar="COMMAND")
     up = pool_commands.add_parser("up", help="start PostgreSQL, N servers, a worker and the router; "
                                              "stay in the foreground (Ctrl-C or `pool down` stops all)")
@@ -434,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(handler=cmd_pool_router_config)
 
     agents = commands.add_parser("agents", help="move an agent to another home, server or machine, warm")
-    agent_commands = agents.add_subparsers(dest="agents_command", required=True, title="commands", metavar="COMMAND")
+    agent_commands = agents.add_subparsers(dest="agents_command", required=False, title="commands", metavar="COMMAND")
     export = agent_commands.add_parser(
         "export", help="write one agent (identity, history, cache files) as one portable file",
         epilog="example: semantic agents export planner > planner.tar")
@@ -449,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     imported.set_defaults(handler=cmd_agents_import)
 
     models = commands.add_parser("models", help="import, install, pull, remove and list models")
-    model_commands = models.add_subparsers(dest="models_command", required=True, title="commands",
+    model_commands = models.add_subparsers(dest="models_command", required=False, title="commands",
                                            metavar="COMMAND")
     imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory",
                                     epilog="example: semantic models import ./model.gguf --name my-model --quantize 8")
@@ -488,6 +504,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the deepest command ``args`` names: ``semantic models`` for
+    ``semantic models``, ``semantic models rm`` for ``semantic models rm x``."""
+    while True:
+        commands = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, commands.dest, None) if commands is not None else None
+        if commands is None or name is None:
+            return parser
+        parser = commands.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
@@ -502,7 +529,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    chosen = _chosen(parser, args)
+    if extra:  # the usage of the command given, not the top level's
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "handler", None) is None:  # `semantic`, `semantic models`: a command is wanted
+        chosen.print_help()
+        return 0
     try:
         settings = load_settings(**setting_overrides(args))
         configure_logging(settings.log_level, settings.log_format)

@@ -52,7 +52,8 @@ class RequestContextMiddleware:
     response (``x-semantic-server``: which server of a pool answered), and one log line a
     request once its status is known, errors included: method, path, status, request id,
     agent (where the URL or the body named or matched one) and client (its User-Agent).
-    Probes that succeed (``PROBES``: health checkers, scrapers) are logged at DEBUG only.
+    Probes that succeed or say the server is not ready yet (``PROBES``: health checkers,
+    scrapers; 503 while the model loads) are logged at DEBUG only.
     ``req.context.arrived`` (``time.perf_counter()``, first thing: this middleware runs first)
     is when a generation's time to first token starts."""
 
@@ -76,7 +77,8 @@ class RequestContextMiddleware:
         fields = {"method": loggable(req.method), "path": loggable(req.path), "status": resp.status_code,
                   "request_id": req.context.request_id, "agent": loggable(req.context.agent),
                   "client": loggable(req.user_agent)}
-        probe = req.path in PROBES and resp.status_code < 400
+        # A probe's 503 while the model loads is its expected answer, asked every few seconds.
+        probe = req.path in PROBES and (resp.status_code < 400 or resp.status_code == 503)
         log.log(logging.DEBUG if probe else logging.INFO, "%s %s %d request %s agent %s client %r",
                 *fields.values(), extra=fields)
 

@@ -50,10 +50,13 @@ def hf_views(models_dir: Path) -> Path:
 
 def model_path(models_dir: Path, name_or_path: str) -> Path:
     """The directory of a model given by name (under ``models_dir``) or by path."""
-    candidate = Path(name_or_path).expanduser()
-    if candidate.is_absolute() or name_or_path.startswith("."):
-        return candidate
-    return models_dir / name_or_path
+    return Path(name_or_path).expanduser() if names_a_path(name_or_path) else models_dir / name_or_path
+
+
+def names_a_path(name_or_path: str) -> bool:
+    """Whether a model is given by its directory (absolute, ``~``, or relative with ``.``),
+    not by a name."""
+    return Path(name_or_path).expanduser().is_absolute() or name_or_path.startswith(".")
 
 
 def list_models(models_dir: Path) -> list[InstalledModel]:
@@ -263,6 +266,11 @@ def _configured(models_dir: Path, given: str, hf_cache_dir: Path | None) -> tupl
         except NotFound as exc:
             raise ConfigError(str(exc)) from None
     path = model_path(models_dir, given)
+    given_as_path = names_a_path(given)
+    if given_as_path and not path.is_dir():
+        raise ConfigError(f"model {given!r}: no such directory ({path.resolve()})")
+    if given_as_path and not _installed(path):
+        raise ConfigError(f"model {given!r}: {path.resolve()} is not a model directory (no config.json)")
     if not _installed(path) and given not in EMBEDDED:
         raise ConfigError(f"model {given!r} is not installed in {models_dir}, is not embedded and is not a "
                           "Hugging Face repo id (semantic models list)")

@@ -229,9 +229,11 @@ def kv_choice(path: Path, kv_format: str) -> KVChoice:
     return KVChoice(fitted_format(path, record.chosen), "calibration", record)
 
 
-def candidate_formats(path: Path, head_dims: set[int]) -> list[KVFormat]:
+def candidate_formats(path: Path, head_dims: set[int], name: str | None = None) -> list[KVFormat]:
     """The formats ``auto`` measures for the model at ``path``, which caches keys and values
-    of ``head_dims`` values: those that can store them (each one that cannot is logged, with why)."""
+    of ``head_dims`` values: those that can store them (each one that cannot is logged, with why,
+    under the model's ``name``)."""
+    model_name = name or path.name
     candidates = []
     for name in KV_FORMATS:
         try:
@@ -239,20 +241,22 @@ def candidate_formats(path: Path, head_dims: set[int]) -> list[KVFormat]:
             _refuse_unstorable(head_dims, fitted)
             candidates.append(fitted)
         except InvalidModelFile as exc:
-            log.info("KV calibration of %s skips %s: %s", path.name, name, exc)
+            log.info("KV calibration of %s skips %s: %s", model_name, name, exc)
     return candidates
 
 
 def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path, head_dims: set[int],
-              progress: calibration.Progress | None = None) -> KVChoice:
+              progress: calibration.Progress | None = None, name: str | None = None) -> KVChoice:
     """Calibrate the model at ``path`` (loaded as ``model``, caching keys and values of
-    ``head_dims`` values) among the formats that store them, and record the result with it."""
-    candidates = candidate_formats(path, head_dims)
-    log.info("calibrating the KV format of %s (%d formats at most)", path.name, len(candidates))
+    ``head_dims`` values) among the formats that store them, and record the result with it.
+    Its log lines name the model ``name`` (a Hugging Face view's directory is a commit hash)."""
+    name = name or path.name
+    candidates = candidate_formats(path, head_dims, name)
+    log.info("calibrating the KV format of %s (%d formats at most)", name, len(candidates))
     record = calibration.calibrate(model, tokenizer, calibration_key(path), candidates,
-                                   progress or (lambda step: log.info("KV calibration of %s: %s done", path.name, step)))
+                                   progress or (lambda step: log.info("KV calibration of %s: %s done", name, step)))
     calibration.write_record(path, record)
-    log.info("KV format of %s: %s (%s), calibrated in %.0f s", path.name, record.chosen,
+    log.info("KV format of %s: %s (%s), calibrated in %.0f s", name, record.chosen,
              record.measured[record.chosen].describe(), record.seconds)
     return KVChoice(fitted_format(path, record.chosen), "calibration", record)
 
@@ -349,7 +353,7 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
         attention.install(model)
     head_dims = cached_head_dims(model)
     if spec.kv.chosen_by == "pending":
-        fields["kv"] = calibrate(model, spec.tokenizer, path, head_dims, progress)
+        fields["kv"] = calibrate(model, spec.tokenizer, path, head_dims, progress, name)
         fields["fingerprint"] = model_fingerprint(path, fields["kv"].format.fingerprint)
     try:
         _refuse_unstorable(head_dims, fields["kv"].format)

@@ -66,6 +66,9 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     assert f"my-smol: KV format {chosen} (auto: top-1 " in result.stdout
     listing = semantic(tmp_path, "models", "list").stdout
     assert f"my-smol\tllama\timported from {gguf.resolve()}\t{model_dir}\t" in listing
+    assert listing.splitlines()[0] == "NAME\tARCHITECTURE\tSOURCE\tPATH\tKV FORMAT\tWEIGHTS"
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 1e6
+    assert next(line for line in listing.splitlines() if line.startswith("my-smol\t")).endswith(f"\t{weights:.1f} MB")
     assert "gemma3-270m\tnot imported" in listing
     assert f"\tKV {chosen} (auto: top-1 " in listing and "of FP16)" in listing
     pinned = semantic(tmp_path, "models", "list", env={"SEMANTIC_KV_FORMATS": "my-smol=q8"}).stdout
@@ -322,3 +325,21 @@ def test_no_command_prints_a_password(tmp_path: Path) -> None:
         malformed = semantic(tmp_path, "jobs", "run", "expire", env={"SEMANTIC_DATABASE_URL": url})
         assert malformed.returncode != 0 and "database_url" in malformed.stderr, malformed.stderr
         assert secret not in malformed.stdout + malformed.stderr, malformed.stderr
+
+
+def test_a_bare_command_prints_its_help_and_a_bad_flag_its_own_usage(tmp_path: Path) -> None:
+    bare = semantic(tmp_path, timeout=60)
+    assert bare.returncode == 0 and bare.stdout.startswith("usage: semantic") and "serve" in bare.stdout, bare.stderr
+    models = semantic(tmp_path, "models", timeout=60)
+    assert models.returncode == 0 and models.stdout.startswith("usage: semantic models") and "pull" in models.stdout
+    typo = semantic(tmp_path, "serve", "--prot", "9000", timeout=60)
+    assert typo.returncode == 2 and typo.stderr.startswith("usage: semantic serve"), typo.stderr
+    assert "unrecognized arguments: --prot 9000" in typo.stderr
+
+
+def test_a_model_given_by_a_path_that_is_not_a_model_says_so(tmp_path: Path) -> None:
+    missing = semantic(tmp_path, "serve", "--no-worker", "--model", "./no-such-dir", timeout=60)
+    assert missing.returncode == 2 and "no such directory" in missing.stderr, missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = semantic(tmp_path, "serve", "--no-worker", "--model", str(tmp_path / "empty"), timeout=60)
+    assert empty.returncode == 2 and "is not a model directory (no config.json)" in empty.stderr, empty.stderr

@@ -65,6 +65,7 @@ def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smoll
     assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
                for pid in workers)
     assert "worker stopped" in (tmp_path / "serve.log").read_text()
+    assert "GET /health 503" not in (tmp_path / "serve.log").read_text()  # a probe while loading: DEBUG
 
 
 def test_flags_reach_the_server_and_its_worker(tmp_path: Path, smollm2_dir: Path) -> None:

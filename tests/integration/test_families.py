@@ -11,6 +11,7 @@ stops at the latest checkpoint of that state at or before the matched prefix
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -106,9 +107,15 @@ def test_a_family_that_cannot_be_served_is_refused_by_name(family_dirs: dict[str
     assert "\n" not in str(refused.value)
 
 
-def test_auto_calibrates_a_hybrid_model_on_its_attention_layers(family_dirs: dict[str, Path]) -> None:
+def test_auto_calibrates_a_hybrid_model_on_its_attention_layers(family_dirs: dict[str, Path],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """The ``auto`` KV format's calibration scores formats on the attention layers, the
-    recurrent layers keeping their state exact (it used to run every layer as attention)."""
-    loaded = load_model("lfm2", family_dirs["lfm2"], kv_format="auto")
+    recurrent layers keeping their state exact (it used to run every layer as attention).
+    Its log lines name the model, not its directory (a Hugging Face view's is a commit hash)."""
+    with caplog.at_level(logging.INFO, logger="app.engine.model"):
+        loaded = load_model("org/a-hybrid", family_dirs["lfm2"], kv_format="auto")
     assert loaded.kv.chosen_by == "calibration" and loaded.cache_layout.hybrid
+    calibration = [r.getMessage() for r in caplog.records if "calibrat" in r.getMessage() or "KV format" in r.getMessage()]
+    assert any(line.startswith("KV format of org/a-hybrid:") for line in calibration), calibration
+    assert all("org/a-hybrid" in line and family_dirs["lfm2"].name not in line for line in calibration), calibration
     assert loaded.n_layers == loaded.cache_layout.n_attention == 2
