@@ -33,7 +33,7 @@ from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
 from app.pool.seaweed import LocalS3
 from app.redaction import redact
-from app.settings import Settings
+from app.settings import Settings, as_environment, variable_of
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,19 @@ def read_state(settings: Settings) -> PoolState | None:
     except (OSError, ValueError):
         return None
     return PoolState(**{**data, "servers": [ServerEntry(**s) for s in data["servers"]]})
+
+
+# Settings each server or the worker of a pool gets of its own, never the home's.
+PER_PROCESS_SETTINGS = ("home", "host", "port", "server_id", "worker", "database_url", "block_store", "compact_dirs")
+
+
+def pool_environment(settings: Settings) -> dict[str, str]:
+    """The home's effective settings (its config.toml, the environment, the flags) as the
+    ``SEMANTIC_*`` variables every server and the worker of the pool start with: the pool's
+    servers take no config file, so without these a keyed home's router would serve every
+    agent without a key, and the worker would expire caches on other TTLs than the servers'."""
+    skipped = {variable_of(name) for name in PER_PROCESS_SETTINGS}
+    return {name: value for name, value in as_environment(settings).items() if name not in skipped}
 
 
 def _postgres_root(settings: Settings) -> Path:
@@ -146,7 +159,7 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
             cluster.start()
             database_url = cluster.url("postgres")
         print(f"database  {redact(database_url)}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
-        base = {**os.environ, "SEMANTIC_DATABASE_URL": database_url, "SEMANTIC_MODEL": settings.model}
+        base = {**os.environ, **pool_environment(settings), "SEMANTIC_DATABASE_URL": database_url}
         base.pop("SEMANTIC_CONFIG", None)
         block_store = settings.block_store
         if not block_store:
@@ -219,8 +232,11 @@ def _start_server(settings: Settings, server_id: str, port: int,
 
 
 def _write_state(settings: Settings, state: PoolState) -> None:
+    """state.json, readable by its owner only: ``server_env`` holds the pool's secrets (api_key)."""
     partial = _state_path(settings).with_suffix(".tmp")
-    partial.write_text(json.dumps(asdict(state), indent=2))
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(json.dumps(asdict(state), indent=2))
     partial.replace(_state_path(settings))
 
 
