@@ -31,6 +31,7 @@ from typing import Any
 from app.errors import ConfigError
 from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
+from app.pool.secrets import pool_secrets
 from app.pool.seaweed import LocalS3
 from app.redaction import redact
 from app.settings import Settings, as_environment, variable_of
@@ -151,10 +152,11 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
     stores: list[subprocess.Popen[bytes]] = []  # stopped after the servers, which flush to them
     cluster: LocalPostgres | None = None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    keys = pool_secrets(root / "secrets.json")
     try:
         database_url = settings.database_url
         if not database_url:
-            cluster = LocalPostgres(_postgres_root(settings), port + n_servers + 1)
+            cluster = LocalPostgres(_postgres_root(settings), port + n_servers + 1, keys.postgres_password)
             print(f"postgres  starting in {cluster.root}", flush=True)
             cluster.start()
             database_url = cluster.url("postgres")
@@ -163,7 +165,7 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
         base.pop("SEMANTIC_CONFIG", None)
         block_store = settings.block_store
         if not block_store:
-            s3 = LocalS3(root / "s3", port + n_servers + 2)
+            s3 = LocalS3(root / "s3", port + n_servers + 2, keys.s3_access_key, keys.s3_secret_key)
             stores.append(s3.start(root / "logs" / "s3.log"))
             block_store = s3.block_store
             base.update(s3.credentials)

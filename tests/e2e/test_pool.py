@@ -69,10 +69,6 @@ def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPa
                  n_servers: int, config: str = "") -> Iterator[tuple[Path, dict, subprocess.Popen[bytes]]]:
     """`semantic pool up --servers N` in the foreground, its home's config.toml ``config``:
     (its home, its state, the process)."""
-    from app.pool.seaweed import LocalS3
-
-    for name, value in LocalS3(tmp_path, 0).credentials.items():  # to read the pool's own S3 from here
-        monkeypatch.setenv(name, value)
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(smollm2_dir.parent, target_is_directory=True)
@@ -92,6 +88,9 @@ def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPa
             assert pool.poll() is None and time.monotonic() < deadline, (tmp_path / "pool.log").read_text()
             time.sleep(0.5)
         state = json.loads(state_path.read_text())
+        for name, value in state["server_env"].items():  # to read the pool's own S3 from here
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)
         yield home, state, pool
     finally:
         if pool.poll() is None:
