@@ -20,6 +20,7 @@ from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopbac
 from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.api.routes import Deps, add_routes
 from app.errors import ConfigError, EngineUnavailable, SemanticError
+from app.http_server import HEAD_TIMEOUT_S, make_server
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
@@ -72,8 +73,6 @@ def _serve(settings: Settings) -> None:
 
     load_fast_blas(settings.blas_library)
     # Imported only now: MLX must see OpenBLAS first.
-    import waitress
-
     from app.catalog.registry import Catalog
     from app.cache.shared_tier import S3Tier
     from app.engine.engine import CacheConfig, Engine
@@ -97,7 +96,7 @@ def _serve(settings: Settings) -> None:
                     speculative_tokens=settings.speculative_tokens)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
-        server = waitress.create_server(app, **waitress_options(settings))
+        server = make_server(app, **waitress_options(settings))
     except OSError as exc:
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
     engine.start_loading()
@@ -161,7 +160,8 @@ def waitress_options(settings: Settings) -> dict[str, object]:
         # A body announced beyond this is refused unread (bodies up to it get the app's own 413).
         "max_request_body_size": settings.max_body_bytes + (1 << 20),
         "channel_timeout": settings.idle_timeout_s,
-        "cleanup_interval": max(1, min(30, settings.idle_timeout_s // 2)),  # how often idle sockets are looked for
+        # How often idle sockets, and those past the request-head deadline, are looked for.
+        "cleanup_interval": max(1, min(HEAD_TIMEOUT_S // 2, settings.idle_timeout_s // 2)),
         "connection_limit": settings.max_connections,
         # A response's unsent bytes stay buffered (in memory up to 1 MiB, then a temporary file)
         # and the thread that wrote them goes back to work: waitress makes it wait only past this

@@ -126,6 +126,12 @@ class AgentService:
                      "content": m.content, "created_at": m.created_at.isoformat() + "Z", "request_id": m.request_id}
                     for m in agents_store.history(session, agent_id, conversation)]
 
+    def latest_protocols(self, agent_id: str) -> set[str]:
+        """The protocols that wrote the agent's most recently used conversation (empty: none)."""
+        with self._sessions() as session:
+            conversation = agents_store.latest_conversation(session, agent_id)
+            return agents_store.conversation_protocols(session, conversation) if conversation else set()
+
     def delete(self, agent_id: str) -> None:
         self.get(agent_id)
         with self._sessions.begin() as session:

@@ -211,6 +211,7 @@ class AgentGenerateResource:
             new = _object(read_json(req))
             if not isinstance(new.get("messages"), list) or not new["messages"]:
                 raise InvalidRequest("messages: a non-empty list of the new messages is required", "messages")
+            _refuse_foreign(agent_id, self._agents.latest_protocols(agent_id))
             history = [shaped for m in self._agents.history(agent_id, latest_only=True)
                        if (shaped := _direct_shape(m["role"], m["content"])) is not None]
             body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
@@ -225,6 +226,20 @@ class AgentGenerateResource:
 
 
 _BLOCK_TYPES = {"text", "tool_use", "tool_result"}
+# Protocols whose conversations a direct turn cannot rebuild: the Anthropic API's system prompt
+# and tools, and the Responses API's instructions, tools and input_text/output_text parts, are
+# not kept with the messages (only their digest), so a direct turn would silently drop them.
+_NOT_CONTINUABLE = ("anthropic", "responses")
+
+
+def _refuse_foreign(agent_id: str, protocols: set[str]) -> None:
+    """400 naming why, when the conversation a direct turn would continue is one it cannot rebuild."""
+    foreign = [p for p in _NOT_CONTINUABLE if p in protocols]
+    if foreign:
+        raise InvalidRequest(
+            f"agent {agent_id!r}: its latest conversation was made through the {foreign[0]} API, whose system "
+            "prompt, tools and message parts are not kept for a direct turn; continue it through that API",
+            "messages")
 
 
 def _direct_shape(role: str, content: Any) -> dict[str, Any] | None:

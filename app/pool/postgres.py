@@ -2,15 +2,17 @@
 
 ``initdb`` refuses to run as root, so as root the cluster belongs to the ``postgres``
 user (Debian's packages create it) and its commands run through ``runuser``. The
-cluster listens on loopback only and on a unix socket in its own directory.
+cluster listens on loopback only and on a unix socket in its own directory, and asks
+every connection, local users' too, for the superuser's password (scram-sha-256).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.errors import ConfigError
@@ -34,10 +36,12 @@ def _bindir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class LocalPostgres:
-    """A cluster in ``root`` (``root/data``, its log and socket beside it) on ``port``."""
+    """A cluster in ``root`` (``root/data``, its log and socket beside it) on ``port``; ``password``
+    is the superuser's, set when the cluster is made (a pool keeps it: ``app.pool.secrets``)."""
 
     root: Path
     port: int
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property
     def data(self) -> Path:
@@ -48,7 +52,7 @@ class LocalPostgres:
         return self.root / "postgres.log"
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+psycopg://{SUPERUSER}:{self.password}@127.0.0.1:{self.port}/{database}"
 
     def _run(self, *args: str) -> None:
         as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
@@ -65,13 +69,27 @@ class LocalPostgres:
             self.root.chmod(0o700)
         bindir = _bindir()
         if not (self.data / "PG_VERSION").exists():
-            self._run(str(bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", SUPERUSER,
-                      "-E", "UTF8", "--no-instructions", *([] if durable else ["--no-sync"]))
+            self._initdb(bindir, durable)
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root}"
         if not durable:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(str(bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log_path), "-w",
                   "-o", options, "start")
+
+    def _initdb(self, bindir: Path, durable: bool) -> None:
+        """Make the cluster: scram-sha-256 for every connection, the password read from a file
+        (never a command line) that only the cluster's owner reads and that is gone after."""
+        pwfile = self.root / ".pwfile"
+        pwfile.unlink(missing_ok=True)
+        with os.fdopen(os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(self.password + "\n")
+        try:
+            if os.geteuid() == 0:
+                shutil.chown(pwfile, "postgres", "postgres")
+            self._run(str(bindir / "initdb"), "-D", str(self.data), "-A", "scram-sha-256", "-U", SUPERUSER,
+                      f"--pwfile={pwfile}", "-E", "UTF8", "--no-instructions", *([] if durable else ["--no-sync"]))
+        finally:
+            pwfile.unlink(missing_ok=True)
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the cluster (``immediate`` skips the checkpoint, as a crash would)."""
@@ -81,7 +99,7 @@ class LocalPostgres:
         """A new, empty database; returns its URL."""
         import psycopg
 
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user={SUPERUSER} dbname=postgres",
-                             autocommit=True) as connection:
+        with psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, password=self.password,
+                             dbname="postgres", autocommit=True) as connection:
             connection.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)

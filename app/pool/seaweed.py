@@ -8,20 +8,19 @@ port); all are given explicitly from a base port so that two pools never collide
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.errors import ConfigError
 
 BUCKET = "semantic-blocks"
-ACCESS_KEY = "semantic"  # a loopback-only store: the pool's own credentials
-SECRET_KEY = "semantic-local-pool"
 
 
 def weed_binary() -> str:
@@ -34,10 +33,13 @@ def weed_binary() -> str:
 
 @dataclass(frozen=True, slots=True)
 class LocalS3:
-    """``weed mini`` in ``root`` on ports ``base`` .. ``base + 9``."""
+    """``weed mini`` in ``root`` on ports ``base`` .. ``base + 9``, accepting only requests signed
+    with ``access_key``/``secret_key`` (random unless given: a pool keeps its own, ``app.pool.secrets``)."""
 
     root: Path
     base: int
+    access_key: str = field(default_factory=lambda: f"semantic-{secrets.token_hex(8)}")
+    secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -49,7 +51,7 @@ class LocalS3:
 
     @property
     def credentials(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
 
     def command(self) -> list[str]:
         b = self.base

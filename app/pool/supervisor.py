@@ -31,9 +31,10 @@ from typing import Any
 from app.errors import ConfigError
 from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
+from app.pool.secrets import pool_secrets
 from app.pool.seaweed import LocalS3
 from app.redaction import redact
-from app.settings import Settings
+from app.settings import Settings, as_environment, variable_of
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,19 @@ def read_state(settings: Settings) -> PoolState | None:
     except (OSError, ValueError):
         return None
     return PoolState(**{**data, "servers": [ServerEntry(**s) for s in data["servers"]]})
+
+
+# Settings each server or the worker of a pool gets of its own, never the home's.
+PER_PROCESS_SETTINGS = ("home", "host", "port", "server_id", "worker", "database_url", "block_store", "compact_dirs")
+
+
+def pool_environment(settings: Settings) -> dict[str, str]:
+    """The home's effective settings (its config.toml, the environment, the flags) as the
+    ``SEMANTIC_*`` variables every server and the worker of the pool start with: the pool's
+    servers take no config file, so without these a keyed home's router would serve every
+    agent without a key, and the worker would expire caches on other TTLs than the servers'."""
+    skipped = {variable_of(name) for name in PER_PROCESS_SETTINGS}
+    return {name: value for name, value in as_environment(settings).items() if name not in skipped}
 
 
 def _postgres_root(settings: Settings) -> Path:
@@ -138,19 +152,20 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
     stores: list[subprocess.Popen[bytes]] = []  # stopped after the servers, which flush to them
     cluster: LocalPostgres | None = None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    keys = pool_secrets(root / "secrets.json")
     try:
         database_url = settings.database_url
         if not database_url:
-            cluster = LocalPostgres(_postgres_root(settings), port + n_servers + 1)
+            cluster = LocalPostgres(_postgres_root(settings), port + n_servers + 1, keys.postgres_password)
             print(f"postgres  starting in {cluster.root}", flush=True)
             cluster.start()
             database_url = cluster.url("postgres")
         print(f"database  {redact(database_url)}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
-        base = {**os.environ, "SEMANTIC_DATABASE_URL": database_url, "SEMANTIC_MODEL": settings.model}
+        base = {**os.environ, **pool_environment(settings), "SEMANTIC_DATABASE_URL": database_url}
         base.pop("SEMANTIC_CONFIG", None)
         block_store = settings.block_store
         if not block_store:
-            s3 = LocalS3(root / "s3", port + n_servers + 2)
+            s3 = LocalS3(root / "s3", port + n_servers + 2, keys.s3_access_key, keys.s3_secret_key)
             stores.append(s3.start(root / "logs" / "s3.log"))
             block_store = s3.block_store
             base.update(s3.credentials)
@@ -219,8 +234,11 @@ def _start_server(settings: Settings, server_id: str, port: int,
 
 
 def _write_state(settings: Settings, state: PoolState) -> None:
+    """state.json, readable by its owner only: ``server_env`` holds the pool's secrets (api_key)."""
     partial = _state_path(settings).with_suffix(".tmp")
-    partial.write_text(json.dumps(asdict(state), indent=2))
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(json.dumps(asdict(state), indent=2))
     partial.replace(_state_path(settings))
 
 

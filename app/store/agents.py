@@ -107,6 +107,12 @@ def history(session: Session, agent_id: str, conversation_id: str | None = None)
     return list(session.scalars(query))
 
 
+def conversation_protocols(session: Session, conversation_id: str) -> set[str]:
+    """The protocols of the requests that stored the conversation's messages."""
+    return set(session.scalars(select(Request.protocol).join(Message, Message.request_id == Request.id)
+                               .where(Message.conversation_id == conversation_id).distinct()))
+
+
 def latest_conversation(session: Session, agent_id: str) -> str | None:
     """The agent's most recently used conversation."""
     return session.scalar(select(Conversation.id).where(Conversation.agent_id == agent_id)

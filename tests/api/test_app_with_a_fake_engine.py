@@ -363,3 +363,23 @@ def test_a_url_or_header_cannot_forge_a_line_of_the_request_log(tmp_path: Path, 
     for line in lines:
         assert line.isprintable(), line  # no newline, carriage return or line separator
     assert "x\\n2026-11-27 00:00:00,000 INFO forged\\r\\u2028" in lines[0] and "/nowhere\\nforged" in lines[1]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"model": "claude-x", "max_tokens": 8, "system": "Answer in French.",
+                      "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/responses", {"model": "gpt-x", "max_output_tokens": 8, "instructions": "Answer in French.",
+                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}),
+])
+def test_a_direct_turn_refuses_a_conversation_it_cannot_rebuild(app, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
+    """An Anthropic conversation's system prompt and a Responses one's parts are not kept for a
+    direct turn (before: dropped silently, the model answered another prompt): a 400 that says
+    so, and nothing stored."""
+    client, _, db = app
+    made = client.simulate_post(path, headers={"x-session-id": "foreign"}, json=body)
+    assert made.status_code == 200, made.text
+    stored = query(db, "SELECT count(*) FROM messages")
+    refused = client.simulate_post("/v1/agents/foreign/generate", json={"messages": [{"role": "user", "content": "Again"}]})
+    assert refused.status_code == 400, refused.text
+    assert "API" in refused.json["error"]["message"] and "continue it through" in refused.json["error"]["message"]
+    assert query(db, "SELECT count(*) FROM messages") == stored

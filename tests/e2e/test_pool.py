@@ -66,15 +66,14 @@ def semantic(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @contextmanager
 def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                 n_servers: int) -> Iterator[tuple[Path, dict, subprocess.Popen[bytes]]]:
-    """`semantic pool up --servers N` in the foreground: (its home, its state, the process)."""
-    from app.pool.seaweed import LocalS3
-
-    for name, value in LocalS3(tmp_path, 0).credentials.items():  # to read the pool's own S3 from here
-        monkeypatch.setenv(name, value)
+                 n_servers: int, config: str = "") -> Iterator[tuple[Path, dict, subprocess.Popen[bytes]]]:
+    """`semantic pool up --servers N` in the foreground, its home's config.toml ``config``:
+    (its home, its state, the process)."""
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(smollm2_dir.parent, target_is_directory=True)
+    if config:
+        (home / "config.toml").write_text(config)
     port = free_port()
     env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_MODEL": smollm2_dir.name}
     env.pop("SEMANTIC_DATABASE_URL", None)
@@ -89,6 +88,9 @@ def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPa
             assert pool.poll() is None and time.monotonic() < deadline, (tmp_path / "pool.log").read_text()
             time.sleep(0.5)
         state = json.loads(state_path.read_text())
+        for name, value in state["server_env"].items():  # to read the pool's own S3 from here
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)
         yield home, state, pool
     finally:
         if pool.poll() is None:
@@ -197,6 +199,19 @@ def test_a_joining_server_moves_no_agent_and_a_drained_one_hands_its_agents_over
         assert stored_messages(state) == {agent: len(history) for agent, history in histories.items()}
         refused = semantic(home, "pool", "drain", "s1")
         assert refused.returncode == 2 and "no server 's1'" in refused.stderr
+
+
+def test_a_keyed_homes_pool_asks_for_the_key_through_its_router(tmp_path: Path, smollm2_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The home's config.toml reaches the servers and the worker (before: dropped, so the
+    router served every agent without a key, and TTLs differed between worker and servers)."""
+    config = 'api_key = "pool-key"\ncache_ttl_seconds = 600\n'
+    with running_pool(tmp_path, smollm2_dir, monkeypatch, 1, config) as (home, state, _):
+        router = state["router"]
+        assert httpx.get(f"{router}/v1/agents", timeout=30).status_code == 401
+        assert httpx.get(f"{router}/v1/agents", timeout=30, headers={"x-api-key": "pool-key"}).status_code == 200
+        assert state["server_env"]["SEMANTIC_CACHE_TTL_SECONDS"] == "600"
+        assert (home / "pool" / "state.json").stat().st_mode & 0o777 == 0o600  # it holds the key
 
 
 def test_router_config_for_servers_on_other_machines_is_valid_haproxy(tmp_path: Path) -> None:

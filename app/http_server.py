@@ -1,0 +1,87 @@
+"""The waitress server, hardened against clients that hold sockets without sending a request.
+
+waitress closes a socket only after ``channel_timeout`` seconds *without a byte*, so a client
+that drips one header byte every few seconds (slowloris) holds its socket, and a few hundred
+such sockets (or idle half-open ones) fill ``connection_limit``: waitress then stops accepting
+and ``/health`` goes unanswered. Two rules hold here:
+
+* a request head (request line and headers) must arrive within ``HEAD_TIMEOUT_S`` of its first
+  byte (of the accept, for a new socket), however slowly it drips;
+* at the connection limit, the socket that has owed its head the longest is closed to make room,
+  so new connections (a probe, a client) are still accepted.
+
+A socket with a request in progress or an answer being written is never closed by either rule.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from waitress.channel import HTTPChannel
+from waitress.server import TcpWSGIServer
+
+log = logging.getLogger(__name__)
+
+HEAD_TIMEOUT_S = 10  # a request line and headers sent a byte at a time by a live client take far less
+
+
+class HeadDeadlineChannel(HTTPChannel):
+    """A channel that knows since when it has owed a request head (None: it owes none)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_since: float | None = self.creation_time
+
+    def received(self, data: bytes) -> bool:
+        if self.request is None and self.head_since is None and not self.requests:
+            self.head_since = time.time()  # the first byte of a next request on a kept-alive socket
+        result = super().received(data)
+        if self.request is None or self.request.headers_finished:
+            self.head_since = None
+        return result
+
+    def owes_head(self) -> bool:
+        """True while no request has its head complete and nothing is being answered."""
+        return self.head_since is not None and not self.requests and not self.total_outbufs_len
+
+
+class GuardedServer(TcpWSGIServer):
+    """A TCP server whose maintenance enforces the head deadline and sheds stalled sockets at its limit."""
+
+    channel_class = HeadDeadlineChannel
+    head_timeout_s: float = HEAD_TIMEOUT_S
+
+    def maintenance(self, now: float) -> None:
+        super().maintenance(now)
+        cutoff = now - self.head_timeout_s
+        late = [c for c in self._stalled() if c.head_since < cutoff]
+        for channel in late:
+            channel.will_close = True
+        if late:
+            log.info("closed %d connection(s) that sent no complete request head within %d s",
+                     len(late), self.head_timeout_s)
+
+    def readable(self) -> bool:
+        if self.accepting and len(self._map) >= self.adj.connection_limit and self._shed_one():
+            return False  # the shed socket closes in this poll; the next accepts again
+        return super().readable()
+
+    def _stalled(self) -> list[HeadDeadlineChannel]:
+        return [c for c in self.active_channels.values()
+                if isinstance(c, HeadDeadlineChannel) and not c.will_close and c.owes_head()]
+
+    def _shed_one(self) -> bool:
+        """Close the socket that has owed its head the longest (True), so that accepting goes on."""
+        stalled = self._stalled()
+        if not stalled:
+            return False
+        oldest = min(stalled, key=lambda c: c.head_since)
+        oldest.will_close = True
+        log.debug("at the connection limit (%d): closing a connection that owes its request head since %.1f s",
+                  self.adj.connection_limit, time.time() - oldest.head_since)
+        return True
+
+
+def make_server(app, **options) -> GuardedServer:
+    """A ``GuardedServer`` for ``app`` on one TCP address, with waitress's ``options``."""
+    return GuardedServer(app, **options)
