@@ -28,6 +28,7 @@ from app.engine.model import load_model
 from app.engine.speculation import can_trim_exactly
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
+from support.engines import wait_idle
 
 FILE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -71,6 +72,7 @@ def run(engine: Engine, name: str, conversation: str, sampling: SamplingParams) 
     job = engine.submit(GenerationRequest(f"req-{conversation}", engine.render(PROMPTS[name]), sampling,
                                           f"agent-{conversation}", conversation))
     events = list(job.events())
+    assert wait_idle(engine)  # the reply ends before its cache is committed
     return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
 
 
@@ -135,6 +137,7 @@ def test_a_drafting_sequence_beside_plain_ones_in_a_batch(engine: Engine) -> Non
         thread.start()
     for thread in [first, *others]:
         thread.join()
+    assert wait_idle(engine)  # the last reply ended before its cache was committed
     assert sum(n for rows, n in engine.status().counters.steps_by_batch.items() if rows > 1) > batched_before
     assert results["copy"][1].n_draft_accepted > 0
     for name in PROMPTS:
