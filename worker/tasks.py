@@ -3,8 +3,9 @@
 Every run leaves a ``job_runs`` row: ``ok`` (written by the job with its
 result), ``error`` (the exception, written here, then re-raised for Huey to
 log) or ``skipped`` (another worker holds the job's lock: two workers never run
-one job at once). Locks live in ``huey.db``; the consumer flushes them when it
-starts, so a worker killed mid-job does not wedge its job.
+one job at once). Locks live in Huey's storage (``huey.db`` on SQLite, the store's
+database in a pool: ``huey_app.py``); the consumer flushes them when it starts, so a
+worker killed mid-job does not wedge its job.
 
 The worker never imports ``app.engine`` or MLX.
 """

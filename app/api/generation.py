@@ -46,7 +46,7 @@ def chat_entry(message: dict[str, Any]) -> tuple[str, Any]:
 
 
 def parse_for_model(parse: Callable[[Any, RequestOptions], ParsedTurn], body: Any, options: RequestOptions,
-                    engine: Engine) -> tuple[ParsedTurn, str, RequestOptions]:
+                    engine: EngineSurface) -> tuple[ParsedTurn, str, RequestOptions]:
     """``body`` parsed for the model it names (parsed once more, in the model's own tool
     format, when its chat template has one), that model's name, and the options used.
 
@@ -61,7 +61,7 @@ def parse_for_model(parse: Callable[[Any, RequestOptions], ParsedTurn], body: An
     return parsed, info.name, options
 
 
-def render_turn(engine: Engine, parsed: ParsedTurn, model: str) -> Prompt:
+def render_turn(engine: EngineSurface, parsed: ParsedTurn, model: str) -> Prompt:
     """The prompt ``model`` sees for ``parsed``."""
     return engine.render(parsed.messages, parsed.reply_start, model, parsed.tool_specs)
 

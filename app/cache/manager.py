@@ -123,7 +123,7 @@ class CacheManager:
         self._max_conversations = max_conversations
         # Float copies of the most recent conversations' caches, equal to their dequantized
         # blocks: their next turn, and a side request of the same agent starting from them,
-        # skip dequantization (about 0.2 s per 1K tokens on CPU). Their bytes count against
+        # skip dequantization (``benchmarks/restore.py`` measures it). Their bytes count against
         # the pool's budget as the conversation's private bytes; over budget, the oldest
         # copies go before any conversation's 4-bit cache is spilled.
         self._working: OrderedDict[str, list[KVCache]] = OrderedDict()

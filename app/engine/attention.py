@@ -2,14 +2,12 @@
 
 On a long context a prefill chunk's time is almost all softmax: 256 new tokens
 over a 6K-token cache are 14M attention weights per layer, and MLX's CPU
-backend computes ``exp`` one value at a time on one thread (~15 ns a value on
-this x86 machine, ~200 ms a layer), while NumPy's SIMD ``exp`` takes ~1 ns.
-So on the CPU, ``attention`` leaves the two matmuls (scores, weighted values) to
+backend computes ``exp`` one value at a time on one thread, while NumPy's
+``exp`` is vectorized. So on the CPU, ``attention`` leaves the two matmuls (scores, weighted values) to
 MLX and BLAS, evaluates the scores, and runs the softmax in NumPy in place on
 the scores' own memory (a writable view: no copy either way), its rows split
-over ``THREADS`` threads (NumPy releases the GIL). Measured with SmolLM2 in
-float32: 256 new tokens after 6K cached ones 7.9 s -> 1.9 s; a 1,024-token cold
-prompt 5.2 s -> 3.2 s (``benchmarks/prefill_chunks.py`` measures it).
+over ``THREADS`` threads (NumPy releases the GIL). ``benchmarks/prefill_chunks.py``
+measures the gain (docs/benchmarks.md).
 
 The math is the softmax MLX computes (float32, the row maximum subtracted
 first); results differ from MLX's in float32 rounding only. Decode steps (one

@@ -3,8 +3,8 @@
 A decode step with a few sequences reads every weight once, so it should cost
 little more than a step with one. On a 2-core CPU it does not, for two reasons
 measured by ``benchmarks/decode_step.py``: OpenBLAS splits a GEMM of a few rows
-badly across its threads (4 rows cost about 1.7x the one-row GEMV, though a
-single thread does 4 rows at nearly the cost of one), and MLX runs attention,
+badly across its threads (a few rows cost far more than the one-row GEMV, though a
+single thread does them at nearly the cost of one), and MLX runs attention,
 whose cost grows with every row's context, on one thread.
 
 So while several sequences decode, ``CoreSplit`` runs OpenBLAS on one thread and

@@ -27,7 +27,7 @@ from app.engine.prompting import check_fits, render_chat, render_conversation_st
 from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
 from app.errors import EngineUnavailable, MemoryExhausted
-from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt, ToolSyntax
+from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ defaults
     log global
     option httplog
     # Stream tokens as they come: without it HAProxy holds back a small write for more
-    # (MSG_MORE), and an answer's first event reached the client ~0.25 s after the server sent it.
+    # (MSG_MORE), and an answer's first event reaches the client late by that wait.
     option http-no-delay
     timeout connect 2s
     timeout client 600s

@@ -81,7 +81,8 @@ def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any)
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         # FULL: a commit (a turn's history) is on disk when it returns, power loss included;
-        # NORMAL in WAL mode leaves the last commits in the page cache. ~0.3 ms a commit here.
+        # NORMAL in WAL mode leaves the last commits in the page cache. A commit is small
+        # (a turn's rows), so the fsync it waits for is too.
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.close()
 

@@ -157,7 +157,7 @@ def test_the_configuration_reference_lists_every_setting_as_the_code_defines_it(
 
 # -- the layers ------------------------------------------------------------------------------
 
-PACKAGES = ("api", "agents", "protocol", "engine", "cache", "catalog", "store")
+PACKAGES = ("api", "agents", "protocol", "engine", "cache", "catalog", "store", "pool")
 
 
 def _package_imports() -> dict[str, set[str]]:
