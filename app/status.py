@@ -86,6 +86,9 @@ def format_report(report: StatusReport) -> str:
         lines.append(f"server   {report.url}: {health.get('status')} (model {health.get('model')}, "
                      f"{health.get('backend')}, BLAS {health.get('blas')}, up {health.get('uptime_s', 0):.0f} s)")
         lines.append(f"queue    {health.get('queue_depth', 0)} waiting, {health.get('active_requests', 0)} active")
+        for prefill in health.get("prefilling") or []:
+            lines.append(f"prefill  {prefill['request_id']} (agent {prefill['agent_id']}): "
+                         f"{prefill['done_tokens']} of {prefill['total_tokens']} new tokens")
     cache = (health or {}).get("cache") or {}
     if cache:
         lines.append(f"pool     {_mib(cache['pool_bytes'])} of {_mib(cache['pool_budget_bytes'])}, "

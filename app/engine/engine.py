@@ -207,6 +207,7 @@ class Engine:
             swaps=published.swaps,
             split_cores=loaded is not None and loaded.cores is not None,
             kv=loaded.kv if loaded else None,
+            prefills=published.prefills,
         )
 
     @property

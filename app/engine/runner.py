@@ -43,7 +43,7 @@ from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
 from app.engine.model import LoadedModel
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
-from app.engine.timing import TurnClock
+from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
 from app.engine.surface import EngineCounters
 from app.errors import EngineUnavailable
 from app.types import GenerationRequest, Started
@@ -64,6 +64,7 @@ class RunnerSnapshot:
     hot: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # agent -> conversation -> tokens
     counters: EngineCounters = field(default_factory=EngineCounters)
     swaps: int = 0  # models swapped in since start
+    prefills: tuple[PrefillProgress, ...] = ()  # the prompts being prefilled
 
 
 class Runner(threading.Thread):
@@ -171,8 +172,10 @@ class Runner(threading.Thread):
         caches = self.caches
         hot = MappingProxyType({agent: MappingProxyType(conversations)
                                 for agent, conversations in caches.hot_by_agent().items()}) if caches else {}
+        prefills = tuple(PrefillProgress(s.job.request.request_id, s.job.request.agent_id, s.n_prefilled,
+                                         len(s.prompt_ids)) for s in self._prefilling)
         self.snapshot = RunnerSnapshot(self.loaded, self._loading, self.n_active, caches.stats() if caches else None,
-                                       hot, self._counters, self._swaps)
+                                       hot, self._counters, self._swaps, prefills)
 
     def _install(self, name: str) -> None:
         """Load model ``name`` with its own cache manager."""
@@ -339,6 +342,7 @@ class Runner(threading.Thread):
             elapsed = time.perf_counter() - start
             sequence.seconds_per_token = elapsed / n
             sequence.n_prefilled += n
+            self._log_progress(sequence, n)
             sequence.after_prefill()
             self._counters = self._counters.after_prefill(n, elapsed)
         if sequence.n_pending <= 0:
@@ -348,6 +352,16 @@ class Runner(threading.Thread):
             else:  # prefill only: the cache is the result
                 sequence.reason = "max_tokens"
                 self._finish(sequence, lambda: sequence.cache)
+
+    def _log_progress(self, sequence: Sequence, n: int) -> None:
+        """A long prompt's prefill logs a line at the chunk that crosses each quarter (a client
+        may see nothing for minutes on a CPU); ``n``: the tokens the chunk just computed."""
+        total = len(sequence.prompt_ids)
+        if total < LONG_PREFILL_CHUNKS * self._policy.step_tokens:
+            return
+        if quarter_reached(sequence.n_prefilled - n, sequence.n_prefilled, total) is not None:
+            log.info("request %s: prefill %d%% (%d of %d new tokens, %.0f tokens/s)", sequence.job.request.request_id,
+                     100 * sequence.n_prefilled // total, sequence.n_prefilled, total, 1 / sequence.seconds_per_token)
 
     def _begin_decoding(self, sequence: Sequence) -> None:
         assert self._batch is not None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
+from app.engine.timing import PrefillProgress
 from app.types import ChatMessage, ForkPoint, GenerationEvent, GenerationRequest, Prompt, ToolSyntax
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class EngineStatus:
     swaps: int  # models swapped in since start
     split_cores: bool  # batched decode steps are split over both CPU cores (cores.py)
     kv: KVChoice | None = None  # the loaded model's stored KV format, and why
+    prefills: tuple[PrefillProgress, ...] = ()  # the prompts being prefilled, and how far
 
 
 @runtime_checkable

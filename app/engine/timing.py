@@ -46,3 +46,26 @@ class TurnClock:
 
     def since_arrival(self, instant: float) -> float:
         return max(0.0, instant - self.arrived)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """A prompt being prefilled: its request, its agent, how many of its new tokens are done."""
+
+    request_id: str
+    agent_id: str | None
+    done: int
+    total: int
+
+
+LONG_PREFILL_CHUNKS = 4  # a prompt of at least this many prefill chunks logs its progress
+
+
+def quarter_reached(before: int, after: int, total: int) -> int | None:
+    """The last quarter (25, 50 or 75 percent) of ``total`` that a prefill chunk from
+    ``before`` to ``after`` tokens crossed, or None (the end is not a quarter: the turn's
+    own log line reports it)."""
+    if total <= 0 or after >= total:
+        return None
+    crossed = after * 4 // total
+    return crossed * 25 if crossed > before * 4 // total else None

@@ -19,6 +19,7 @@ from app import status
 from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.catalog.registry import Catalog
+from app.engine.timing import PrefillProgress
 from app.engine.surface import EngineCounters, EngineStatus, EngineSurface, GenerationJob, ModelInfo
 from app.errors import ContextTooLong, MemoryExhausted, Overloaded
 from app.main import create_app
@@ -61,6 +62,7 @@ class FakeEngine:
         self.submitted_at: list[float] = []  # time.perf_counter() as each was submitted
         self.parts = (0.002, 0.003, 0.005)  # the queue, restore and prefill seconds its jobs report
         self.hot: dict[str, dict[str, int]] = {}  # agent -> conversation -> tokens in memory
+        self.prefills: tuple[PrefillProgress, ...] = ()
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -113,7 +115,7 @@ class FakeEngine:
         return EngineStatus(healthy=not self.loading, loading=self.loading, model="fake", backend="none",
                             dtype="float32", context_length=CONTEXT, queue_depth=0, n_active=0,
                             cache=CacheStats(True, 0, 2**20, 0, 0, len(self.hot), len(self.hot_conversations()), 0),
-                            counters=EngineCounters(), swaps=0, split_cores=False, kv=kv)
+                            counters=EngineCounters(), swaps=0, split_cores=False, kv=kv, prefills=self.prefills)
 
 
 def test_the_fake_engine_and_the_engine_have_the_surface_the_api_sees(tmp_path: Path) -> None:
@@ -220,6 +222,19 @@ def test_health_says_loading_until_the_engine_is_ready(app) -> None:  # type: ig
     assert health["status"] == "ok"
     assert health["kv_format"] == {"name": "k6v4", "chosen_by": "calibration", "bytes_vs_fp16": 0.3438,
                                    "top1_agreement": 0.986, "perplexity_change": 0.0033, "kl_mean": 0.0011}
+
+
+def test_health_and_semantic_status_show_the_prefills_in_flight(
+        app, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    client, engine, _ = app
+    engine.prefills = (PrefillProgress("req_1", "planner", 1024, 4249),)
+    health = client.simulate_get("/health").json
+    assert health["prefilling"] == [{"request_id": "req_1", "agent_id": "planner", "done_tokens": 1024,
+                                     "total_tokens": 4249}]
+    monkeypatch.setattr(status, "read_health", lambda url: client.simulate_get("/health").json)
+    _, _, db = app
+    report = status.format_report(status.collect(Settings(home=db.parent), "http://fake"))
+    assert "prefill  req_1 (agent planner): 1024 of 4249 new tokens" in report
 
 
 def test_health_the_status_page_and_semantic_status_count_conversations_by_tier_alike(

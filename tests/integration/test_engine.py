@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Iterator
@@ -103,3 +104,17 @@ def test_cancel_stops_generation(engine: Engine) -> None:
             break
     finished = [e for e in events if isinstance(e, Finished)][0]
     assert finished.stop_reason == "cancelled" and finished.n_output_tokens < 200
+
+
+def test_a_long_prefill_logs_its_progress_by_quarters(engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A prompt of 4 prefill chunks or more says how far it is at 25, 50 and 75 percent (a
+    client may wait minutes on a CPU with nothing to show)."""
+    long = [ChatMessage("user", "Summarize these notes: " + "the meeting moved to Tuesday at noon; " * 150)]
+    prompt = engine.render(long)
+    assert prompt.n_tokens > 4 * 256
+    with caplog.at_level(logging.INFO, logger="app.engine.runner"):
+        run(engine, SamplingParams(temperature=0.0, max_tokens=1), prompt)
+    lines = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage() and "% (" in r.getMessage()]
+    percents = [int(line.split("prefill ")[1].split("%")[0]) for line in lines]
+    assert len(percents) == 3 and 25 <= percents[0] < 50 <= percents[1] < 75 <= percents[2] < 100, lines
+    assert all(f"of {prompt.n_tokens} new tokens" in line for line in lines), lines

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.timing import FirstToken, TurnClock
+from app.engine.timing import FirstToken, TurnClock, quarter_reached
 
 
 def test_the_parts_add_up_to_the_time_from_arrival_to_the_first_token() -> None:
@@ -30,3 +30,11 @@ def test_staging_never_counts_twice_nor_makes_the_queue_negative() -> None:
     assert parts.queue_s == 0.0 and parts.restore_s == pytest.approx(0.2 + 0.3)
     assert parts.ttft_s == pytest.approx(1.0)
     assert TurnClock(arrived=3.0, taken=3.0, leased=3.1).since_arrival(4.5) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("before,after,total,quarter", [
+    (0, 256, 1024, 25), (256, 512, 1024, 50), (0, 600, 1024, 50), (512, 767, 1024, None), (700, 1000, 1024, 75),
+    (768, 1024, 1024, None), (0, 100, 1000, None), (0, 10, 0, None)])
+def test_a_prefill_chunk_reports_the_quarter_it_crossed(before: int, after: int, total: int,
+                                                        quarter: int | None) -> None:
+    assert quarter_reached(before, after, total) == quarter
