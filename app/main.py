@@ -21,6 +21,7 @@ from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestConte
 from app.api.routes import Deps, add_routes
 from app.errors import ConfigError, EngineUnavailable, SemanticError
 from app.http_server import HEAD_TIMEOUT_S, make_server
+from app.interrupts import CtrlC
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
@@ -102,7 +103,9 @@ def _serve(settings: Settings) -> None:
     engine.start_loading()
     threading.Thread(target=_report_loaded, args=(engine, settings), name="semantic-load-watch", daemon=True).start()
     worker = start_worker(settings) if settings.worker else None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # graceful: what runs is finished
+    ctrl_c = CtrlC(engine)
+    ctrl_c.install()  # cancels what runs; a second Ctrl-C exits at once
     log.info("listening on http://%s:%d (model loading; /health says when ready; %.1f s after the process started)",
              settings.host, settings.port, process_age_s())
     try:
@@ -115,6 +118,8 @@ def _serve(settings: Settings) -> None:
             stop_worker(worker)
         engine.stop()
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
+    if ctrl_c.seen:
+        raise KeyboardInterrupt  # the command's exit status says so (130)
 
 
 def process_age_s() -> float:
@@ -180,7 +185,7 @@ def _report_loaded(engine: Engine, settings: Settings) -> None:
         engine.wait_loaded()
     except EngineUnavailable as exc:
         log.error("%s", exc)
-        _thread.interrupt_main()
+        _thread.interrupt_main(signal.SIGTERM)  # stops serving as SIGTERM does (SIGINT says Ctrl-C)
         return
     status = engine.status()
     log.info("model %s on %s ready, BLAS: %s, cache reuse %s (%.1f s after the process started)", status.model,

@@ -11,6 +11,7 @@ import falcon
 
 from app import __version__
 from app.agents.service import AgentService
+from app.api.page_key import key_form
 from app.catalog.hf_cache import list_cached
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
@@ -35,7 +36,11 @@ API_DOCS = {"POST /v1/messages": "https://docs.anthropic.com/en/api/messages",
 
 class RootResource:
     """``GET /``: links to the pages and the API references, as a page for a browser and as
-    JSON for anything else. Claude Code probes ``HEAD /`` before its first request."""
+    JSON for anything else. Claude Code probes ``HEAD /`` before its first request. With a
+    key set (``keyed``), the page has a key form: it lets the browser open the pages."""
+
+    def __init__(self, keyed: bool = False) -> None:
+        self._keyed = keyed
 
     def on_head(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.status = falcon.HTTP_200
@@ -47,9 +52,11 @@ class RootResource:
             return
         pages = "".join(f'<li><a href="{path}">{path}</a>: {what}</li>' for path, what in PAGES.values())
         docs = "".join(f'<li>{route}: <a href="{url}">{url}</a></li>' for route, url in API_DOCS.items())
+        form = key_form() if self._keyed else ""
         resp.content_type = "text/html; charset=utf-8"
         resp.text = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Semantic</title></head>'
-                     f"<body><h1>Semantic {__version__}</h1><ul>{pages}</ul><h2>API</h2><ul>{docs}</ul></body></html>")
+                     f"<body><h1>Semantic {__version__}</h1>{form}<ul>{pages}</ul><h2>API</h2><ul>{docs}</ul>"
+                     "</body></html>")
 
 
 class HealthResource:

@@ -18,7 +18,9 @@ servers, every request is checked before routing:
   never an attacker's public name rebound to this machine. Such a server must
   have an ``api_key`` (``exposure_problem``).
 - A request body must be ``application/json`` (415 otherwise): the content
-  types a page may send without a preflight are all refused.
+  types a page may send without a preflight are all refused. One exception: ``GET /``'s
+  key form posts ``application/x-www-form-urlencoded`` to ``/session``, with the
+  ``Origin`` header every browser sends on a POST, which must then be allowed.
 
 Allowed origins get CORS headers, so a local web UI can call the API.
 """
@@ -31,6 +33,7 @@ from urllib.parse import urlsplit
 
 import falcon
 
+from app.api.page_key import KEY_FORM_PATH
 from app.errors import Forbidden, UnsupportedMediaType
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -145,6 +148,8 @@ class LocalOnlyMiddleware:
                 return
         if req.method in BODY_METHODS and (req.content_length or 0) > 0:
             media_type = (req.content_type or "").split(";", 1)[0].strip().lower()
-            if media_type != "application/json":
+            key_form = req.path == KEY_FORM_PATH and origin is not None and \
+                media_type == "application/x-www-form-urlencoded"
+            if media_type != "application/json" and not key_form:
                 raise UnsupportedMediaType(f"content-type: request bodies must be application/json, "
                                            f"got {req.content_type or 'none'!r}")

@@ -10,6 +10,7 @@ from typing import Literal
 
 import falcon
 
+from app.api.page_key import KEY_FORM_PATH, cookie_admits
 from app.api.people_page import FILES as PAGE_FILES
 from app.errors import RequestTooLarge, Unauthorized
 
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 # Probes that must answer without a key (Claude Code's HEAD /, health checks).
 PROBES = frozenset({"/", "/health", "/metrics"})
 # What answers without a key: the probes, and the people page's files (they hold no data; its
-# script sends the key the user enters with each API call).
-OPEN_PATHS = PROBES | frozenset(PAGE_FILES)
+# script sends the key the user enters with each API call), and the key form's target.
+OPEN_PATHS = PROBES | frozenset(PAGE_FILES) | {KEY_FORM_PATH}
 
 
 Protocol = Literal["anthropic", "openai", "responses", "direct"]
@@ -84,13 +85,14 @@ class RequestContextMiddleware:
 
 
 class AuthMiddleware:
-    """Optional API key, accepted as ``x-api-key`` or ``Authorization: Bearer``."""
+    """Optional API key, accepted as ``x-api-key`` or ``Authorization: Bearer``; a browser
+    reading a page may show the page cookie instead (``page_key.py``)."""
 
     def __init__(self, api_key: str) -> None:
         self._key = api_key.encode()
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self._key or req.path in OPEN_PATHS:
+        if not self._key or req.path in OPEN_PATHS or cookie_admits(req, self._key):
             return
         bearer = (req.get_header("AUTHORIZATION") or "").removeprefix("Bearer ").strip()
         offered = req.get_header("X-API-KEY") or bearer

@@ -73,6 +73,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/status"): Operation("The operator page: engine, memory, caches by tier, agents, misses, jobs",
                                   answers="text/html"),
     ("GET", "/metrics"): Operation("Prometheus metrics", answers="text/plain"),
+    ("POST", "/session"): Operation("The key form of / (a browser's form, key=...): the right key sets the "
+                                    "HttpOnly page cookie that opens /status and /docs; 303 to /",
+                                    answers=None, status=303),
     **{("GET", path): Operation(f"The agents page: {name} (a static file, served without the key)",
                                 answers=content_type.split(";")[0])
        for path, (name, content_type) in PAGE_FILES.items()},

@@ -18,6 +18,7 @@ from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.metrics import Metrics, MetricsResource
 from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
+from app.api.page_key import KEY_FORM_PATH, PageKeyResource
 from app.api.people_page import FILES as PAGE_FILES, PageFileResource
 from app.api.status_page import StatusPageResource
 from app.settings import Settings
@@ -36,7 +37,8 @@ class Deps:
 
 
 def add_routes(app: falcon.App, deps: Deps) -> None:
-    app.add_route("/", RootResource())
+    app.add_route("/", RootResource(keyed=bool(deps.settings.api_key)))
+    app.add_route(KEY_FORM_PATH, PageKeyResource(deps.settings.api_key))
     app.add_route("/health", HealthResource(deps.engine, deps.agents, deps.settings.effective_server_id))
     app.add_route("/status", StatusPageResource(deps.engine, deps.sessions, deps.settings))
     for path, (name, content_type) in PAGE_FILES.items():

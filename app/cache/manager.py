@@ -65,6 +65,9 @@ class Lease:
     # Hybrid models: the recurrent-state checkpoints the turn has (reused) and takes as it
     # prefills (``checkpoints.py``); None for attention-only models.
     plan: CheckpointPlan | None = None
+    # In a pool: the agent's ownership epoch when the lease was taken. The turn's cache is
+    # stored only while it is still current (a turn begun under an older owner is fenced off).
+    epoch: int | None = None
 
     @property
     def n_reused(self) -> int:
@@ -295,12 +298,14 @@ class CacheManager:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         cache, plan = self._hybrid_lease(cache, n_reused, source)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
-                     tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan)
+                     tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan,
+                     self._epochs.get(source.agent_id))
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
         cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
-        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan)
+        epoch = self._epochs.get(agent_id) if agent_id is not None else None
+        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan, epoch=epoch)
 
     def _shared_prefix(self, prompt: Prompt) -> list[str]:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
@@ -320,7 +325,8 @@ class CacheManager:
         cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
-        return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable))
+        return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable),
+                     epoch=self._epochs.get(agent_id))
 
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""
@@ -351,6 +357,10 @@ class CacheManager:
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return None
         conversation_id = lease.conversation_id
+        if self._owner is not None and lease.epoch != self._epochs.get(lease.agent_id):
+            log.info("conversation %s: not stored, its turn began under ownership epoch %s of agent %s, now %s",
+                     conversation_id, lease.epoch, lease.agent_id, self._epochs.get(lease.agent_id))
+            return None
         checkpoints = self._checkpoints(lease, cache, record.n_tokens)
         cache = self._layout.attention(cache)
         if cache[0].offset != record.n_tokens:
@@ -379,7 +389,7 @@ class CacheManager:
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
-                                                  self._epochs.get(lease.agent_id))) if persist else None
+                                                  lease.epoch)) if persist else None
         if hot_ttl_s is not None and persist:
             self._hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,11 +100,24 @@ class Persister(threading.Thread):
             written = self._lock.wait_for(lambda: self._pending == 0, timeout_s)
         return written and (self._uploader is None or self._uploader.flush(timeout_s))
 
-    def stop(self, timeout_s: float = 30) -> None:
-        self._queue.put(None)
-        self.join(timeout_s)
-        if self._uploader is not None:
-            self._uploader.stop(timeout_s)
+    def stop(self, timeout_s: float = 30) -> bool:
+        """Write what is queued, then stop, within ``timeout_s`` in all (the shared tier's
+        uploads included): False, with a warning naming what is left unwritten, if the disk
+        (or the tier) does not keep up. Never blocks longer: a stalled disk cannot hold
+        shutdown (the thread is a daemon; the writes left are future cache misses)."""
+        deadline = time.monotonic() + timeout_s
+        try:  # a full queue waits for the disk: no longer than the deadline
+            self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        self.join(max(0.0, deadline - time.monotonic()))
+        if self.is_alive():
+            with self._lock:
+                left = self._pending
+            log.warning("cache persister: %d cache write(s) not done after %.0f s (a stalled disk?): "
+                        "stopping without them (those conversations' next turns prefill again)", left, timeout_s)
+            return False
+        return self._uploader is None or self._uploader.stop(max(0.0, deadline - time.monotonic()))
 
     def run(self) -> None:
         while (queued := self._queue.get()) is not None:

@@ -186,9 +186,17 @@ class Uploader(threading.Thread):
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
-    def stop(self, timeout_s: float = 30) -> None:
-        self._queue.put(None)
+    def stop(self, timeout_s: float = 30) -> bool:
+        """Upload what is queued, then stop, within ``timeout_s``: False, with a warning naming
+        the uploads left, if the tier does not keep up (the next turns upload again)."""
+        self._queue.put(None)  # unbounded: never waits
         self.join(timeout_s)
+        if self.is_alive():
+            with self._idle:
+                left = self._pending
+            log.warning("shared tier: %d upload(s) not done after %.0f s: stopping without them", left, timeout_s)
+            return False
+        return True
 
     def _known(self, key: str) -> bool:
         """Whether the block was seen in the tier recently enough to skip putting it."""

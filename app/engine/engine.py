@@ -107,6 +107,11 @@ class Engine:
         self._runner.stop()
         self._runner.join(timeout_s)
 
+    def cancel_all(self) -> None:
+        """Cancel every queued and running generation (Ctrl-C); returns at once. Each ends with
+        a cancelled ``Finished``, as when its client leaves; ``stop`` then has nothing to finish."""
+        self._runner.cancel_all()
+
     @property
     def loaded(self) -> LoadedModel:
         """The loaded model itself, the engine thread's (for tests and benchmarks; the API

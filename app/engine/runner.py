@@ -136,6 +136,21 @@ class Runner(threading.Thread):
         self._calls.put(None)
         self._wake.set()
 
+    def cancel_all(self) -> None:
+        """Cancel every queued and running generation (the server is stopping now), without
+        waiting: on this thread's next turn, queued jobs end cancelled and running ones stop at
+        their next token or prefill chunk, as when their clients leave."""
+        self._calls.put(Call(lambda _caches: self._cancel_all()))
+        self._wake.set()
+
+    def _cancel_all(self) -> None:
+        for sequence in [*self._prefilling, *self._decoding.values()]:
+            sequence.job.cancel()
+        for job in self._queue.take_all(lambda _job: True):
+            job.cancel()
+            log.info("request %s: cancelled while queued (the server is stopping)", job.request.request_id)
+            job.put(cancelled_in_queue(job))
+
     def run(self) -> None:
         try:
             self._install(self._default)

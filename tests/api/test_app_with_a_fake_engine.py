@@ -398,3 +398,36 @@ def test_a_direct_turn_refuses_a_conversation_it_cannot_rebuild(app, path: str, 
     assert refused.status_code == 400, refused.text
     assert "API" in refused.json["error"]["message"] and "continue it through" in refused.json["error"]["message"]
     assert query(db, "SELECT count(*) FROM messages") == stored
+
+
+def test_the_key_form_opens_the_pages_to_a_browser_and_to_nothing_else(keyed: falcon.testing.TestClient) -> None:
+    """With api_key set, / shows a key form; the right key sets an HttpOnly, SameSite=Strict
+    cookie (not the key) that opens /status, /docs and /openapi.json to a same-origin or
+    typed-in GET, never the API, a cross-site request or a wrong key's cookie."""
+    from app.api.page_key import COOKIE
+
+    browser = {"host": "localhost:8000", "origin": "http://localhost:8000"}
+    assert 'action="/session"' in keyed.simulate_get("/", headers={"accept": "text/html"}).text
+    for path in ("/status", "/docs", "/openapi.json"):
+        assert keyed.simulate_get(path).status_code == 401
+    wrong = keyed.simulate_post("/session", body="key=nope", headers={
+        **browser, "content-type": "application/x-www-form-urlencoded"})
+    assert wrong.status_code == 401 and COOKIE not in wrong.cookies
+    signed = keyed.simulate_post("/session", body="key=the-key", headers={
+        **browser, "content-type": "application/x-www-form-urlencoded"})
+    assert signed.status_code == 303 and signed.headers["location"] == "/"
+    cookie = signed.cookies[COOKIE]
+    assert cookie.http_only and cookie.same_site == "Strict" and cookie.value != "the-key"
+    sent = {"cookie": f"{COOKIE}={cookie.value}", "host": "localhost:8000"}
+    for path in ("/status", "/docs", "/openapi.json"):
+        for fetch_site in ({}, {"sec-fetch-site": "same-origin"}, {"sec-fetch-site": "none"}):
+            assert keyed.simulate_get(path, headers={**sent, **fetch_site}).status_code == 200, (path, fetch_site)
+        assert keyed.simulate_get(path, headers={**sent, "sec-fetch-site": "cross-site"}).status_code == 401
+    assert keyed.simulate_get("/v1/models", headers=sent).status_code == 401  # the API wants its header
+    assert keyed.simulate_post("/v1/messages", json=MESSAGES, headers=sent).status_code == 401
+    assert keyed.simulate_get("/status", headers={"cookie": f"{COOKIE}=forged"}).status_code == 401
+    foreign = keyed.simulate_post("/session", body="key=the-key", headers={
+        "origin": "https://evil.example", "content-type": "application/x-www-form-urlencoded"})
+    assert foreign.status_code == 403  # no other site's page posts the form
+    assert keyed.simulate_post("/session", body="key=the-key", headers={
+        "content-type": "application/x-www-form-urlencoded"}).status_code == 415  # a form comes from a browser

@@ -178,6 +178,40 @@ def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(
     b.close()
 
 
+def test_a_turn_begun_under_an_older_epoch_is_not_stored_after_the_agent_came_back(tmp_path: Path,
+                                                                                    s3_url: str) -> None:
+    """The fence is the epoch at lease, not at commit: a's turn starts (epoch 1), b takes the
+    agent over (epoch 2) and stores a turn, another turn brings the agent back to a (epoch 3),
+    then a's first turn ends. It began before b's turn, so it is stored neither in the index nor
+    in a's memory. Read at commit, epoch 3 was current: a's 640 tokens replaced b's 630."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(7)
+    first, late, more, other = (rng.integers(0, VOCAB, n).tolist() for n in (600, 40, 30, 20))
+    a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
+    b = server(tmp_path, "b", n_layers, S3Tier(s3_url), owner="b")
+    lease = a.lease("a", "c", as_prompt(first))
+    forward(model, lease.cache, first)
+    a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    assert a.flush(60)
+    slow = a.lease("a", "c", as_prompt(first + late))  # a's long turn, begun under epoch 1
+    forward(model, slow.cache, late)
+
+    lease = b.lease("a", "c", as_prompt(first + more))
+    forward(model, lease.cache, more)
+    b.commit(lease, CacheRecord(*_record_fields(first + more)), lease.cache)
+    assert b.flush(60)
+    a.lease("a", "c2", as_prompt(other))  # another of the agent's turns reaches a: epoch 3
+    assert query(tmp_path / "pool.db", "SELECT server_id, epoch FROM owners") == [("a", 3)]
+
+    a.commit(slow, CacheRecord(*_record_fields(first + late)), slow.cache)
+    assert a.flush(60)
+    assert query(tmp_path / "pool.db", "SELECT n_tokens FROM caches WHERE conversation_id = 'c'") == [(630,)]
+    assert a.lease("a", "c", as_prompt(first + more + other)).n_reused == 630  # b's, from the store
+    a.close()
+    b.close()
+
+
 def test_tier_gc_deletes_only_old_objects_no_row_names(tmp_path: Path, s3_url: str) -> None:
     from datetime import timedelta
 

@@ -1,0 +1,47 @@
+"""Shutdown with a stalled disk: the cache persister stops within its deadline and says what
+it leaves unwritten, instead of holding the process (issue 35, item 15)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from app.cache import persist
+from app.cache.files import CacheFiles
+from app.cache.persist import Persister, Snapshot
+from app.cache.records import CacheRecord, ConversationCache
+from app.store.db import make_engine, make_session_factory, upgrade
+
+
+def snapshot(conversation: str) -> Snapshot:
+    record = CacheRecord((1, 2, 3), "abc", (1, 2, 3))
+    return Snapshot(ConversationCache("agent", conversation, record, (), None), {})
+
+
+def test_stop_with_a_stalled_disk_and_a_full_queue_returns_by_its_deadline(tmp_path: Path, monkeypatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    files = CacheFiles(tmp_path / "blocks", "f" * 64)
+    disk = threading.Event()  # the disk is stuck until set
+    monkeypatch.setattr(files, "write_record", lambda _cache: disk.wait(60))
+    monkeypatch.setattr(persist, "MAX_QUEUED", 4)
+    persister = Persister(files, make_session_factory(make_engine(url)))
+    persister.start()
+    try:
+        persister.submit(snapshot("c0")).wait(0.2)  # taken by the thread: it hangs on the disk
+        for i in range(1, 5):
+            persister.submit(snapshot(f"c{i}"))  # the queue is full now
+        stopped: list[bool] = []
+        stopper = threading.Thread(target=lambda: stopped.append(persister.stop(timeout_s=1)), daemon=True)
+        with caplog.at_level(logging.WARNING, logger="app.cache.persist"):
+            stopper.start()
+            stopper.join(10)
+        assert not stopper.is_alive(), "stop() hung on the stalled disk"
+        assert stopped == [False]
+        assert "5 cache write(s) not done after 1 s" in caplog.text
+    finally:
+        disk.set()
