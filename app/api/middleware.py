@@ -22,7 +22,7 @@ PROBES = frozenset({"/", "/health", "/metrics"})
 OPEN_PATHS = PROBES | frozenset(PAGE_FILES)
 
 
-Protocol = Literal["anthropic", "openai", "responses", "direct"]
+Protocol = Literal["anthropic", "openai", "responses", "direct", "ollama"]
 
 
 def protocol_of(path: str) -> Protocol:
@@ -35,6 +35,8 @@ def protocol_of(path: str) -> Protocol:
         return "responses"
     if path == "/v1/agents" or path.startswith("/v1/agents/"):
         return "direct"
+    if path.startswith("/api/"):
+        return "ollama"
     return "anthropic"
 
 
