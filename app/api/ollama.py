@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import falcon
@@ -26,7 +27,7 @@ from app.protocol import ollama, openai
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import validate
 from app.settings import Settings
-from app.types import GenerationEvent
+from app.types import Finished, GenerationEvent
 
 if TYPE_CHECKING:
     from app.engine.surface import EngineSurface, ModelInfo
@@ -43,7 +44,7 @@ def _line(value: dict[str, Any]) -> bytes:
 
 
 def _dialect(chat: bool) -> Dialect:
-    def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Any) -> dict[str, Any]:
+    def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
         if chat:
             return ollama.render_chat(completion_id, parsed, text, finished, time.time())
         return ollama.render_generate(parsed, text, finished, time.time())
@@ -102,10 +103,10 @@ def _architecture(info: ModelInfo) -> str:
         return "unknown"
 
 
-def _size(path: Any) -> int:
+def _size(path: Path) -> int:
     try:
         return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    except (OSError, AttributeError):
+    except OSError:
         return 0
 
 
