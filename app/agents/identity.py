@@ -1,6 +1,6 @@
 """Which agent a request belongs to, from what the client sent. Pure.
 
-Order (SPEC "Agent identity"): the direct API's URL id; OpenAI ``session_id`` /
+Order (SPEC "Agent identity"): the direct API's URL id; OpenAI (and Ollama) ``session_id`` /
 ``X-Session-ID``; Anthropic ``X-Claude-Code-Session-Id``, the ``session_id``
 inside ``metadata.user_id``, or ``X-Session-ID``; the Responses API: Codex's
 ``session-id`` or ``X-Session-ID`` (or the agent of ``previous_response_id``).
@@ -26,7 +26,7 @@ from app.types import SESSION_ID_PATTERN
 
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 # How an agent came to be known: the API that named it, or its content.
-ORIGINS = frozenset({"direct", "openai", "anthropic", "responses", "content"})
+ORIGINS = frozenset({"direct", "openai", "anthropic", "responses", "ollama", "content"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +52,12 @@ def anthropic_agent(headers: Mapping[str, str], metadata_session: str | None) ->
     return None
 
 
-def openai_agent(headers: Mapping[str, str], body_session: str | None) -> AgentKey | None:
-    """The agent an OpenAI request names: ``session_id`` in the body, else ``X-Session-ID``."""
+def openai_agent(headers: Mapping[str, str], body_session: str | None, origin: str = "openai") -> AgentKey | None:
+    """The agent an OpenAI request names: ``session_id`` in the body, else ``X-Session-ID``
+    (the Ollama API names it the same way, ``origin`` "ollama")."""
     for where, candidate in (("session_id", body_session), ("X-Session-ID", headers.get("X-SESSION-ID"))):
         if candidate:
-            return AgentKey(_checked(candidate, where), "openai")
+            return AgentKey(_checked(candidate, where), origin)
     return None
 
 

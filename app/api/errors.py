@@ -11,7 +11,7 @@ from sqlalchemy.exc import OperationalError
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
                         MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
                         Unauthorized, UnsupportedMediaType)
-from app.protocol import anthropic, openai, responses_output
+from app.protocol import anthropic, ollama, openai, responses_output
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ STORE_RETRY_AFTER_S = 5
 ErrorRenderer = Callable[[int, str, SemanticError | None], dict[str, Any]]  # status, message, the error if ours
 RENDERERS: dict[str, ErrorRenderer] = {"anthropic": lambda status, message, _: anthropic.render_error(status, message),
                                        "openai": lambda status, message, _: openai.render_error(status, message),
-                                       "responses": responses_output.render_error}
+                                       "responses": responses_output.render_error,
+                                       "ollama": lambda status, message, _: ollama.render_error(status, message)}
 RENDERERS["direct"] = RENDERERS["anthropic"]  # the direct API answers errors as the Anthropic API does
 
 

@@ -83,6 +83,7 @@ class Dialect:
     history_entry: Callable[[dict[str, Any]], tuple[str, Any]] = chat_entry  # (role, content) history keeps
     # The response object to keep with the turn (the Responses API's ``store``); None: nothing.
     stored_response: Callable[[str, ParsedTurn, str, Finished], dict[str, Any] | None] | None = None
+    stream_media_type: str = "text/event-stream"  # what render_stream's bytes are (Ollama: NDJSON)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class GenerationResource:
         # waitress tells whether the client hung up (the server keeps reading the socket).
         client_gone = req.env.get("waitress.client_disconnected")
         if turn.parsed.stream:
-            resp.content_type = "text/event-stream"
+            resp.content_type = self._dialect.stream_media_type
             resp.set_header("cache-control", "no-cache")
             resp.stream = SseStream(self._stream(turn, job, client_gone), job.cancel)
             return

@@ -1,4 +1,4 @@
-"""Operational endpoints: HEAD and GET /, GET /health, GET /v1/models."""
+"""Operational endpoints: HEAD and GET /, GET /health, GET /v1/models (and the model list it shows)."""
 
 from __future__ import annotations
 
@@ -117,6 +117,20 @@ def _kv_format(kv: KVChoice | None) -> dict | None:
             "kl_mean": round(measured.kl_mean, 5) if measured else None}
 
 
+def model_entries(settings: Settings, engine: EngineSurface) -> dict[str, tuple[float, str | None]]:
+    """The models a request may name: name -> (when it was made, the model it is an alias of or None)."""
+    catalog = engine.catalog
+    created = {m.name: m.created_at for m in list_models(settings.models_dir) if catalog.servable(m.name)}
+    if catalog.any_installed:
+        created.update({m.repo_id: m.snapshot.stat().st_mtime for m in list_cached(catalog.hf_cache)})
+    for name, path in catalog.paths.items():
+        if path.exists():
+            created.setdefault(name, path.stat().st_mtime)
+    entries = {name: (when, None) for name, when in created.items()}
+    entries.update({alias: (created.get(target, 0.0), target) for alias, target in catalog.aliases.items()})
+    return dict(sorted(entries.items()))
+
+
 class ModelsResource:
     """Installed models and the aliases of the configuration, in a shape both the
     Anthropic and OpenAI SDKs read."""
@@ -127,14 +141,7 @@ class ModelsResource:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         served, catalog = self._engine.model, self._engine.catalog
-        created = {m.name: m.created_at for m in list_models(self._settings.models_dir) if catalog.servable(m.name)}
-        if catalog.any_installed:
-            created.update({m.repo_id: m.snapshot.stat().st_mtime for m in list_cached(catalog.hf_cache)})
-        for name, path in catalog.paths.items():
-            if path.exists():
-                created.setdefault(name, path.stat().st_mtime)
-        entries = {name: (when, None) for name, when in created.items()}
-        entries.update({alias: (created.get(target, 0.0), target) for alias, target in catalog.aliases.items()})
+        entries = model_entries(self._settings, self._engine)
         data = [
             {
                 "id": name, "type": "model", "object": "model", "display_name": name,

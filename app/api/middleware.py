@@ -23,7 +23,7 @@ PROBES = frozenset({"/", "/health", "/metrics"})
 OPEN_PATHS = PROBES | frozenset(PAGE_FILES) | {KEY_FORM_PATH}
 
 
-Protocol = Literal["anthropic", "openai", "responses", "direct"]
+Protocol = Literal["anthropic", "openai", "responses", "direct", "ollama"]
 
 
 def protocol_of(path: str) -> Protocol:
@@ -36,6 +36,8 @@ def protocol_of(path: str) -> Protocol:
         return "responses"
     if path == "/v1/agents" or path.startswith("/v1/agents/"):
         return "direct"
+    if path.startswith("/api/"):
+        return "ollama"
     return "anthropic"
 
 

@@ -26,6 +26,7 @@ from app.api.middleware import OPEN_PATHS, protocol_of
 from app.api.people_page import FILES as PAGE_FILES
 from app.errors import InvalidRequest
 from app.protocol.anthropic import MessagesBody
+from app.protocol.ollama import OllamaChatBody, OllamaGenerateBody, OllamaShowBody
 from app.protocol.openai import ChatBody
 from app.protocol.responses import ResponsesBody
 
@@ -58,7 +59,8 @@ class Operation:
     body: Body | None = None
     answers: str | None = "application/json"  # the success body's media type (None: no body)
     status: int = 200
-    streams: bool = False  # answers text/event-stream when the body sets "stream": true
+    streams: bool = False  # answers a stream (``stream_type``) when the body sets "stream": true
+    stream_type: str = "text/event-stream"  # server-sent events; the Ollama API's: NDJSON
     query: tuple[Param, ...] = ()
     description: str = ""
 
@@ -107,6 +109,19 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "The agent's next turn: send only the new messages; the server keeps the history",
         Body(MessagesBody, "AgentGenerateBody", keep=_GENERATE, required=("messages",)), streams=True),
     ("GET", "/v1/agents/{agent_id}/history"): Operation("The agent's stored messages"),
+    ("POST", "/api/chat"): Operation(
+        "Ollama chat: the next assistant message", Body(OllamaChatBody), streams=True, stream_type="application/x-ndjson",
+        description="Streams NDJSON unless `stream` is false (Ollama's default is to stream). `session_id` or "
+                    "`X-Session-ID` name the agent; without them the conversation is recognised by its messages."),
+    ("POST", "/api/generate"): Operation(
+        "Ollama generate: a completion of `prompt` (with `system`) through the chat template",
+        Body(OllamaGenerateBody), streams=True, stream_type="application/x-ndjson",
+        description="Streams NDJSON unless `stream` is false. `context`, `raw`, `suffix`, `template`, `images` "
+                    "and `format` are refused by name."),
+    ("GET", "/api/tags"): Operation("Ollama: the models a request may name"),
+    ("POST", "/api/show"): Operation("Ollama: one model's details and context length", Body(OllamaShowBody)),
+    ("GET", "/api/ps"): Operation("Ollama: the loaded model"),
+    ("GET", "/api/version"): Operation("Ollama: this server's version"),
     ("POST", "/v1/agents/{agent_id}/fork"): Operation(
         "A new agent continuing this one's latest conversation, warm from its first turn",
         Body(ForkAgent, optional=True), status=201),
@@ -114,7 +129,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 
 # The API each path speaks, for its error body's shape (``api.errors`` renders by protocol).
 ERROR_SCHEMAS = {"anthropic": "AnthropicError", "openai": "OpenAIError", "responses": "ResponsesError",
-                 "direct": "AnthropicError"}
+                 "direct": "AnthropicError", "ollama": "OllamaError"}
 _PLACEHOLDER = "\x00text"  # a string the renderer copies from its arguments (a message, a field)
 
 
@@ -139,7 +154,8 @@ def build_document(app: falcon.App, api_key_required: bool) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "Semantic", "version": __version__,
                  "description": "A local LLM inference server with persistent per-agent KV caches: the Anthropic "
-                                "Messages API, OpenAI Chat Completions and Responses, and a stateful agents API."},
+                                "Messages API, OpenAI Chat Completions and Responses, the Ollama API, and a stateful agents "
+                                "API."},
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": {
             "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",
@@ -178,8 +194,9 @@ def _operation(method: str, template: str, names: list[str], refs: dict[Body, st
     if op.answers is not None:
         success["content"] = {op.answers: {}}
         if op.streams:
-            success["content"]["text/event-stream"] = {"schema": {
-                "type": "string", "description": "server-sent events, when the body sets `stream: true`"}}
+            kind = "server-sent events" if op.stream_type == "text/event-stream" else "one JSON object a line"
+            success["content"][op.stream_type] = {"schema": {
+                "type": "string", "description": f"{kind}, when the body sets `stream: true`"}}
     result["responses"] = {str(op.status): success, "default": _error_response(template)}
     if api_key_required and template in OPEN_PATHS:
         result["security"] = []  # the probes answer without the key

@@ -16,6 +16,8 @@ from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHisto
 from app.api.chat import OPENAI
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
+from app.api.ollama import (OLLAMA_CHAT, OLLAMA_GENERATE, OllamaGenerationResource, PsResource, ShowResource,
+                            TagsResource, VersionResource)
 from app.api.metrics import Metrics, MetricsResource
 from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
 from app.api.page_key import KEY_FORM_PATH, PageKeyResource
@@ -52,6 +54,13 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))
     app.add_route("/v1/responses/{response_id}", ResponseResource(deps.agents))
+    for path, dialect in (("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE)):
+        generation = GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics)
+        app.add_route(path, OllamaGenerationResource(generation, deps.engine, chat=dialect is OLLAMA_CHAT))
+    app.add_route("/api/tags", TagsResource(deps.settings, deps.engine))
+    app.add_route("/api/show", ShowResource(deps.engine))
+    app.add_route("/api/ps", PsResource(deps.engine))
+    app.add_route("/api/version", VersionResource())
     direct = GenerationResource(ANTHROPIC, deps.settings, deps.engine, deps.agents, metrics)  # protocol "direct"
     app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))

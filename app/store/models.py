@@ -83,7 +83,7 @@ class Request(Base):
     agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), index=True)
     conversation_id: Mapped[str | None] = mapped_column(ForeignKey("conversations.id", ondelete="SET NULL"),
                                                         index=True)
-    protocol: Mapped[str] = mapped_column(String(16))  # anthropic / openai / responses / direct (protocol_of)
+    protocol: Mapped[str] = mapped_column(String(16))  # anthropic / openai / responses / direct / ollama (protocol_of)
     model: Mapped[str | None] = mapped_column(String(256))  # as requested
     served_model: Mapped[str | None] = mapped_column(String(256))
     stream: Mapped[bool] = mapped_column(default=False)

@@ -313,6 +313,8 @@ def test_every_route_but_the_probes_wants_the_key(keyed: falcon.testing.TestClie
                 shape = result.json
                 if protocol_of(path) in ("anthropic", "direct"):
                     assert shape["type"] == "error" and shape["error"]["type"] == "authentication_error", shape
+                elif protocol_of(path) == "ollama":
+                    assert set(shape) == {"error"} and "API key" in shape["error"], shape
                 else:
                     assert "API key" in shape["error"]["message"], shape
                 checked += 1

@@ -47,6 +47,10 @@ EXAMPLES: dict[str, list[dict[str, Any]]] = {
     "/v1/agents/{agent_id}/generate": [VALID["/v1/agents/fuzz-direct/generate"],
                                        {"messages": [{"role": "user", "content": "Hi"}]}],
     "/v1/agents/{agent_id}/fork": [{"id": "forked", "at_turn": 0, "metadata": {"why": "try"}}, {}],
+    "/api/chat": [VALID["/api/chat"], {"model": "fake", "messages": [{"role": "user", "content": "Hi"}],
+                                       "stream": False}],
+    "/api/generate": [VALID["/api/generate"], {"model": "fake", "prompt": "Hi", "stream": False}],
+    "/api/show": [{"model": "fake"}, {"name": "fake", "verbose": True}],
 }
 INVALID: dict[str, dict[str, Any]] = {
     "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
@@ -56,6 +60,9 @@ INVALID: dict[str, dict[str, Any]] = {
     "/v1/agents": {"id": "a b", "system_prompt": "Be brief."},
     "/v1/agents/{agent_id}/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0},
     "/v1/agents/{agent_id}/fork": {"at_turn": -1},
+    "/api/chat": {"model": "fake", "messages": [{"role": "robot", "content": "Hi"}]},
+    "/api/generate": {"model": "fake", "prompt": 5},
+    "/api/show": {"model": ""},
 }
 
 

@@ -62,6 +62,15 @@ VALID = {
                    "prefill": False},
     "/v1/agents/fuzz-direct/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
     "/v1/agents/fuzz-direct/fork": {"id": "fuzz-fork", "at_turn": 0, "metadata": {"k": "v"}},
+    "/api/chat": {"model": "fake", "stream": False, "session_id": "fuzz-ollama", "keep_alive": "5m",
+                  "options": {"temperature": 0, "top_k": 40, "num_predict": 8, "stop": ["x"], "num_ctx": 4096},
+                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                  "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                               {"role": "assistant", "content": "", "tool_calls": [
+                                   {"function": {"name": "f", "arguments": {"a": 1}}}]},
+                               {"role": "tool", "content": "ok", "tool_name": "f"}]},
+    "/api/generate": {"model": "fake", "stream": False, "prompt": "Hi", "system": "Be brief.",
+                      "options": {"temperature": 0.5, "top_p": 0.9, "num_predict": 8}},
 }
 ROUTES = list(VALID)
 
@@ -147,6 +156,8 @@ def check(client: falcon.testing.TestClient, db: str, route: str, status: int | 
         error = response.json
         if route in ("/v1/chat/completions", "/v1/responses"):  # OpenAI's shape
             assert set(error["error"]) >= {"message", "type", "param", "code"}, response.text
+        elif route.startswith("/api/"):  # Ollama's
+            assert set(error) == {"error"} and isinstance(error["error"], str), response.text
         else:  # Anthropic's, which the direct API shares
             assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, response.text
         assert after == before, (route, request)
