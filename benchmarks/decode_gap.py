@@ -9,7 +9,7 @@ Semantic's carries ``speculate: false`` (plain decoding only). Each request gets
 user message, so every prompt is prefilled cold: the decode measured is the same work on
 both servers. Per request: seconds to the first content delta, to the last, to the stream's
 end, the decode rate over the deltas after the first, and the median gap between deltas.
-``--py-spy DIR`` samples Semantic's server process (all threads, idle ones left out)
+``--py-spy DIR`` samples Semantic's server process (every thread, waiting ones too)
 during its measured requests into DIR/semantic.txt (py-spy's collapsed stacks; needs
 py-spy in the venv). For Semantic it also reads its own decode-step seconds per token
 (``/health``'s ``engine`` totals over the measured requests): the rest of a delta's gap is
@@ -107,7 +107,7 @@ def main() -> None:
                 measure(name, server.url, model, prompts[:1], args.reply_tokens, extra)  # warm before sampling
                 args.py_spy.mkdir(parents=True, exist_ok=True)
                 spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw",
-                                        "--rate", "200", "--pid", str(server.process.pid),
+                                        "--rate", "200", "--idle", "--threads", "--pid", str(server.process.pid),
                                         "-o", str(args.py_spy / "semantic.txt")],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1)
