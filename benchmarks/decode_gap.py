@@ -1,7 +1,7 @@
 """Plain decode against mlx_lm.server: where a streamed turn's time goes past the model.
 
     .venv/bin/python benchmarks/decode_gap.py [--servers semantic mlx_lm] [--reply-tokens 96]
-        [--prompt-tokens 1000] [--repeats 3] [--py-spy DIR]
+        [--prompt-words 1000] [--repeats 3] [--py-spy DIR]
 
 Each server (one after another, both on OpenBLAS as in ``peers.py``) serves SmolLM2 and
 gets the same streamed, greedy OpenAI chat request ``--repeats`` times after one warm-up;
@@ -83,13 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", choices=["semantic", "mlx_lm"], default=["semantic", "mlx_lm"])
     parser.add_argument("--reply-tokens", type=int, default=96)
-    parser.add_argument("--prompt-tokens", type=int, default=1000, help="about this many words of user message")
+    parser.add_argument("--prompt-words", type=int, default=1000, help="words of the user message")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--py-spy", type=Path, help="write Semantic's sampled stacks here")
     args = parser.parse_args()
     model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct")
     rng = random.Random(0)
-    prompts = [user_message(rng, args.prompt_tokens) for _ in range(args.repeats + 1)]
+    prompts = [user_message(rng, args.prompt_words) for _ in range(args.repeats + 1)]
     scratch = SCRATCH / "decode-gap"
     scratch.mkdir(parents=True, exist_ok=True)
     print(f"load average before: {os.getloadavg()}", flush=True)
