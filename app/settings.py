@@ -63,10 +63,10 @@ class Settings:
         "Multiplicative penalty on the last 20 tokens' logits (1.0 = off); small models under long agent prompts "
         "fall into loops without it."))
     speculative_tokens: int = setting(8, (
-        "The longest speculative draft, in tokens: greedy requests (temperature 0) guess the next tokens from the "
-        "conversation (prompt-lookup n-grams) and the model checks them in one forward pass, with the same output "
-        "token for token. 0 = off. Requests at a temperature above 0 never speculate; a request turns it off with "
-        "speculate false (OpenAI chat completions)."))
+        "The longest speculative draft, in tokens: requests guess the next tokens from the conversation "
+        "(prompt-lookup n-grams) and the model checks them in one forward pass, with the same output token for "
+        "token when greedy (temperature 0) and the same distribution when sampling (exact speculative sampling). "
+        "0 = off; a request turns it off with speculate false (OpenAI, Anthropic, Responses, direct agent API)."))
     max_output_tokens: int = setting(131072, "Upper bound for a request's max_tokens; larger values are a 400.")
     default_max_tokens: int = setting(512, (
         "Output bound of requests that set none (OpenAI may omit max_tokens; the direct API too)."))

@@ -89,7 +89,7 @@ class SamplingParams:
     max_tokens: int = 256  # 0: no output, prefill only
     stop_sequences: tuple[str, ...] = ()  # end the turn before these (not sent)
     end_after: tuple[str, ...] = ()  # end the turn once the output has one of these (sent): a tool call's end
-    speculate: bool = True  # greedy decoding may draft from the conversation (app/engine/speculation.py)
+    speculate: bool = True  # decoding may draft from the conversation (app/engine/speculation.py)
 
 
 @dataclass(frozen=True, slots=True)

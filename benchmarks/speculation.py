@@ -1,6 +1,7 @@
 """Speculative decoding (prompt-lookup drafts) on agent-shaped replies: what it buys.
 
-    .venv/bin/python benchmarks/speculation.py [--max-tokens 160] [--rounds 2]
+    .venv/bin/python benchmarks/speculation.py [--max-tokens 160] [--rounds 2] [--temperature 0]
+        [--workloads edit prose]
 
 SmolLM2-135M in process (the server's ``Engine``, cache reuse off so every turn is
 cold and computes the same prompt), greedy, four replies an agent writes:
@@ -19,6 +20,9 @@ first over the time after the first; the turn's time is from submit to the end,
 prefill included. Acceptance: draft tokens the model agreed with, of those
 proposed. Prints a table, writes benchmarks/results/speculation.json and
 speculation.png; checks that both outputs are the same token for token.
+``--temperature T`` above 0 samples instead (exact speculative sampling: the outputs
+differ, their distribution does not; "same" is not checked) and writes
+speculation-tT.json / .png.
 """
 
 from __future__ import annotations
@@ -127,12 +131,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     engine = start_engine(ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct"))
     try:
         runs = []
-        for name in WORKLOADS:
-            greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        for name in args.workloads:
+            greedy = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
             results: dict[str, list[dict]] = {"off": [], "on": []}
             for round_ in range(args.rounds):
                 order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
@@ -140,7 +146,8 @@ def main() -> None:
                     sampling = dataclasses.replace(greedy, speculate=mode == "on")
                     results[mode].append(turn(engine, name, sampling, f"{name}-{mode}-{round_}"))
             off, on = (max(results[m], key=lambda r: r["decode_tps"]) for m in ("off", "on"))
-            same = all(r["tokens"] == results["off"][0]["tokens"] for r in results["off"] + results["on"])
+            same = all(r["tokens"] == results["off"][0]["tokens"] for r in results["off"] + results["on"]) \
+                if args.temperature == 0 else None
             runs.append({"workload": name, "n_output": on["n_output"], "same_output": same,
                          "floor_tps": floor(engine, name, on["n_output"]),
                          "off_tps": off["decode_tps"], "on_tps": on["decode_tps"],
@@ -155,13 +162,14 @@ def main() -> None:
                 [[r["workload"], r["n_output"], r["floor_tps"], r["off_tps"], r["on_tps"], r["on_tps"] / r["off_tps"],
                   r["off_turn_s"], r["on_turn_s"], f"{r['accepted']}/{r['drafted']} ({r['acceptance']:.0%})",
                   r["same_output"]] for r in runs])
-    path = write_results("speculation", {"device": device(), "blas": blas_in_use(), "args": vars(args),
+    name = "speculation" if args.temperature == 0 else f"speculation-t{args.temperature:g}"
+    path = write_results(name, {"device": device(), "blas": blas_in_use(), "args": vars(args),
                                          "runs": runs})
     print(f"wrote {path}")
-    plot(runs)
+    plot(runs, name)
 
 
-def plot(runs: list[dict]) -> None:
+def plot(runs: list[dict], name: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -177,7 +185,7 @@ def plot(runs: list[dict]) -> None:
     ax.set_ylabel("decode tok/s (greedy)")
     ax.set_title("Prompt-lookup speculation, SmolLM2-135M (draft acceptance above)")
     ax.legend(fontsize=7)
-    save_plot(fig, "speculation")
+    save_plot(fig, name)
 
 
 if __name__ == "__main__":

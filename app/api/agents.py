@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from app.engine.surface import EngineSurface
 
 SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
-                   "tools", "tool_choice", "thinking")
+                   "tools", "tool_choice", "thinking", "speculate")
 
 log = logging.getLogger(__name__)
 

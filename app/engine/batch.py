@@ -8,9 +8,9 @@ cache back, exactly as long as its prompt plus the tokens it was given and used.
 Caches of different lengths are left-padded into one ``BatchKVCache`` and the
 padding is masked, so each sequence attends to its own tokens only.
 
-A sequence that may speculate (greedy, no logits processors, a cache that trims
-exactly: ``speculation.py``) and decodes alone leaves the ``GenerationBatch`` for a
-``speculation.Lane``: it drafts from its own conversation and may get several
+A sequence that may speculate (no logits processors, a cache that trims exactly:
+``speculation.py``; greedy, or sampling, verified by exact speculative sampling) and
+decodes alone leaves the ``GenerationBatch`` for a ``speculation.Lane``: it drafts from its own conversation and may get several
 tokens a step. When another sequence joins, the lane goes back into the batch
 (one token a step each); when the batch is down to that sequence again, it
 leaves again. Either way the state moved is the same: the cache of the tokens
@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from app.engine.drafting import DraftLength, PromptLookup
+from app.engine.sampled_drafts import Distribution
 from app.engine.speculation import Lane, can_trim_exactly
 
 NO_STOPS = StopSequences()  # the engine decides when a sequence ends (stop tokens, stop strings, cancel)
@@ -42,6 +43,8 @@ class _Drafting:
 
     lookup: PromptLookup
     length: DraftLength
+    sampler: Callable[[mx.array], mx.array]  # its sampler in the batch
+    distribution: Distribution | None  # what it samples from in a lane (None: greedy)
     owed: int | None = None  # its next token, fed on joining the batch, not handed out yet
 
 
@@ -73,16 +76,20 @@ class DecodeBatch:
         return (drafting.length.drafted, drafting.length.accepted) if drafting else (0, 0)
 
     def add(self, uid: int, cache: list[KVCache], last_token: int, context: Sequence[int],
-            sampler: Callable[[mx.array], mx.array], processors: Sequence[Any], speculate: bool = False) -> None:
+            sampler: Callable[[mx.array], mx.array], processors: Sequence[Any], speculate: bool = False,
+            distribution: Distribution | None = None) -> None:
         """Start decoding ``uid``: ``cache`` holds its prompt but ``last_token``, which is fed now.
         ``context`` (the tokens in ``cache``) is what logits processors look back on and drafts
-        are looked up in. ``speculate``: it may draft (the caller checked that it samples
-        greedily; drafts need no processors and a cache that trims exactly as well)."""
+        are looked up in. ``speculate``: it may draft (drafts need no processors and a cache
+        that trims exactly as well); ``distribution``: what ``sampler`` draws from (None: it
+        samples greedily), which a sampled draft is verified against."""
         if speculate and self._max_draft > 0 and not processors and can_trim_exactly(cache):
-            self._drafting[uid] = _Drafting(PromptLookup([*context, last_token]), DraftLength(self._max_draft))
+            drafting = _Drafting(PromptLookup([*context, last_token]), DraftLength(self._max_draft), sampler,
+                                 distribution)
+            self._drafting[uid] = drafting
             if not len(self):
-                self._lane = (uid, Lane(cache, last_token, self._drafting[uid].lookup, self._drafting[uid].length,
-                                        silent=1))
+                self._lane = (uid, Lane(cache, last_token, drafting.lookup, drafting.length, silent=1,
+                                        distribution=distribution))
                 return
         self._join(uid, cache, last_token, context, sampler, processors)
 
@@ -128,9 +135,10 @@ class DecodeBatch:
         if self._lane is not None and len(self._batch):
             uid, lane = self._lane
             self._lane = None
+            drafting = self._drafting[uid]
             if not lane.silent:  # a lane that never stepped joins as it would have at ``add``
-                self._drafting[uid].owed = lane.pending
-            self._join(uid, lane.cache, lane.pending, lane.lookup.tokens[:-1], greedy_sampler, ())
+                drafting.owed = lane.pending
+            self._join(uid, lane.cache, lane.pending, lane.lookup.tokens[:-1], drafting.sampler, ())
         elif self._lane is None and len(self._batch) == 1 and self._batch.uids[0] in self._drafting:
             uid = self._batch.uids[0]
             drafting = self._drafting[uid]
@@ -142,7 +150,8 @@ class DecodeBatch:
                 pending = int(self._batch._next_tokens[0].item())
                 self._batch.filter([])
             drafting.lookup.extend([pending])
-            self._lane = (uid, Lane(cache, pending, drafting.lookup, drafting.length))
+            self._lane = (uid, Lane(cache, pending, drafting.lookup, drafting.length,
+                                    distribution=drafting.distribution))
 
     def remove(self, uid: int, n_unused: int = 0) -> list[KVCache]:
         """Take ``uid`` out; returns its cache (one ``KVCache`` per layer) without the last

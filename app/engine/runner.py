@@ -384,7 +384,7 @@ class Runner(threading.Thread):
         self._decoding[uid] = sequence
         sampling = sequence.job.request.sampling
         self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
-                        self._processors, speculate=sampling.speculate and sampling.temperature == 0)
+                        self._processors, speculate=sampling.speculate, distribution=sequence.distribution)
 
     def _finish(self, sequence: Sequence, take_cache: Callable[[], list[Any]]) -> None:
         """End the turn, then commit its cache (``take_cache`` hands it over).

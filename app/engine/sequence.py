@@ -16,6 +16,7 @@ from app.cache.manager import Lease
 from app.cache.records import CacheRecord
 from app.engine.channel import Job
 from app.engine.model import ModelSpec
+from app.engine.sampled_drafts import Distribution, token_distribution
 from app.engine.stopping import EndMatcher, StopMatcher
 from app.engine.timing import TurnClock
 from app.engine.token_text import TextTracker, TokenBytes, spells
@@ -42,6 +43,7 @@ class Sequence:
     stop_sequence: str | None = None
     n_drafted: int = 0  # speculative draft tokens proposed, and accepted (set as it ends)
     n_accepted: int = 0
+    distribution: Distribution | None = None  # what ``sampler`` draws from (None: greedy)
 
     @classmethod
     def begin(cls, job: Job, lease: Lease, model: ModelSpec, clock: TurnClock) -> Sequence:
@@ -61,9 +63,10 @@ class Sequence:
         max_new = min(sampling.max_tokens, model.context_length - n - len(ids))
         if lease.plan is not None:  # a hybrid model: checkpoints where its prefill stops (the last token decodes)
             lease.plan.positions = checkpoints.plan(n, n + len(ids) - (1 if max_new > 0 else 0))
+        top_k = sampling.top_k if sampling.top_k < model.vocab_size else 0
         return cls(job, lease, tuple(ids), tuple(ends), storable, max_new=max_new,
-                   sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p,
-                                        top_k=sampling.top_k if sampling.top_k < model.vocab_size else 0),
+                   sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=top_k),
+                   distribution=token_distribution(sampling.temperature, sampling.top_p, top_k),
                    token_bytes=model.token_bytes, stop_ids=model.stop_token_ids, clock=clock)
 
     def __post_init__(self) -> None:

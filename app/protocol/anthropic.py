@@ -120,6 +120,7 @@ class MessagesBody(_Strict):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    speculate: bool = True
 
 
 def _flatten(content: str | list[Any], where: str) -> str:
@@ -249,6 +250,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         max_tokens=parsed.max_tokens,
         stop_sequences=tuple(parsed.stop_sequences),
         end_after=tool_format.end_markers(syntax) if use_tools else (),
+        speculate=parsed.speculate,
     )
     specs = tuple(tool_format.tool_spec(t.name, t.description, t.input_schema) for t in offered)
     return ParsedTurn(

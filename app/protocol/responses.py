@@ -235,6 +235,7 @@ class ResponsesBody(_Strict):
     moderation: Any = None
     context_management: list[Any] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
+    speculate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +489,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, end_after=tool_format.end_markers(syntax) if tools_text else (),
+        speculate=parsed.speculate,
     )
     details = ResponsesDetails(by_name, _echo(body, parsed), parsed.store is not False, parsed.previous_response_id,
                                bounded=parsed.max_output_tokens is not None)

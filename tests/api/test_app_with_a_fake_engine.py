@@ -283,6 +283,15 @@ def test_routing_and_protocol_error_shapes(app) -> None:  # type: ignore[no-unty
     assert [m["role"] for m in client.simulate_get("/v1/agents/a1/history").json["messages"]] == ["user", "assistant"]
 
 
+def test_direct_agent_api_passes_the_speculate_extension(app) -> None:  # type: ignore[no-untyped-def]
+    client, engine, _ = app
+    client.simulate_post("/v1/agents", json={"id": "s1", "prefill": False})
+    for speculate in (True, False):
+        body = {"messages": [{"role": "user", "content": f"Hi {speculate}"}], "speculate": speculate}
+        assert client.simulate_post("/v1/agents/s1/generate", json=body).status_code == 200
+        assert engine.submitted[-1].sampling.speculate is speculate
+
+
 @pytest.fixture
 def keyed(tmp_path: Path) -> falcon.testing.TestClient:
     db = tmp_path / "semantic.db"

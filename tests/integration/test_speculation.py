@@ -6,25 +6,30 @@ change, a tool call quoting paths) and on prose, alone and in a batch beside req
 that do not speculate; a turn that ends inside a verified draft (max_tokens, a stop
 sequence) ends at the same token, and its committed record is the same. At the level
 of ``DecodeBatch``, the cache handed back holds exactly the prompt and the tokens used:
-never a rejected draft token, never one after the end.
+never a rejected draft token, never one after the end; so does a sequence that samples
+(exact speculative sampling, whose distribution ``tests/unit/test_sampled_drafts.py``
+checks), whose cache equals a fresh prefill of its prompt and the tokens it was handed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
+from app.cache.records import CacheRecord
 from app.catalog.registry import Catalog
 from app.engine.batch import DecodeBatch, prefill
 from app.engine.engine import CacheConfig, Engine
 from app.engine.model import load_model
+from app.engine.sampled_drafts import token_distribution
 from app.engine.speculation import can_trim_exactly
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
@@ -76,13 +81,21 @@ def run(engine: Engine, name: str, conversation: str, sampling: SamplingParams) 
     return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
 
 
+def committed(engine: Engine, conversation: str, timeout_s: float = 30) -> CacheRecord | None:
+    """The conversation's record once committed: a reply ends before its cache is (issue 38)."""
+    deadline = time.monotonic() + timeout_s
+    while (record := engine.caches.record(conversation)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return record
+
+
 def assert_same_turn(engine: Engine, plain: tuple[str, Finished], drafted: tuple[str, Finished],
                      conversations: tuple[str, str]) -> None:
     assert plain[1].n_cached_tokens == drafted[1].n_cached_tokens == 0  # both cold: same prefill
     assert drafted[1].output_token_ids == plain[1].output_token_ids
     assert drafted[0] == plain[0]
     assert (drafted[1].stop_reason, drafted[1].stop_sequence) == (plain[1].stop_reason, plain[1].stop_sequence)
-    records = [engine.caches.record(c) for c in conversations]
+    records = [committed(engine, c) for c in conversations]
     assert records[0] is not None and records[0] == records[1]  # tokens, text and ends
     assert records[1].n_tokens == drafted[1].n_prompt_tokens + drafted[1].n_output_tokens
 
@@ -143,7 +156,7 @@ def test_a_drafting_sequence_beside_plain_ones_in_a_batch(engine: Engine) -> Non
     for name in PROMPTS:
         n = sampling[name].max_tokens
         assert results[name][1].output_token_ids == solo[name][1].output_token_ids[:n], name
-        record = engine.caches.record(f"mixed-{name}")
+        record = committed(engine, f"mixed-{name}")
         finished = results[name][1]
         assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
 
@@ -175,6 +188,31 @@ def test_the_cache_handed_back_holds_the_prompt_and_the_used_tokens_only(smollm2
         n = plain.offset
         for a, b in ((plain.keys, drafted.keys), (plain.values, drafted.values)):
             assert mx.allclose(a[..., :n, :], b[..., :n, :], atol=1e-3).item()
+
+
+def test_a_sampling_sequence_speculates_and_its_cache_holds_what_it_was_handed(smollm2_dir: Path) -> None:
+    """At temperature 0.3 the copy reply keeps drafts; after ``remove`` the cache is the
+    prompt's and the handed-out tokens' (as a fresh prefill of them computes it)."""
+    loaded = load_model("smollm2", smollm2_dir)
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS["copy"][0].content}],
+                                                  add_generation_prompt=True)
+    cache = [KVCache() for _ in model.layers]
+    prefill(model, cache, prompt[:-1])
+    batch = DecodeBatch(model, 8)
+    batch.add(1, cache, prompt[-1], prompt[:-1], make_sampler(temp=0.3), [], speculate=True,
+              distribution=token_distribution(0.3))
+    tokens: list[int] = []
+    while len(tokens) < 41:
+        tokens += [t for _, step in batch.step() for t in step]
+    assert batch.drafts(1)[1] > 0
+    drafted = batch.remove(1, len(tokens) - 41)
+    fresh = [KVCache() for _ in model.layers]
+    prefill(model, fresh, [*prompt, *tokens[:41]])
+    for a, b in zip(drafted, fresh):
+        assert a.offset == b.offset == len(prompt) + 41
+        n = b.offset
+        assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-2).item()
 
 
 def test_only_caches_that_trim_exactly_speculate() -> None:

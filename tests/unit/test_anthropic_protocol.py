@@ -267,3 +267,10 @@ def test_parts_locate_a_divergence() -> None:
     assert locate_part(turn.parts, rendered, rendered.index("zebra")) == "messages.1"
     assert locate_part(turn.parts, rendered, rendered.index("terse")) == "system"
     assert locate_part(turn.parts, rendered, rendered.index("[messages.1]")) == "template"
+
+
+def test_speculate_extension_turns_speculative_decoding_off_per_request() -> None:
+    assert parse(BASE).sampling.speculate is True
+    assert parse({**BASE, "speculate": False}).sampling.speculate is False
+    with pytest.raises(InvalidRequest):
+        parse({**BASE, "speculate": "no"})

@@ -277,3 +277,11 @@ def test_error_bodies_name_the_field_and_the_code() -> None:
     long = out.render_error(400, "prompt is too long", ContextTooLong(9000, 8191))
     assert long["error"]["code"] == "context_length_exceeded"
     assert out.render_error(429, "busy", Overloaded("busy"))["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_speculate_extension_turns_speculative_decoding_off_per_request() -> None:
+    body = {"model": "m", "input": "hi"}
+    assert parse(body).sampling.speculate is True
+    assert parse({**body, "speculate": False}).sampling.speculate is False
+    with pytest.raises(InvalidRequest):
+        parse({**body, "speculate": "no"})
