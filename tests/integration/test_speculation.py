@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,6 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
-from app.cache.records import CacheRecord
 from app.catalog.registry import Catalog
 from app.engine.batch import DecodeBatch, prefill
 from app.engine.engine import CacheConfig, Engine
@@ -81,21 +79,13 @@ def run(engine: Engine, name: str, conversation: str, sampling: SamplingParams) 
     return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
 
 
-def committed(engine: Engine, conversation: str, timeout_s: float = 30) -> CacheRecord | None:
-    """The conversation's record once committed: a reply ends before its cache is (issue 38)."""
-    deadline = time.monotonic() + timeout_s
-    while (record := engine.caches.record(conversation)) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return record
-
-
 def assert_same_turn(engine: Engine, plain: tuple[str, Finished], drafted: tuple[str, Finished],
                      conversations: tuple[str, str]) -> None:
     assert plain[1].n_cached_tokens == drafted[1].n_cached_tokens == 0  # both cold: same prefill
     assert drafted[1].output_token_ids == plain[1].output_token_ids
     assert drafted[0] == plain[0]
     assert (drafted[1].stop_reason, drafted[1].stop_sequence) == (plain[1].stop_reason, plain[1].stop_sequence)
-    records = [committed(engine, c) for c in conversations]
+    records = [engine.caches.record(c) for c in conversations]
     assert records[0] is not None and records[0] == records[1]  # tokens, text and ends
     assert records[1].n_tokens == drafted[1].n_prompt_tokens + drafted[1].n_output_tokens
 
@@ -156,7 +146,7 @@ def test_a_drafting_sequence_beside_plain_ones_in_a_batch(engine: Engine) -> Non
     for name in PROMPTS:
         n = sampling[name].max_tokens
         assert results[name][1].output_token_ids == solo[name][1].output_token_ids[:n], name
-        record = committed(engine, f"mixed-{name}")
+        record = engine.caches.record(f"mixed-{name}")
         finished = results[name][1]
         assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
 
