@@ -231,6 +231,8 @@ class Contender:
     model: str  # the name its API serves the model under
     start: Callable[[], Running]
     version: str
+    # After each turn: more fields for its record (given the record), e.g. bytes on disk.
+    probe: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 def chat(url: str, model: str, messages: list[dict], reply_tokens: int = REPLY_TOKENS) -> dict[str, Any]:
@@ -274,6 +276,8 @@ def converse(contender: Contender, conversation: Plan, reply_tokens: int = REPLY
             history.append({"role": "user", "content": turn.user})
             record = chat(server.url, contender.model, history, reply_tokens)
             history.append({"role": "assistant", "content": record.pop("reply")})
+            if contender.probe is not None:
+                record.update(contender.probe(record))
             turns.append({"turn": turn.label, **record})
             print(f"{time.strftime('%H:%M:%S')} {contender.name} turn {turn.label}: {record['prompt_tokens']} tokens, "
                   f"{record['cached_tokens']} cached, TTFT {record['ttft_s']:.2f} s, "

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.synthetic llama3-8b /tmp/m8b [--bits 4] [--layers N] [--tokenizer DIR]
 
 Builds a model of a named shape from mlx-lm's own model classes (llama, qwen3_moe,
-gemma3_text) with random weights from a fixed seed, quantizes it (``--bits 4``, the
+gemma3_text, qwen3_5) with random weights from a fixed seed, quantizes it (``--bits 4``, the
 default, with group size 64 as mlx-lm converts; ``--bits 0`` keeps bfloat16) and saves
 it as an MLX model directory that ``semantic serve --model DIR`` and ``mlx_lm.server
 --model DIR`` load as is. The tokenizer is SmolLM2's (``tokenizer.json`` and
@@ -64,6 +64,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                        sliding_window=1024, sliding_window_pattern=6, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
                        max_position_embeddings=131072, tie_word_embeddings=True),
+    # Hybrid: 3 of every 4 layers Gated DeltaNet (linear attention keeping recurrent state), the
+    # 4th full attention. Qwen3.5-0.8B's published shape (tied embeddings; flat config, which
+    # mlx-lm's qwen3_5 reads as its text_config); --layers 4 keeps 3 linear-attention layers.
+    "qwen3.5-0.8b": dict(model_type="qwen3_5", hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_value_heads=16,
+                         linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25}),
     # For tests: a head_dim of 64, so Semantic stores its caches (mx.quantize's group size).
     "tiny": dict(model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -79,6 +89,8 @@ def shape_config(shape: str, layers: int | None = None) -> dict[str, Any]:
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be at least 1, not {layers}")
+        if layers < config.get("full_attention_interval", 1):
+            raise ValueError(f"{shape} needs at least {config['full_attention_interval']} layers (one of attention)")
         if layers < config.get("sliding_window_pattern", 1):  # mlx-lm's gemma3 reads the cache of layer pattern-1
             raise ValueError(f"{shape} needs at least {config['sliding_window_pattern']} layers (its sliding-window pattern)")
         config["num_hidden_layers"] = layers
@@ -126,7 +138,8 @@ def _silence_special_tokens(model: Any) -> None:
     logits are 0 while the random ones of the other 49K tokens reach well above it."""
     import mlx.core as mx
 
-    head = model.lm_head if "lm_head" in model.children() else model.model.embed_tokens
+    owner = getattr(model, "language_model", model)  # qwen3_5 wraps its text model
+    head = owner.lm_head if "lm_head" in owner.children() else model.model.embed_tokens
     keep = (mx.arange(head.weight.shape[0]) >= SPECIAL_TOKENS)[:, None]
     head.weight = mx.where(keep, head.weight, mx.zeros_like(head.weight))
 

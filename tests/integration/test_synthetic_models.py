@@ -73,10 +73,23 @@ def test_each_shape_has_the_parameters_of_its_model(shape: str, billions: float)
         model.sanitize({})
     count = sum(v.size for _, v in tree_flatten(model.parameters())) / 1e9
     assert count == pytest.approx(billions, rel=0.03)
-    assert set(SHAPES) == {"llama3-8b", "llama3.2-1b", "qwen3-30b-a3b", "gemma3-12b", "tiny"}
+    assert set(SHAPES) == {"llama3-8b", "llama3.2-1b", "qwen3-30b-a3b", "gemma3-12b", "qwen3.5-0.8b", "tiny"}
 
 
 def test_layers_override_and_gemma_needs_its_pattern() -> None:
     assert shape_config("llama3-8b", layers=2)["num_hidden_layers"] == 2
     with pytest.raises(ValueError, match="at least 6 layers"):
         shape_config("gemma3-12b", layers=2)
+
+
+def test_the_hybrid_shape_keeps_one_attention_layer_in_four() -> None:
+    """qwen3.5-0.8b: 18 Gated DeltaNet layers (recurrent state) and 6 of attention; fewer
+    layers keep at least one of attention."""
+    from app.cache.checkpoints import CacheLayout
+
+    config = shape_config("qwen3.5-0.8b", layers=8)
+    model_class, args_class = _get_classes(config)
+    layout = CacheLayout.of(model_class(args_class.from_dict(config)))
+    assert layout.hybrid and layout.n_attention == 2 and len(layout.kinds) == 8
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        shape_config("qwen3.5-0.8b", layers=3)

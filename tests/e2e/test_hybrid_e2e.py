@@ -1,0 +1,129 @@
+"""A hybrid model (Qwen3.5's shape: linear-attention layers keeping recurrent state beside
+attention layers) served by a real ``semantic serve``: every later turn of an agent reuses
+its previous turns (the recurrent state from the checkpoints in the conversation's record,
+app/cache/checkpoints.py), after a SIGKILL too, with the same greedy text as a fresh server
+prefilling the whole conversation; and an exported agent keeps its checkpoints on import.
+
+The model is tiny and random (tests/support/families.py); ``f32`` KV keeps warm and cold
+bit-identical, so the texts must match exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from conftest import ServerProcess, start_server, stop_server
+from support.dbcheck import wait_persisted
+from support.families import save
+from test_cli import semantic
+
+F32 = {"SEMANTIC_KV_FORMAT": "f32"}
+SYSTEM = "You are a terse assistant for a garden centre. " + " ".join(
+    f"Rule {i}: answer in one short sentence about plants, soil, tools, seeds or opening hours." for i in range(40))
+QUESTIONS = ["Do you sell basil?", "What soil for tomatoes?", "Which spade is best?", "When do you open?",
+             "Any roses in stock?"]
+AFTER_RESTART = {"role": "user", "content": "Thanks, what about seeds?"}
+MIN_REUSE = 0.95
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return save("qwen3_5", tmp_path_factory.mktemp("qwen3_5") / "qwen3_5", smollm2_dir)
+
+
+@pytest.fixture
+def fresh(tmp_path: Path, hybrid_dir: Path) -> Iterator[ServerProcess]:
+    """A server that has never seen the conversation (its reference answer is all cold)."""
+    running = start_server(tmp_path / "fresh", hybrid_dir, F32)
+    yield running
+    stop_server(running)
+
+
+def _turn(api: httpx.Client, agent_id: str, message: dict) -> dict:
+    response = api.post(f"/v1/agents/{agent_id}/generate",
+                        json={"messages": [message], "max_tokens": 12, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _prompt(usage: dict) -> int:
+    return usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+
+
+def _reuse(body: dict) -> float:
+    return body["usage"]["cache_read_input_tokens"] / _prompt(body["usage"])
+
+
+def _conversation(server: ServerProcess, agent_id: str) -> list[dict]:
+    """An agent's turns, each user question asked and answered (reuse checked from the second)."""
+    api = httpx.Client(base_url=server.url, timeout=120)
+    assert api.post("/v1/agents", json={"id": agent_id, "system_prompt": SYSTEM}).status_code == 201
+    turns = [_turn(api, agent_id, {"role": "user", "content": q}) for q in QUESTIONS]
+    for number, body in enumerate(turns[1:], 2):
+        assert _reuse(body) >= MIN_REUSE, (number, body["usage"])
+    last = turns[-1]["usage"]
+    wait_persisted(server.db_path, agent_id, _prompt(last) + last["output_tokens"] - 1)
+    return turns
+
+
+def _cold_answer(server: ServerProcess, history: list[dict]) -> dict:
+    """The whole conversation sent to ``server`` in one request (nothing of it cached there)."""
+    response = httpx.post(f"{server.url}/v1/messages", timeout=120, json={
+        "model": "default", "max_tokens": 12, "temperature": 0, "system": SYSTEM, "messages": history})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["cache_read_input_tokens"] == 0
+    return body
+
+
+def _history(server: ServerProcess, agent_id: str) -> list[dict]:
+    messages = httpx.get(f"{server.url}/v1/agents/{agent_id}/history").json()["messages"]
+    return [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] in ("user", "assistant")]
+
+
+def test_a_hybrid_agent_reuses_every_turn_and_after_a_sigkill_answers_as_a_fresh_server(
+        tmp_path: Path, hybrid_dir: Path, fresh: ServerProcess) -> None:
+    server = start_server(tmp_path / "home", hybrid_dir, F32)
+    try:
+        _conversation(server, "gardener")
+        history = _history(server, "gardener")
+    finally:
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+    assert len(history) == 2 * len(QUESTIONS)
+
+    server = start_server(tmp_path / "home", hybrid_dir, F32)
+    try:
+        resumed = _turn(httpx.Client(base_url=server.url, timeout=120), "gardener", AFTER_RESTART)
+    finally:
+        stop_server(server)
+    expected = _cold_answer(fresh, [*history, AFTER_RESTART])
+    assert _prompt(resumed["usage"]) == _prompt(expected["usage"])
+    assert _reuse(resumed) >= MIN_REUSE, resumed["usage"]
+    assert resumed["content"] == expected["content"]
+
+
+def test_an_exported_hybrid_agent_keeps_its_checkpoints_on_import(
+        tmp_path: Path, hybrid_dir: Path, fresh: ServerProcess) -> None:
+    server = start_server(tmp_path / "home", hybrid_dir, F32)
+    try:
+        _conversation(server, "gardener")
+        archive = tmp_path / "gardener.tar"
+        exported = semantic(server.home, "agents", "export", "gardener", "-o", str(archive))
+        assert exported.returncode == 0, exported.stderr
+        here = _turn(httpx.Client(base_url=server.url, timeout=120), "gardener", AFTER_RESTART)
+    finally:
+        stop_server(server)
+
+    imported = semantic(fresh.home, "agents", "import", str(archive))
+    assert imported.returncode == 0, imported.stderr
+    there = _turn(httpx.Client(base_url=fresh.url, timeout=120), "gardener", AFTER_RESTART)
+    assert _reuse(there) >= MIN_REUSE, there["usage"]
+    assert there["usage"]["cache_read_input_tokens"] == here["usage"]["cache_read_input_tokens"]
+    assert there["content"] == here["content"]
