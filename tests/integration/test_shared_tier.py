@@ -142,23 +142,31 @@ def test_a_record_rewritten_in_the_tier_with_its_checksum_recomputed_is_refused(
     b.close()
 
 
-def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(tmp_path: Path, s3_url: str) -> None:
-    """a serves the agent, is cut off mid-turn, b takes the agent over (epoch 2) and goes on;
-    a's late turn is not indexed over b's, and a's next turn serves b's cache, not its own
-    older copy. Without epochs the row would point at a's record and a would reuse 600."""
+def _a_turn_in_flight_on_a(tmp_path: Path, s3_url: str, seed: int):  # type: ignore[no-untyped-def]
+    """Servers a and b of one pool: a stores agent a's 600-token turn of conversation c, then
+    begins a 40-token turn (its lease taken under epoch 1). Returns the model, a, b, the
+    token lists (first, late, more, other: 600, 40, 30 and 20 tokens) and that turn's lease."""
     model = build("llama")
     n_layers = len(model.layers)
-    rng = np.random.default_rng(5)
-    first, late, more, next_turn = (rng.integers(0, VOCAB, n).tolist() for n in (600, 40, 30, 20))
+    rng = np.random.default_rng(seed)
+    first, late, more, other = (rng.integers(0, VOCAB, n).tolist() for n in (600, 40, 30, 20))
     a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
     b = server(tmp_path, "b", n_layers, S3Tier(s3_url), owner="b")
-
     lease = a.lease("a", "c", as_prompt(first))
     forward(model, lease.cache, first)
     a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
     assert a.flush(60)
-    cut_off = a.lease("a", "c", as_prompt(first + late))  # a's turn in flight when it is cut off
-    forward(model, cut_off.cache, late)
+    in_flight = a.lease("a", "c", as_prompt(first + late))
+    forward(model, in_flight.cache, late)
+    return model, a, b, (first, late, more, other), in_flight
+
+
+def test_a_server_that_lost_its_agent_neither_writes_nor_serves_its_stale_cache(tmp_path: Path, s3_url: str) -> None:
+    """a serves the agent, is cut off mid-turn, b takes the agent over (epoch 2) and goes on;
+    a's late turn is not indexed over b's, and a's next turn serves b's cache, not its own
+    older copy. Without epochs the row would point at a's record and a would reuse 600."""
+    # a's turn in flight when it is cut off
+    model, a, b, (first, late, more, next_turn), cut_off = _a_turn_in_flight_on_a(tmp_path, s3_url, 5)
 
     lease = b.lease("a", "c", as_prompt(first + more))  # the router moved the agent: b owns it now
     assert lease.n_reused == 600
@@ -184,18 +192,8 @@ def test_a_turn_begun_under_an_older_epoch_is_not_stored_after_the_agent_came_ba
     agent over (epoch 2) and stores a turn, another turn brings the agent back to a (epoch 3),
     then a's first turn ends. It began before b's turn, so it is stored neither in the index nor
     in a's memory. Read at commit, epoch 3 was current: a's 640 tokens replaced b's 630."""
-    model = build("llama")
-    n_layers = len(model.layers)
-    rng = np.random.default_rng(7)
-    first, late, more, other = (rng.integers(0, VOCAB, n).tolist() for n in (600, 40, 30, 20))
-    a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
-    b = server(tmp_path, "b", n_layers, S3Tier(s3_url), owner="b")
-    lease = a.lease("a", "c", as_prompt(first))
-    forward(model, lease.cache, first)
-    a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
-    assert a.flush(60)
-    slow = a.lease("a", "c", as_prompt(first + late))  # a's long turn, begun under epoch 1
-    forward(model, slow.cache, late)
+    # a's long turn, begun under epoch 1
+    model, a, b, (first, late, more, other), slow = _a_turn_in_flight_on_a(tmp_path, s3_url, 7)
 
     lease = b.lease("a", "c", as_prompt(first + more))
     forward(model, lease.cache, more)
