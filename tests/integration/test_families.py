@@ -115,7 +115,8 @@ def test_auto_calibrates_a_hybrid_model_on_its_attention_layers(family_dirs: dic
     with caplog.at_level(logging.INFO, logger="app.engine.model"):
         loaded = load_model("org/a-hybrid", family_dirs["lfm2"], kv_format="auto")
     assert loaded.kv.chosen_by == "calibration" and loaded.cache_layout.hybrid
-    calibration = [r.getMessage() for r in caplog.records if "calibrat" in r.getMessage() or "KV format" in r.getMessage()]
+    calibration = [r.getMessage() for r in caplog.records if r.name == "app.engine.model"
+                   and ("calibrat" in r.getMessage() or "KV format" in r.getMessage())]
     assert any(line.startswith("KV format of org/a-hybrid:") for line in calibration), calibration
     assert all("org/a-hybrid" in line and family_dirs["lfm2"].name not in line for line in calibration), calibration
     assert loaded.n_layers == loaded.cache_layout.n_attention == 2
