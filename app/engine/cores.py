@@ -53,6 +53,11 @@ class CoreSplit:
         self.helper = mx.new_thread_local_stream(mx.cpu)  # the engine thread changes with each Engine
         self.active = False
 
+    @property
+    def blas_threads(self) -> int:
+        """OpenBLAS's threads when the work is not split."""
+        return self._blas_threads
+
     def use(self, split: bool) -> None:
         """Split (one BLAS thread, two streams) or not (OpenBLAS's threads) from now on.
 
@@ -176,10 +181,10 @@ def install(model: nn.Module, min_split: int = MIN_SPLIT_ELEMENTS) -> CoreSplit 
     blas = ctypes.CDLL(None)
     if not hasattr(blas, "openblas_set_num_threads") or mx.default_device() != mx.cpu:
         return None
-    threads = int(blas.openblas_get_num_threads())
-    if threads < 2:
-        return None
-    if _CORES is None:
+    if _CORES is None:  # OpenBLAS's own thread count, read once: a split in use sets it to 1
+        threads = int(blas.openblas_get_num_threads())
+        if threads < 2:
+            return None
         _CORES = CoreSplit(blas.openblas_set_num_threads, threads)
     cores = _CORES
 
@@ -197,5 +202,5 @@ def install(model: nn.Module, min_split: int = MIN_SPLIT_ELEMENTS) -> CoreSplit 
         plain = getattr(family, "scaled_dot_product_attention", None)
         if plain is not None and not wraps(plain, "split_attention"):
             setattr(family, "scaled_dot_product_attention", cores.attention(plain))
-    log.info("batched decode steps split over 2 streams (OpenBLAS: %d threads alone, 1 when split)", threads)
+    log.info("batched decode steps split over 2 streams (OpenBLAS: %d threads alone, 1 when split)", cores.blas_threads)
     return cores

@@ -178,6 +178,8 @@ class Runner(threading.Thread):
             except Exception as exc:  # a failed step must not kill the engine: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(f"generation failed: {exc}")
+        if self.loaded is not None and self.loaded.cores is not None:
+            self.loaded.cores.use(False)  # OpenBLAS's threads back for whatever runs in this process next
         self.caches.close()
         self.caches.release_agents()
 
