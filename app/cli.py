@@ -518,7 +518,7 @@ def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
-            return _run(argv)
+            code = _run(argv)
         finally:
             sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
     except BrokenPipeError:
@@ -526,6 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the exit status is that of a tool SIGPIPE ended (the Python documentation's way).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    if code == 128 + signal.SIGINT:
+        # Interrupted (Ctrl-C), its work stopped and written: leave without the interpreter's
+        # teardown, where a C++ destructor of MLX's may meet a thread still running and abort
+        # ("terminate called without an active exception", exit -6 instead of 130).
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run(argv: Sequence[str] | None) -> int:
