@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 Attention = Callable[..., mx.array]
 
 # Weights this small are not split: reading one takes about as long as joining the two
-# streams after it (~30-50 us here), e.g. SmolLM2's 192x576 key and value projections.
+# streams after it (benchmarks/decode_step.py), e.g. SmolLM2's 192x576 key and value projections.
 MIN_SPLIT_ELEMENTS = 1 << 18
 
 
