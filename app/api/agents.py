@@ -226,35 +226,27 @@ class AgentGenerateResource:
 
 
 _BLOCK_TYPES = {"text", "tool_use", "tool_result"}
-# Protocols whose conversations a direct turn cannot rebuild: the Anthropic API's system prompt
-# and tools, and the Responses API's instructions, tools and input_text/output_text parts, are
-# not kept with the messages (only their digest), so a direct turn would silently drop them.
-_NOT_CONTINUABLE = ("anthropic", "responses")
 
 
 def _refuse_foreign(agent_id: str, protocols: set[str]) -> None:
-    """400 naming why, when the conversation a direct turn would continue is one it cannot rebuild."""
-    foreign = [p for p in _NOT_CONTINUABLE if p in protocols]
+    """400 naming why, when the conversation a direct turn would continue was written through
+    another API. A direct turn can rebuild only its own conversations: the Anthropic API's
+    system prompt and tools, the Responses API's instructions and parts, and the OpenAI and
+    Ollama APIs' tools are kept as digests only, and their system messages and tool turns
+    have no direct-API shape, so replaying them would silently send the model another prompt."""
+    foreign = sorted(protocols - {"direct"})
     if foreign:
         raise InvalidRequest(
             f"agent {agent_id!r}: its latest conversation was made through the {foreign[0]} API, whose system "
-            "prompt, tools and message parts are not kept for a direct turn; continue it through that API",
+            "prompt, tools and message parts a direct turn cannot rebuild; continue it through that API",
             "messages")
 
 
 def _direct_shape(role: str, content: Any) -> dict[str, Any] | None:
-    """A stored message in the shape the direct API's messages take (Anthropic's), or None
-    to leave it out. Each protocol stores what it received: an OpenAI tool result becomes
-    text of the user's, an assistant turn that only called tools (no text) and system text
-    (the agent's system prompt applies) are left out."""
-    if isinstance(content, dict):  # an OpenAI message stored with more than its text (tool calls, a call id)
-        content = content.get("content")
+    """A stored direct-API message in the shape the direct API's messages take (Anthropic's),
+    or None to leave it out (system text: the agent's system prompt applies)."""
     if isinstance(content, list):
         content = [part for part in content if isinstance(part, dict) and part.get("type") in _BLOCK_TYPES]
-    if role not in ("user", "assistant", "tool") or not content:
+    if role not in ("user", "assistant") or not content:
         return None
-    if role == "tool":
-        text = content if isinstance(content, str) else json.dumps(content)
-        return {"role": "user", "content": f"Tool result: {text}"}
     return {"role": role, "content": content}
-

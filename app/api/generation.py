@@ -20,6 +20,7 @@ from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import SseStream
 from app.errors import ContextTooLong, SemanticError
+from app.pool.haproxy import REPLY_ID_HEADER
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
@@ -116,6 +117,7 @@ class GenerationResource:
         returns once ``body()`` ran) overrides identity resolution (the direct API names it
         in the URL, a Responses API request continues a stored response's agent)."""
         turn, job = self._start(req, body, agent)
+        resp.set_header(REPLY_ID_HEADER, turn.message_id)  # a pool's router places what continues it
         # waitress tells whether the client hung up (the server keeps reading the socket).
         client_gone = req.env.get("waitress.client_disconnected")
         if turn.parsed.stream:

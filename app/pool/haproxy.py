@@ -4,7 +4,8 @@ HAProxy passes every header and the body through untouched (SMG drops the sessio
 headers and rewrites model names; docs/pool.md). The routing key is the agent's
 identity as the servers read it: Claude Code's session header, Codex's ``session-id``,
 the direct API's agent id in the path, else ``metadata.user_id`` or ``session_id`` in a
-JSON body small enough to be buffered. An agent's first request goes to the server
+JSON body small enough to be buffered; a Responses API request with ``previous_response_id``
+goes where that response was made (each server names its reply in a header). An agent's first request goes to the server
 with the fewest open requests, and a stick table keeps it there (a bounded-load
 consistent hash, tried first, moved 15% of turns away from their cache with 8 agents
 arriving together: benchmarks/pool.py). A server that fails its health check (every
@@ -27,6 +28,10 @@ from app.errors import ConfigError
 
 # What a request's agent is, in the order the servers themselves look (app/agents/identity.py).
 KEY_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id")
+# The id of the reply a server made (app/api/generation.py): the router remembers where each
+# Responses API response was made, so a request continuing it with ``previous_response_id``
+# goes to the same server.
+REPLY_ID_HEADER = "x-semantic-reply-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +64,14 @@ def render_config(port: int, backends: list[Backend], admin_socket: str, host: s
             "    http-request set-var(txn.key) path,field(4,/) if { path_beg /v1/agents/ }"]
     keys += [f"    http-request set-var(txn.key) req.hdr({name}) if {{ req.hdr({name}) -m found }}"
              for name in reversed(KEY_HEADERS)]  # the last one set wins: the first header present
+    # A Responses request continuing a stored response belongs to that response's agent,
+    # whatever its headers say (app/api/responses.py): it goes where that response was made.
+    keys += ["    http-request set-var(txn.key) req.body,json_query('$.previous_response_id') "
+             "if { req.body_size lt 16000 }"]
     servers = "\n".join(f"    server {b.server_id} {b.host}:{b.port}" for b in backends)
     sticky = ("    balance roundrobin" if routing == "round-robin" else
-              "    balance leastconn\n    stick-table type string len 300 size 1m expire 7d\n    stick on var(txn.key)")
+              "    balance leastconn\n    stick-table type string len 300 size 1m expire 7d\n    stick on var(txn.key)\n"
+              f"    stick store-response res.hdr({REPLY_ID_HEADER}) if {{ res.hdr({REPLY_ID_HEADER}) -m beg resp_ }}")
     return f"""# Written by `semantic pool up`; rewritten at each start.
 global
     stats socket "{admin_socket}" mode 600 level admin

@@ -345,29 +345,6 @@ def test_a_cors_preflight_with_a_key_set(keyed: falcon.testing.TestClient) -> No
     assert keyed.simulate_post("/v1/messages", json=MESSAGES, headers={"origin": "http://localhost:3000"}).status_code == 401
 
 
-def test_a_direct_turn_continues_an_agent_whose_history_has_openai_tool_calls(app) -> None:  # type: ignore[no-untyped-def]
-    """An OpenAI turn with an assistant tool call and a tool result is stored as it came;
-    the direct API replays history in its own shape, so a later /generate is not a 400."""
-    client, _, db = app
-    chat = client.simulate_post("/v1/chat/completions", headers={"x-session-id": "mixed"}, json={
-        "model": "gpt-x", "max_tokens": 8, "messages": [
-            {"role": "system", "content": "Use tools."},
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
-        ]})
-    assert chat.status_code == 200, chat.text
-    generated = client.simulate_post("/v1/agents/mixed/generate", json={"messages": [{"role": "user", "content": "And tomorrow?"}]})
-    assert generated.status_code == 200, generated.text
-    history = client.simulate_get("/v1/agents/mixed/history").json["messages"]
-    assert history[-2]["content"] == "And tomorrow?" and history[-1]["role"] == "assistant"
-    # the protocol each path speaks (middleware.protocol_of) is what the requests table records
-    assert query(db, "SELECT protocol FROM requests ORDER BY created_at") == [("openai",), ("direct",)]
-    refused = client.simulate_post("/v1/agents/mixed/generate", json={"messages": "nope"})
-    assert refused.status_code == 400 and refused.json["type"] == "error"  # the Anthropic error shape
-
-
 def test_a_url_or_header_cannot_forge_a_line_of_the_request_log(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     """``%0A`` in a URL (decoded to a newline) and control characters in the User-Agent are
     logged escaped, before authentication too: the request writes one line, never a second
@@ -396,17 +373,26 @@ def test_a_url_or_header_cannot_forge_a_line_of_the_request_log(tmp_path: Path, 
                       "messages": [{"role": "user", "content": "Hi"}]}),
     ("/v1/responses", {"model": "gpt-x", "max_output_tokens": 8, "instructions": "Answer in French.",
                        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}),
-])
+    ("/v1/chat/completions", {"model": "gpt-x", "max_tokens": 8, "messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]}),
+    ("/api/chat", {"model": "m", "stream": False, "messages": [
+        {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]}),
+], ids=["anthropic", "responses", "openai", "ollama"])
 def test_a_direct_turn_refuses_a_conversation_it_cannot_rebuild(app, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
-    """An Anthropic conversation's system prompt and a Responses one's parts are not kept for a
-    direct turn (before: dropped silently, the model answered another prompt): a 400 that says
-    so, and nothing stored."""
+    """Another API's system prompt, tools and tool turns are not kept in a shape a direct turn
+    can replay (before: dropped silently, or an OpenAI tool result turned into user text, and
+    the model answered another prompt): a 400 that says so, and nothing stored."""
     client, _, db = app
     made = client.simulate_post(path, headers={"x-session-id": "foreign"}, json=body)
     assert made.status_code == 200, made.text
     stored = query(db, "SELECT count(*) FROM messages")
     refused = client.simulate_post("/v1/agents/foreign/generate", json={"messages": [{"role": "user", "content": "Again"}]})
     assert refused.status_code == 400, refused.text
+    assert refused.json["type"] == "error"  # the direct API's (Anthropic's) error shape
     assert "API" in refused.json["error"]["message"] and "continue it through" in refused.json["error"]["message"]
     assert query(db, "SELECT count(*) FROM messages") == stored
 

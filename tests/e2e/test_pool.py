@@ -129,6 +129,21 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
                 prompts[agent] = prompt_tokens(usage)
         assert all(len(servers) == 1 for servers in placed.values()), placed
 
+        # Responses API agents named only by previous_response_id (no session header, no
+        # body key) stay where their conversation began (before: each turn went to the
+        # least busy server, which took the agent's ownership over).
+        for n in range(3):
+            previous, servers = None, set()
+            for question in ("Do you sell glue?", "And tape?", "Which is stronger?"):
+                response = httpx.post(f"{router}/v1/responses", timeout=120, json={
+                    "model": "gpt-5", "max_output_tokens": 4, "temperature": 0, "instructions": SYSTEM,
+                    "input": f"{question} (customer {n})", **({"previous_response_id": previous} if previous else {})})
+                assert response.status_code == 200, response.text
+                previous = response.json()["id"]
+                assert response.headers["x-semantic-reply-id"] == previous
+                servers.add(response.headers["x-semantic-server"])
+            assert len(servers) == 1, servers
+
         victim = "agent-0"
         (held,) = placed[victim]
         cached_before = prompts[victim] - 1  # the whole last prompt but the token recomputed for logits
