@@ -25,8 +25,10 @@ from app.errors import InvalidRequest
 from app.types import SESSION_ID_PATTERN
 
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
-# How an agent came to be known: the API that named it, or its content.
-ORIGINS = frozenset({"direct", "openai", "anthropic", "responses", "ollama", "content"})
+# How an agent came to be known: the API that named it, or its content ("imported": an agent
+# known by its content where it was exported, imported here, so never matched by content
+# here: its message digests came from the archive; app/agents/portable.py).
+ORIGINS = frozenset({"direct", "openai", "anthropic", "responses", "ollama", "content", "imported"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,14 @@ import io
 import json
 import logging
 import re
+import shutil
 import tarfile
 import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -58,11 +59,14 @@ log = logging.getLogger(__name__)
 MEMBER = re.compile(r"(blocks|records)/[A-Za-z0-9_-]{1,128}\.safetensors")
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a model fingerprint, a sha256 (it names a directory)
 AGENT_ID = re.compile(SESSION_ID_PATTERN)
-# An archive's members are read into memory: each at most this large (a block of a 70B-class
-# model in float32 is 160 MiB), its agent.json smaller still. A sparse member (GNU sparse:
+# An archive's members are copied to the home (verified one at a time, each read whole then):
+# each at most this large (a block of a 70B-class model in float32 is 160 MiB), its agent.json,
+# read into memory, smaller still. A sparse member (GNU sparse:
 # a few bytes that expand to gigabytes as they are read) is refused whatever its size.
 MAX_MEMBER_BYTES = 512 << 20
 MAX_MANIFEST_BYTES = 64 << 20
+SPOOL_CHUNK_BYTES = 1 << 20  # an archive's member is copied to the home this much at a time
+SPOOL_MARGIN_BYTES = 256 << 20  # free space an import leaves in the home beyond what it copies
 
 # A cache as staged: its description in agent.json, its record file, that file's checksum, its block rows.
 _StagedCache = tuple[dict[str, Any], Path, str, list[cache_index.BlockRow]]
@@ -164,12 +168,20 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
     imported agent alone: a block is shared with this home's other agents only if this home
     holds the same block, byte for byte; every other block (and every block after it in its
     chain) gets a private id (``private_fingerprint``), which no other agent's prompt hashes to.
-    A refused import removes every file it wrote.
+    Its message digests are not checked either, so they steer only requests that name the
+    imported agent: one that was recognised by content is imported with origin ``imported``,
+    which content matching never reaches. A refused import removes every file it wrote.
 
     Raises:
         InvalidRequest: not an agent archive, a file that does not verify, or the id is taken.
     """
-    manifest, members = _read_archive(source)
+    durable.make_directories(root)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as spool:
+        return _import(sessions, root, *_read_archive(source, Path(spool)), new_id, tier)
+
+
+def _import(sessions: sessionmaker[Session], root: Path, manifest: dict[str, Any], members: dict[str, Path],
+            new_id: str | None, tier: S3Tier | None) -> Imported:
     agent = manifest["agent"]
     agent_id = new_id or agent["id"]
     if not isinstance(agent_id, str) or not AGENT_ID.fullmatch(agent_id):
@@ -207,27 +219,40 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
     return Imported(agent_id, len(plan), n_messages, n_tokens, staging.n_new)
 
 
-def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
-    members: dict[str, bytes] = {}
+def _read_archive(source: IO[bytes], spool: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The archive's manifest, and each of its files copied to ``spool`` (in the home, not in
+    memory: an archive is as large as its agent's caches), each file hashed as it is copied
+    and checked against the manifest's sha256 list."""
+    members: dict[str, Path] = {}
+    digests: dict[str, str] = {}
+    manifest_bytes: bytes | None = None
     try:
         with tarfile.open(fileobj=source, mode="r|") as archive:
             for member in archive:
                 if not member.isfile() or (member.name != MANIFEST and not MEMBER.fullmatch(member.name)):
                     raise InvalidRequest(f"archive: unexpected member {member.name[:200]!r}", "archive")
+                if member.name in members or (member.name == MANIFEST and manifest_bytes is not None):
+                    raise InvalidRequest(f"archive: member {member.name!r} appears twice", "archive")
                 limit = MAX_MANIFEST_BYTES if member.name == MANIFEST else MAX_MEMBER_BYTES
                 if member.issparse() or member.size > limit:
                     raise InvalidRequest(f"archive: member {member.name!r} is sparse or larger than {limit} bytes",
                                          "archive")
                 handle = archive.extractfile(member)
-                data = handle.read(limit + 1) if handle else b""
-                if len(data) > limit:  # never more than the header said, but never trusted either
-                    raise InvalidRequest(f"archive: member {member.name!r} is larger than {limit} bytes", "archive")
-                members[member.name] = data
+                if member.name == MANIFEST:
+                    manifest_bytes = b"".join(_chunks(handle, member.name, limit))
+                    continue
+                free = shutil.disk_usage(spool).free
+                if member.size + SPOOL_MARGIN_BYTES > free:
+                    raise InvalidRequest(f"archive: no room in the home for {member.name} ({member.size} bytes, "
+                                         f"{free} free)", "archive")
+                path = spool / f"{len(members)}{cache_files.TEMP_SUFFIX}"
+                digests[member.name] = _spooled(handle, path, member.name, limit)
+                members[member.name] = path
     except tarfile.TarError as exc:
         raise InvalidRequest(f"archive: not a tar archive ({exc})", "archive") from exc
     try:
-        manifest = json.loads(members.pop(MANIFEST))
-    except (KeyError, ValueError) as exc:
+        manifest = json.loads(manifest_bytes if manifest_bytes is not None else b"")
+    except ValueError as exc:
         raise InvalidRequest("archive: no readable agent.json (not an exported agent)", "archive") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise InvalidRequest(f"archive: not a {FORMAT} version {VERSION} file", "archive")
@@ -238,15 +263,36 @@ def _read_archive(source: IO[bytes]) -> tuple[dict[str, Any], dict[str, bytes]]:
     if set(listed) != set(members):
         raise InvalidRequest("archive: its files and agent.json's list differ", "archive")
     for name, digest in listed.items():
-        if _sha256(members[name]) != digest:
+        if digests[name] != digest:
             raise InvalidRequest(f"archive: {name} is damaged (sha256 mismatch)", "archive")
     return manifest, members
+
+
+def _spooled(handle: IO[bytes] | None, path: Path, name: str, limit: int) -> str:
+    """Copy a member to ``path`` a chunk at a time; returns its sha256."""
+    sha = hashlib.sha256()
+    with open(path, "wb") as out:
+        for chunk in _chunks(handle, name, limit):
+            sha.update(chunk)
+            out.write(chunk)
+    return sha.hexdigest()
+
+
+def _chunks(handle: IO[bytes] | None, name: str, limit: int) -> Iterator[bytes]:
+    """A member's bytes a chunk at a time, never more than ``limit`` in all whatever its
+    header said (a read of ``limit`` bytes at once would allocate them all up front)."""
+    n_bytes = 0
+    while handle is not None and (chunk := handle.read(SPOOL_CHUNK_BYTES)):
+        n_bytes += len(chunk)
+        if n_bytes > limit:
+            raise InvalidRequest(f"archive: member {name!r} is larger than {limit} bytes", "archive")
+        yield chunk
 
 
 class _Staging:
     """Writes an import's cache files in place, verified, and says what to index."""
 
-    def __init__(self, sessions: sessionmaker[Session], root: Path, members: dict[str, bytes], salt: str,
+    def __init__(self, sessions: sessionmaker[Session], root: Path, members: dict[str, Path], salt: str,
                  written: list[Path]) -> None:
         self._sessions = sessions
         self._root = root
@@ -303,13 +349,10 @@ class _Staging:
         if name not in self._members:
             raise InvalidRequest(f"archive: {name} is missing", "archive")
         durable.make_directories(layout.base)
-        with tempfile.NamedTemporaryFile(dir=layout.base, suffix=cache_files.TEMP_SUFFIX) as handle:
-            handle.write(self._members[name])
-            handle.flush()
-            try:
-                return cache_files.read_verified(Path(handle.name))
-            except cache_files.DamagedFile as exc:
-                raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
+        try:
+            return cache_files.read_verified(self._members[name])
+        except cache_files.DamagedFile as exc:
+            raise InvalidRequest(f"archive: {name} does not verify ({exc})", "archive") from exc
 
     def _home_block(self, layout: CacheFiles, parent: str | None, span: list[int],
                     arrays: cache_files.Arrays) -> cache_index.BlockRow | None:
@@ -341,7 +384,11 @@ class _Staging:
 
 def _insert(session: Session, agent: dict[str, Any], agent_id: str, plan: _Plan) -> tuple[int, int]:
     now = utcnow()
-    session.add(Agent(id=agent_id, origin=str(agent["origin"]), parent_id=None,
+    # An archive's digests are not checked (they are the protocol's, per message): a
+    # content-recognised agent would let a forged archive capture other clients' requests
+    # that name no agent (history.find_by_content). Imported, it is reached by its id only.
+    origin = "imported" if agent["origin"] == "content" else str(agent["origin"])
+    session.add(Agent(id=agent_id, origin=origin, parent_id=None,
                       created_at=_parse(agent["created_at"]), last_access_at=now, ttl_seconds=agent["ttl_seconds"],
                       hot_ttl_seconds=agent["hot_ttl_seconds"], status=str(agent["status"]),
                       metadata_json=dict(agent["metadata"] or {})))

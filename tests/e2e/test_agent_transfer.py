@@ -165,6 +165,37 @@ def test_a_forged_archive_serves_its_own_agent_and_no_other(
     assert query(other.db_path, "SELECT reuse_reason FROM requests WHERE agent_id = 'neighbour'") == [("miss",)]
 
 
+def test_forged_digests_never_capture_a_request_that_names_no_agent(other: ServerProcess, exported: Path,
+                                                                    tmp_path: Path) -> None:
+    """Round 4, item 10: an archive claiming a content-recognised agent whose first message's
+    digest is another client's (recomputed from a probe: the server's own digests of it) is
+    imported; that client's next request, which names no agent, starts its own agent (before:
+    it continued the archive's conversation, and read the archive's cache)."""
+    question = {"model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the secret of good sourdough?"}]}
+    there = httpx.Client(base_url=other.url, timeout=120)
+    assert there.post("/v1/chat/completions", json={**question, "session_id": "probe"}).status_code == 200
+    [(system_digest, first_digest)] = query(other.db_path, (
+        "SELECT c.system_digest, m.digest FROM conversations c JOIN messages m ON m.conversation_id = c.id "
+        "WHERE c.agent_id = 'probe' AND m.position = 0"))
+    manifest, members = _members(exported)
+    manifest["agent"]["origin"] = "content"
+    conversation = manifest["conversations"][0]
+    conversation["system_digest"], conversation["messages"] = system_digest, conversation["messages"][:1]
+    conversation["messages"][0]["digest"] = first_digest
+    conversation["last_access_at"] = "2099-01-01T00:00:00"
+    result = semantic(other.home, "agents", "import", str(_pack(tmp_path / "digests.tar", manifest, members)),
+                      "--as", "digest-forger")
+    assert result.returncode == 0, result.stderr
+    assert query(other.db_path, "SELECT origin FROM agents WHERE id = 'digest-forger'") == [("imported",)]
+
+    reply = there.post("/v1/chat/completions", json=question)
+    assert reply.status_code == 200, reply.text
+    [(agent,)] = query(other.db_path, "SELECT agent_id FROM requests WHERE id = ?", reply.headers["request-id"])
+    assert agent != "digest-forger"
+    assert query(other.db_path, "SELECT count(*) FROM messages WHERE agent_id = 'digest-forger'") == [(1,)]
+
+
 def test_a_refused_import_leaves_no_file(tmp_path: Path, exported: Path) -> None:
     """An archive that verifies but whose rows contradict each other (two messages at one
     position) is refused with a 2 and a line, after its files were written: none stays."""
