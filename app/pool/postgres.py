@@ -3,12 +3,15 @@
 ``initdb`` refuses to run as root, so as root the cluster belongs to the ``postgres``
 user (Debian's packages create it) and its commands run through ``runuser``. The
 cluster listens on loopback only and on a unix socket in its own directory, and asks
-every connection, local users' too, for the superuser's password (scram-sha-256).
+every connection, local users' too, for the superuser's password (scram-sha-256); a
+cluster made before pools had secrets (``trust``) is closed the same way at its next start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -18,6 +21,8 @@ from pathlib import Path
 from app.errors import ConfigError
 
 SUPERUSER = "semantic"
+
+log = logging.getLogger(__name__)
 
 
 def _bindir() -> Path:
@@ -32,6 +37,41 @@ def _bindir() -> Path:
         raise ConfigError("PostgreSQL is not installed (initdb not found): apt-get install postgresql, "
                           "or set SEMANTIC_DATABASE_URL to an existing server")
     return Path(initdb).parent
+
+
+_METHODS = frozenset({"trust", "reject", "scram-sha-256", "md5", "password", "gss", "sspi", "ident", "peer", "ldap",
+                      "radius", "cert", "pam", "bsd"})
+
+
+def _trusting(hba: Path) -> bool:
+    """Whether a pg_hba.conf lets some connection in without a password."""
+    return any(_trusts(line) for line in hba.read_text().splitlines())
+
+
+def _trusts(line: str) -> bool:
+    at = _method_at(line)
+    return at is not None and line.split()[at] == "trust"
+
+
+def _method_at(line: str) -> int | None:
+    """Where a pg_hba.conf line's authentication method is among its fields (after the
+    type, database, user and, for a host line, the address; None: a comment or blank)."""
+    fields = line.split("#", 1)[0].split()
+    if not fields or not fields[0].startswith(("local", "host")):
+        return None
+    return next((i for i in range(3, len(fields)) if fields[i] in _METHODS), None)
+
+
+def _scram(line: str) -> str:
+    """The line with a ``trust`` method replaced by ``scram-sha-256`` (its spacing kept)."""
+    if not _trusts(line):
+        return line
+    at = _method_at(line)
+    assert at is not None
+    pieces = re.split(r"(\s+)", line)  # fields and the spaces between them, in turn
+    words = [i for i, piece in enumerate(pieces) if piece and not piece.isspace()]
+    pieces[words[at]] = "scram-sha-256"
+    return "".join(pieces)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +115,26 @@ class LocalPostgres:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(str(bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log_path), "-w",
                   "-o", options, "start")
+        if _trusting(self.data / "pg_hba.conf"):
+            self._close_trust(bindir)
+
+    def _close_trust(self, bindir: Path) -> None:
+        """A cluster made before pools had secrets (``initdb -A trust``: every local user got
+        in as superuser): give the superuser this cluster's password, then ask every
+        connection for it (pg_hba.conf's ``trust`` becomes ``scram-sha-256``, reloaded)."""
+        import psycopg
+        from psycopg import sql
+
+        log.warning("the pool's PostgreSQL (%s) let every local user in without a password; it now asks for "
+                    "the pool's own (pool/secrets.json)", self.data)
+        with psycopg.connect(host=str(self.root), port=self.port, user=SUPERUSER, dbname="postgres",
+                             autocommit=True) as connection:
+            connection.execute("SET password_encryption = 'scram-sha-256'")
+            connection.execute(sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(SUPERUSER),
+                                                                           sql.Literal(self.password)))
+        hba = self.data / "pg_hba.conf"
+        hba.write_text("".join(_scram(line) for line in hba.read_text().splitlines(keepends=True)))
+        self._run(str(bindir / "pg_ctl"), "-D", str(self.data), "-w", "reload")
 
     def _initdb(self, bindir: Path, durable: bool) -> None:
         """Make the cluster: scram-sha-256 for every connection, the password read from a file

@@ -6,6 +6,8 @@ and the secrets are random per pool, kept 0600 and the same across restarts.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import boto3
@@ -66,3 +68,40 @@ def test_the_pools_s3_refuses_the_keys_once_fixed_in_the_source(tmp_path: Path) 
     finally:
         weed.terminate()
         weed.wait(timeout=30)
+
+
+def test_a_cluster_made_before_pools_had_secrets_asks_for_the_password_once_started() -> None:
+    """A pool's cluster made with ``initdb -A trust`` (before item 8) is closed at its next
+    start: the superuser gets the pool's password, every line of pg_hba.conf asks for it, and
+    a connection without it is refused (before: it stayed open to every local user)."""
+    import tempfile
+
+    from app.pool.postgres import LocalPostgres, _bindir
+
+    root = Path(tempfile.mkdtemp(prefix="semantic-pg-old-"))
+    root.chmod(0o755)  # as root the cluster belongs to the postgres user, who must reach it
+    old = LocalPostgres(root / "pg", free_port(), password="not-set-then")
+    old.root.mkdir()
+    if os.geteuid() == 0:
+        shutil.chown(old.root, "postgres", "postgres")
+    old._run(str(_bindir() / "initdb"), "-D", str(old.data), "-A", "trust", "-U", SUPERUSER, "-E", "UTF8",
+             "--no-instructions", "--no-sync")
+    with_secret = LocalPostgres(old.root, old.port, password="the-pools-own")
+    with_secret.start(durable=False)
+    try:
+        assert "trust" not in [line.split()[-1] for line in (old.data / "pg_hba.conf").read_text().splitlines()
+                               if line.strip() and not line.startswith("#")]
+        for where in ("127.0.0.1", str(old.root)):
+            with pytest.raises(psycopg.OperationalError, match="password"):
+                psycopg.connect(host=where, port=old.port, user=SUPERUSER, password="guessed", dbname="postgres",
+                                connect_timeout=5)
+            with psycopg.connect(host=where, port=old.port, user=SUPERUSER, password="the-pools-own",
+                                 dbname="postgres", connect_timeout=5) as connection:
+                assert connection.execute("select 1").fetchone() == (1,)
+        with_secret.stop()
+        with_secret.start(durable=False)  # started again: nothing left to close, the password holds
+        psycopg.connect(host="127.0.0.1", port=old.port, user=SUPERUSER, password="the-pools-own",
+                        dbname="postgres", connect_timeout=5).close()
+    finally:
+        with_secret.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
