@@ -6,7 +6,6 @@ POST /v1/agents/{id}/generate, GET /v1/agents/{id}/history, POST /v1/agents/{id}
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from contextlib import contextmanager

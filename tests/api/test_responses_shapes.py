@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import typing
-from pathlib import Path
 from typing import Any, Iterator
 
 import falcon.testing

@@ -23,7 +23,7 @@ from app.errors import InvalidModelFile
 from app.types import ChatMessage, SamplingParams
 from support.engines import make_engine_at, turn
 from support.families import ATTENTION, HYBRID, save
-from support.warm_cold import CASES, LONG_SYSTEM, Case, agent_of, answer_pairs
+from support.warm_cold import CASES, LONG_SYSTEM, agent_of, answer_pairs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SERVED_HYBRID = sorted(set(HYBRID) - {"falcon_h1"})

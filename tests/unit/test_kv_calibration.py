@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from app.cache.blocks import KV_FORMATS, KVFormat
 from app.engine.calibration import (CALIBRATION_VERSION, GOAL, LOSSLESS, RECORD_NAME, Calibration, Goal, Measured,
