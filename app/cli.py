@@ -91,6 +91,15 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report.health is not None and report.health.get("status") == "ok" else 1
 
 
+def cmd_chat(settings: Settings, args: argparse.Namespace) -> int:
+    from app.chat import ChatClient, run
+    from app.status import server_url
+
+    client = ChatClient((args.url or server_url(settings)).rstrip("/"), settings.api_key or None)
+    return run(client, args.agent, system_prompt=args.system, max_tokens=args.max_tokens,
+               temperature=args.temperature)
+
+
 def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     import os
 
@@ -412,6 +421,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", help="the server to ask (default: the configured host and port)")
     status.add_argument("--json", action="store_true", help="print the report as JSON")
     status.set_defaults(handler=cmd_status)
+
+    chat = commands.add_parser("chat", help="talk to an agent of the running server in the terminal",
+                               epilog="in the chat: /new [ID], /agents, /help, /quit; Ctrl-C stops a reply")
+    chat.add_argument("agent", nargs="?", metavar="AGENT",
+                      help="the agent to talk to, created if missing (default: a new one)")
+    chat.add_argument("--system", metavar="TEXT", help="the system prompt of an agent this creates")
+    chat.add_argument("--max-tokens", type=int, default=512, metavar="N", help="the longest reply (default 512)")
+    chat.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: the server's)")
+    chat.add_argument("--url", help="the server to talk to (default: the one serving this home)")
+    chat.set_defaults(handler=cmd_chat)
 
     pool = commands.add_parser("pool", help="run several servers on this machine as one (docs/pool.md)")
     pool_commands = pool.add_subparsers(dest="pool_command", required=False, title="commands",
