@@ -189,7 +189,12 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Nothing new for a while (a long prefill): streams send a keep-alive."""
+    """Nothing new for a while (a long prefill): streams send a keep-alive, which carries
+    the prefill's progress when there is one: ``n_ready`` of the prompt's ``n_prompt``
+    tokens in the cache (reused or computed); 0 of 0 otherwise."""
+
+    n_ready: int = 0
+    n_prompt: int = 0
 
 
 GenerationEvent = Started | TextDelta | Finished | Heartbeat

@@ -6,10 +6,10 @@ from typing import Iterator, Mapping
 
 from app.agents.identity import AgentKey, openai_agent
 from app.api.generation import Dialect
-from app.api.sse import frame
+from app.api.sse import frame, keep_alive
 from app.protocol import openai
 from app.protocol.turn import ParsedTurn
-from app.types import GenerationEvent
+from app.types import GenerationEvent, Heartbeat
 
 
 def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
@@ -18,7 +18,7 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
 
 def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
     for chunk in openai.render_chunks(completion_id, parsed, events):
-        yield f"{chunk}\n\n".encode() if chunk == openai.KEEP_ALIVE else frame(None, chunk)
+        yield keep_alive(chunk) if isinstance(chunk, Heartbeat) else frame(None, chunk)
 
 
 OPENAI = Dialect(

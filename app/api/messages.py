@@ -9,10 +9,10 @@ import falcon
 from app.agents.identity import AgentKey, anthropic_agent
 from app.api.body import read_json
 from app.api.generation import Dialect, parse_for_model, render_turn
-from app.api.sse import frame
+from app.api.sse import frame, keep_alive
 from app.protocol import anthropic
 from app.protocol.turn import ParsedTurn
-from app.types import GenerationEvent, RequestOptions
+from app.types import GenerationEvent, Heartbeat, RequestOptions
 
 if TYPE_CHECKING:
     from app.engine.surface import EngineSurface
@@ -23,7 +23,19 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
 
 
 def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-    for name, data in anthropic.render_events(message_id, parsed, events):
+    heartbeats: list[Heartbeat] = []  # the one a ping answers (the renderer pulls it just before)
+
+    def seen() -> Iterator[GenerationEvent]:
+        for event in events:
+            if isinstance(event, Heartbeat):
+                heartbeats.append(event)
+            yield event
+
+    for name, data in anthropic.render_events(message_id, parsed, seen()):
+        if name == "ping" and heartbeats:
+            heartbeat = heartbeats.pop()
+            if heartbeat.n_prompt:  # the prefill's progress, as a comment beside the protocol's ping
+                yield keep_alive(heartbeat)
         yield frame(name, data)
 
 

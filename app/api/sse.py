@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterator
 
+from app.types import Heartbeat
+
 
 def frame(event: str | None, data: Any) -> bytes:
     """One SSE frame; ``data`` is JSON-encoded unless it is already a string."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n".encode()
+
+
+def keep_alive(heartbeat: Heartbeat) -> bytes:
+    """The SSE comment a heartbeat sends (clients ignore comments, proxies see traffic): the
+    prefill's progress when there is one (``: prefill 1024/4249 prompt tokens``)."""
+    if heartbeat.n_prompt:
+        return f": prefill {heartbeat.n_ready}/{heartbeat.n_prompt} prompt tokens\n\n".encode()
+    return b": keep-alive\n\n"
 
 
 class SseStream:

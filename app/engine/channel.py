@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+PROGRESS_S = 1.0  # a stream's prefill progress, at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,9 @@ class Job:
     _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    # Its prefill's progress, (prompt tokens in the cache, the prompt's), set by the engine
+    # thread after each chunk (one tuple, replaced whole); None before it starts.
+    progress: tuple[int, int] | None = None
 
     @property
     def arrived(self) -> float:
@@ -69,12 +73,14 @@ class Job:
 
         ``client_gone`` is polled while waiting: once it says the client left, the
         job is cancelled and the events end with a cancelled ``Finished``. With
-        ``heartbeat_s``, a ``Heartbeat`` comes after that long without an event.
+        ``heartbeat_s``, a ``Heartbeat`` comes after that long without an event, and one
+        carrying the prefill's progress each time it moved, ``PROGRESS_S`` apart at most.
 
         Raises:
             EngineUnavailable: the generation failed or the engine thread died.
         """
         last = time.monotonic()
+        shown = None  # the progress the last heartbeat carried
         while True:
             if client_gone is not None and not self.cancelled and client_gone():
                 self.cancel()
@@ -83,9 +89,11 @@ class Job:
             except queue.Empty:
                 if not self.alive():
                     raise EngineUnavailable("the engine thread stopped") from None
-                if heartbeat_s is not None and time.monotonic() - last >= heartbeat_s:
-                    last = time.monotonic()
-                    yield Heartbeat()
+                waited, progress = time.monotonic() - last, self.progress
+                if heartbeat_s is not None and (waited >= heartbeat_s
+                                                or (progress != shown and waited >= PROGRESS_S)):
+                    last, shown = time.monotonic(), progress
+                    yield Heartbeat(*(progress or (0, 0)))
                 continue
             last = time.monotonic()
             if isinstance(event, Failed):

@@ -359,6 +359,7 @@ class Runner(threading.Thread):
             elapsed = time.perf_counter() - start
             sequence.seconds_per_token = elapsed / n
             sequence.n_prefilled += n
+            sequence.job.progress = (sequence.lease.n_reused + sequence.n_prefilled, sequence.n_prompt)
             self._log_progress(sequence, n)
             sequence.after_prefill()
             self._counters = self._counters.after_prefill(n, elapsed)

@@ -318,13 +318,12 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
     }
 
 
-KEEP_ALIVE = ": keep-alive"  # an SSE comment: clients ignore it, proxies see traffic
 
 
 def render_chunks(completion_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str]:
-    """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker;
-    ``KEEP_ALIVE`` for a heartbeat."""
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str | Heartbeat]:
+    """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker; a
+    heartbeat as it came."""
     created = int(time.time())
     parser = ReplyParser.for_turn(parsed)
     n_calls = 0
@@ -344,7 +343,7 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
 
     for event in events:
         if isinstance(event, Heartbeat):
-            yield KEEP_ALIVE
+            yield event  # the stream sends it as a comment (app.api.sse.keep_alive)
         elif isinstance(event, Started):
             yield chunk({"role": "assistant", "content": ""}, None)
         elif isinstance(event, TextDelta):

@@ -109,3 +109,26 @@ def test_ttft_after_a_restart_counts_the_restore_from_disk(tmp_path: Path, smoll
     finally:
         client.close()
         stop_server(server)
+
+
+def test_a_long_prefill_streams_its_progress(server: ServerProcess) -> None:
+    """While a ~1,800-token prompt is prefilled, the stream carries SSE comments counting the
+    prompt's tokens in the cache, rising, before the first token (issue 40 item 6: before,
+    nothing but keep-alives)."""
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 2, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": notes(random.Random(6), 1300)}]}
+    seen: list[tuple[int, int]] = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300,
+                      headers={"x-session-id": f"progress-{uuid.uuid4().hex[:6]}"}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(": prefill "):
+                ready, total = line.removeprefix(": prefill ").removesuffix(" prompt tokens").split("/")
+                seen.append((int(ready), int(total)))
+            elif line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # the first token: prefill is over
+    assert seen, "no progress comment during the prefill"
+    total = seen[0][1]
+    assert total > 1500 and all(t == total for _, t in seen)
+    ready = [r for r, _ in seen]
+    assert ready == sorted(ready) and 0 < ready[0] < total  # counted as it rose (a 10 s keep-alive may repeat one)
