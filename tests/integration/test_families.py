@@ -4,9 +4,11 @@ models of each (tests/support/families.py), served by the whole engine with ``f3
 For each family a reused turn (later turns of a conversation, an edit in the middle of the
 last message, and the same after a restart: a new engine on the same home) gives the same
 greedy tokens as an engine with reuse off, which prefills the whole prompt cold. Hybrid
-families keep recurrent state (mlx-lm's ``ArraysCache``) in some layers: their reuse
-stops at the latest checkpoint of that state at or before the matched prefix
-(app/cache/checkpoints.py), so these tests also check that they reuse, and how much.
+families keep recurrent state (mlx-lm's ``ArraysCache``) in some layers, or beside the
+KV in every layer (falcon_h1's ``CacheList``): their reuse stops at the latest checkpoint
+of that state at or before the matched prefix (app/cache/checkpoints.py), so these tests
+also check that they reuse, and how much. Their random state fades slowly
+(``families.SLOW_DECAY_LOG``), so a warm turn resumed without it gives other tokens.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 VOCAB = 49152  # SmolLM2's tokenizer
+SLOW_DECAY_LOG = -6.0  # A_log of every recurrent head (mamba2 and gated delta net layers)
 BASE = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=8192, rms_norm_eps=1e-5)
 
 ATTENTION: dict[str, dict[str, Any]] = {
@@ -101,6 +102,11 @@ def build(config: dict[str, Any], seed: int = 7) -> Any:
     # Random weights small enough that every layer's output stays in range.
     model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
+    # Recurrent state that fades over hundreds of tokens, as trained models' long-memory heads'
+    # does (decay exp(-exp(A_log) dt) a token): the default init forgets within a few tokens,
+    # so a warm turn resumed from a lost or wrong state would still give the cold tokens.
+    model.load_weights([(name, mx.full(p.shape, SLOW_DECAY_LOG)) for name, p in tree_flatten(model.parameters())
+                        if name.endswith("A_log")], strict=False)
     mx.eval(model.parameters())
     return model
 
