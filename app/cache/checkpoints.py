@@ -3,7 +3,9 @@ state, checkpoints of that state at token positions, and which positions get one
 
 Hybrid models (Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Granite 4 hybrid, ...) keep, in some
 layers, a fixed-size state (conv and SSM or linear-attention states: mlx-lm's
-``ArraysCache``) instead of keys and values. Such a state cannot be cut back to a prefix,
+``ArraysCache``) instead of keys and values; Falcon-H1 keeps both in every layer (mlx-lm's
+``CacheList(ArraysCache, KVCache)``: its mamba mixer and its attention side by side), and a
+layout names each part of such an entry. Such a state cannot be cut back to a prefix,
 so it is kept as **checkpoints**: every recurrent layer's arrays at one token position,
 exactly as the model computed them (lossless, in their own dtype). A lease reuses the
 attention KV up to the latest checkpoint at or before the matched prefix, and the
@@ -29,7 +31,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from app.cache.hashing import BLOCK_TOKENS
 
@@ -37,12 +39,16 @@ MAX_CHECKPOINTS = 6  # per conversation (the newest two and four spaced earlier)
 MAX_SPACED = 4  # spaced checkpoints one prefill takes, at most
 
 KV = "kv"  # an attention layer's entry in a layout (else: "state:<n arrays>")
+PARTS = "+"  # joins the parts of a ``CacheList`` entry's kind, in its order: "state:2+kv"
 
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
     """What each entry of a model's cache list (``make_cache``) holds: attention keys and
-    values (``KV``) or recurrent state (``state:<n>``, an ``ArraysCache`` of n arrays)."""
+    values (``KV``), recurrent state (``state:<n>``, an ``ArraysCache`` of n arrays), or
+    both (a ``CacheList`` of such parts, its kind theirs joined by ``PARTS`` in order:
+    Falcon-H1's ``state:2+kv``). ``attention`` and ``recurrent`` reach the parts of either
+    kind wherever they are, ``assemble`` builds entries of every kind."""
 
     kinds: tuple[str, ...]
 
@@ -59,41 +65,62 @@ class CacheLayout:
         make = getattr(model, "make_cache", None)
         if make is None:
             return cls.attention_only(len(model.layers))
-        return cls(tuple(KV if type(c) in (KVCache, RotatingKVCache) else f"state:{len(c.cache)}" for c in make()))
+        return cls.of_cache(make())
+
+    @classmethod
+    def of_cache(cls, cache: Sequence[Any]) -> CacheLayout:
+        """The layout of a cache list (of the kinds ``unsupported_caches`` accepts)."""
+        return cls(tuple(PARTS.join(KV if type(part) in (KVCache, RotatingKVCache) else f"state:{len(part.cache)}"
+                                    for part in _parts_of(entry)) for entry in cache))
 
     @property
     def n_attention(self) -> int:
-        return sum(kind == KV for kind in self.kinds)
+        return sum(part == KV for kind in self.kinds for part in kind.split(PARTS))
+
+    @property
+    def n_recurrent(self) -> int:
+        """The recurrent parts (``ArraysCache``): the states one checkpoint holds."""
+        return sum(part != KV for kind in self.kinds for part in kind.split(PARTS))
 
     @property
     def hybrid(self) -> bool:
         """Some layers keep recurrent state (reuse needs checkpoints)."""
-        return self.n_attention != len(self.kinds)
+        return self.n_recurrent > 0
+
+    def _parts(self, cache: Sequence[Any]) -> list[tuple[str, Any]]:
+        """(kind, cache) of every part of a working cache's entries, in order."""
+        return [pair for entry, kind in zip(cache, self.kinds)
+                for pair in zip(kind.split(PARTS), _parts_of(entry), strict=True)]
 
     def attention(self, cache: Sequence[Any]) -> list[Any]:
-        """The attention layers' entries of a working cache, in order."""
-        return [c for c, kind in zip(cache, self.kinds) if kind == KV] if self.hybrid else list(cache)
+        """The attention parts of a working cache (``KVCache``), in order."""
+        return [c for kind, c in self._parts(cache) if kind == KV] if self.hybrid else list(cache)
 
     def recurrent(self, cache: Sequence[Any]) -> list[Any]:
-        """The recurrent layers' entries (``ArraysCache``), in order."""
-        return [c for c, kind in zip(cache, self.kinds) if kind != KV]
+        """The recurrent parts (``ArraysCache``), in order."""
+        return [c for kind, c in self._parts(cache) if kind != KV]
 
     def assemble(self, attention: list[Any], checkpoint: Checkpoint | None) -> list[Any]:
         """A working cache of this layout: ``attention``'s KV caches and fresh ``ArraysCache``
-        entries holding ``checkpoint``'s states (empty ones without)."""
+        parts holding ``checkpoint``'s states (empty ones without), each entry of several
+        parts a ``CacheList`` of them."""
         if not self.hybrid:
             return attention
         kv = iter(attention)
         states = iter(checkpoint.states if checkpoint is not None else ())
-        out = []
-        for kind in self.kinds:
+
+        def part(kind: str) -> Any:
             if kind == KV:
-                out.append(next(kv))
-                continue
+                return next(kv)
             entry = ArraysCache(int(kind.split(":")[1]))
             if checkpoint is not None:
                 entry.cache = list(next(states))
-            out.append(entry)
+            return entry
+
+        out = []
+        for kind in self.kinds:
+            parts = [part(p) for p in kind.split(PARTS)]
+            out.append(parts[0] if len(parts) == 1 else CacheList(*parts))
         return out
 
     def checkpoint_nbytes(self, cache: Sequence[Any]) -> int:
@@ -101,17 +128,22 @@ class CacheLayout:
         return sum(c.nbytes for c in self.recurrent(cache))
 
 
+def _parts_of(entry: Any) -> tuple[Any, ...]:
+    """A cache entry's parts: a ``CacheList``'s caches, else the entry itself."""
+    return tuple(entry.caches) if type(entry) is CacheList else (entry,)
+
+
 def unsupported_caches(model: Any) -> list[str]:
     """The kinds of per-layer cache ``model`` needs that Semantic's caches cannot hold: all
     but attention keys and values (``KVCache``; ``RotatingKVCache``, a sliding window the
     engine keeps in full and masks) and recurrent state (``ArraysCache``, kept as
-    checkpoints) beside at least one attention layer (a model of recurrent layers only is
-    not served yet)."""
+    checkpoints), alone or as the parts of a ``CacheList``, with at least one attention
+    part in the model (a model of recurrent layers only is not served yet)."""
     make = getattr(model, "make_cache", None)
-    caches = make() if make is not None else []
-    kinds = {type(c) for c in caches}
+    parts = [part for entry in (make() if make is not None else []) for part in _parts_of(entry)]
+    kinds = {type(c) for c in parts}
     unsupported = sorted({t.__name__ for t in kinds if t not in (KVCache, RotatingKVCache, ArraysCache)})
-    if not unsupported and caches and kinds <= {ArraysCache}:
+    if not unsupported and parts and kinds <= {ArraysCache}:
         unsupported = ["ArraysCache (and no attention layer)"]
     return unsupported
 
@@ -119,7 +151,8 @@ def unsupported_caches(model: Any) -> list[str]:
 @dataclass(frozen=True)
 class Checkpoint:
     """Every recurrent layer's state after the first ``n_tokens`` tokens: ``states[i]`` holds
-    the arrays of the i-th recurrent layer's ``ArraysCache``, as the model computed them."""
+    the arrays of the i-th recurrent part's ``ArraysCache`` (``CacheLayout.recurrent``), as
+    the model computed them."""
 
     n_tokens: int
     states: tuple[tuple[mx.array, ...], ...]

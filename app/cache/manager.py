@@ -660,8 +660,7 @@ class CacheManager:
                   for block, arrays in stored.blocks.items()}
         tail = KVBlock.from_numpy(stored.tail, self._n_layers, stored.tail_tokens) if stored.tail is not None else None
         checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
-        n_recurrent = len(self._layout.kinds) - self._layout.n_attention
-        if any(len(p.states) != n_recurrent for p in checkpoints):
+        if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
             raise ValueError("a checkpoint does not hold every recurrent layer's state")
         return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints), blocks
 

@@ -1,7 +1,9 @@
 """Sequences decoding together in one forward pass per step, each on its own cache (MLX).
 
 A thin layer over mlx-lm's ``GenerationBatch``: a sequence joins with its
-working cache (the float ``KVCache`` per layer its prefill filled) and its last
+working cache (the float ``KVCache`` per layer its prefill filled; in a hybrid model
+also ``ArraysCache`` layers, or a ``CacheList`` of both per layer, which mlx-lm's
+``merge``, ``extract`` and ``filter`` batch part by part) and its last
 prompt token; every ``step`` gives each sequence its next tokens (whose keys and
 values are then in the cache); ``remove`` takes a sequence out and hands its
 cache back, exactly as long as its prompt plus the tokens it was given and used.
@@ -25,7 +27,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches, generation_stream
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from app.engine.drafting import DraftLength, PromptLookup
@@ -182,6 +184,8 @@ def prefill(model: nn.Module, cache: list[KVCache], tokens: Sequence[int]) -> No
 
 def cache_arrays(cache: list[Any]) -> list[mx.array]:
     """The arrays a working cache holds: each attention layer's keys and values, each
-    recurrent layer's state (``ArraysCache``, hybrid models)."""
-    return [x for layer in cache for x in ((layer.keys, layer.values) if hasattr(layer, "keys") else layer.cache)
+    recurrent layer's state (``ArraysCache``, hybrid models), and both of a layer that
+    keeps both (a ``CacheList`` of the two: Falcon-H1)."""
+    parts = [part for layer in cache for part in (layer.caches if isinstance(layer, CacheList) else (layer,))]
+    return [x for part in parts for x in ((part.keys, part.values) if hasattr(part, "keys") else part.cache)
             if x is not None]

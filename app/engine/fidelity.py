@@ -19,10 +19,10 @@ from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import KVCache
 
 from app.cache.blocks import KVFormat, quantize_span, to_working_cache
-from app.cache.checkpoints import CacheLayout
+from app.cache.checkpoints import CacheLayout, capture
 from app.engine.batch import prefill as feed
 
 TEXTS_DIR = Path(__file__).with_name("texts")
@@ -43,32 +43,27 @@ def prefill(model: nn.Module, tokens: list[int], step: int = 256) -> list[KVCach
     return cache
 
 
-def _same_state(layer: ArraysCache) -> ArraysCache:
-    """A recurrent layer's cache of its own holding the same state (the model replaces a
-    state's arrays, never writes into them)."""
-    fresh = ArraysCache(len(layer.cache))
-    fresh.cache = list(layer.cache)
-    return fresh
-
-
 def copy_cache(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
-    out = []
-    for layer in cache:
-        if isinstance(layer, ArraysCache):
-            out.append(_same_state(layer))
-            continue
+    """A working cache of its own holding the first ``n_tokens`` of ``cache``'s KV and the
+    same recurrent state (hybrid models: the model replaces a state's arrays, never writes
+    into them)."""
+    layout = CacheLayout.of_cache(cache)
+    attention = []
+    for layer in layout.attention(cache):
         fresh = KVCache()
         fresh.state = (mx.array(layer.keys[..., :n_tokens, :]), mx.array(layer.values[..., :n_tokens, :]), n_tokens)
-        out.append(fresh)
-    return out
+        attention.append(fresh)
+    return layout.assemble(attention, capture(layout, cache, n_tokens))
 
 
 def roundtrip(cache: list[KVCache], n_tokens: int, kv_format: KVFormat) -> list[KVCache]:
-    """The float cache's first ``n_tokens`` as the model sees them after being stored in ``kv_format``."""
-    attention = [layer for layer in cache if not isinstance(layer, ArraysCache)]  # the format stores their KV only
+    """The float cache's first ``n_tokens`` as the model sees them after being stored in
+    ``kv_format`` (which stores the KV only: recurrent state stays as it is)."""
+    layout = CacheLayout.of_cache(cache)
+    attention = layout.attention(cache)
     block = quantize_span(attention, 0, n_tokens, kv_format)
-    stored = iter(to_working_cache([block], len(attention), n_tokens, mx.float32, kv_format))
-    return [_same_state(layer) if isinstance(layer, ArraysCache) else next(stored) for layer in cache]
+    stored = to_working_cache([block], len(attention), n_tokens, mx.float32, kv_format)
+    return layout.assemble(stored, capture(layout, cache, n_tokens))
 
 
 def continuation_logprobs(model: nn.Module, cache: list[KVCache], tokens: list[int]) -> mx.array:

@@ -336,8 +336,9 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     unsupported = unsupported_caches(model)
     if unsupported:
         raise InvalidModelFile(f"{name} ({config.get('model_type')}): its layers keep {', '.join(unsupported)} state; "
-                               "Semantic's caches hold attention keys and values and, beside them, recurrent "
-                               "state (ArraysCache) as checkpoints")
+                               "Semantic's caches hold attention keys and values and, beside them (in other "
+                               "layers or in the same one's CacheList), recurrent state (ArraysCache) as "
+                               "checkpoints")
     target = _compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)

@@ -21,7 +21,8 @@ residual or, after a wholly accepted draft, from the model's distribution there.
 
 Only sequences without logits processors speculate, and only on caches
 that can be cut back exactly (plain ``KVCache`` per layer): a sliding-window
-``RotatingKVCache`` or a recurrent ``ArraysCache`` loses state it cannot get back.
+``RotatingKVCache`` or a recurrent ``ArraysCache`` (alone or in a ``CacheList``, as
+Falcon-H1 keeps it beside its KV) loses state it cannot get back.
 """
 
 from __future__ import annotations

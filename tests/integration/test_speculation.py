@@ -20,7 +20,7 @@ from typing import Iterator
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler, make_sampler
 
 from app.catalog.registry import Catalog
@@ -208,4 +208,6 @@ def test_a_sampling_sequence_speculates_and_its_cache_holds_what_it_was_handed(s
 def test_only_caches_that_trim_exactly_speculate() -> None:
     assert can_trim_exactly([KVCache(), KVCache()])
     assert not can_trim_exactly([KVCache(), RotatingKVCache(max_size=8)])
+    assert not can_trim_exactly([KVCache(), ArraysCache(2)])  # recurrent state: no drafts
+    assert not can_trim_exactly([CacheList(ArraysCache(2), KVCache())])  # falcon_h1's layers
     assert not can_trim_exactly([])

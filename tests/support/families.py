@@ -3,7 +3,9 @@ from mlx-lm's own model classes (small shapes of the kind mlx-lm's tests/test_mo
 uses) and saved with the embedded SmolLM2 tokenizer, so the whole engine serves them.
 
 ``ATTENTION`` families keep attention keys and values in every layer; ``HYBRID`` ones keep
-recurrent state (``ArraysCache``) in some layers, which the cache keeps as checkpoints.
+recurrent state (``ArraysCache``) in some layers, which the cache keeps as checkpoints
+(falcon_h1 keeps both in every layer, a ``CacheList``); ``RECURRENT`` ones keep state only
+and are refused at load.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 VOCAB = 49152  # SmolLM2's tokenizer
+SLOW_DECAY_LOG = -6.0  # A_log of every recurrent head (mamba2 and gated delta net layers)
 BASE = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=8192, rms_norm_eps=1e-5)
 
 ATTENTION: dict[str, dict[str, Any]] = {
@@ -82,6 +85,12 @@ HYBRID: dict[str, dict[str, Any]] = {
                       mamba_norm_before_gate=False, tie_word_embeddings=False),
 }
 
+# Recurrent layers only: refused at load (no attention layer to keep beside the state).
+RECURRENT: dict[str, dict[str, Any]] = {
+    "mamba": dict(vocab_size=VOCAB, hidden_size=32, model_type="mamba", intermediate_size=64, state_size=4,
+                  num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4),
+}
+
 
 def build(config: dict[str, Any], seed: int = 7) -> Any:
     """The family's mlx-lm model with random float32 weights (evaluated)."""
@@ -93,6 +102,11 @@ def build(config: dict[str, Any], seed: int = 7) -> Any:
     # Random weights small enough that every layer's output stays in range.
     model.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
+    # Recurrent state that fades over hundreds of tokens, as trained models' long-memory heads'
+    # does (decay exp(-exp(A_log) dt) a token): the default init forgets within a few tokens,
+    # so a warm turn resumed from a lost or wrong state would still give the cold tokens.
+    model.load_weights([(name, mx.full(p.shape, SLOW_DECAY_LOG)) for name, p in tree_flatten(model.parameters())
+                        if name.endswith("A_log")], strict=False)
     mx.eval(model.parameters())
     return model
 
@@ -101,7 +115,7 @@ def save(family: str, out: Path, tokenizer_dir: Path, seed: int = 7) -> Path:
     """Save a tiny random model of ``family`` at ``out`` with SmolLM2's tokenizer; returns ``out``."""
     from mlx_lm.utils import save_model
 
-    config = {**(ATTENTION.get(family) or HYBRID[family])}
+    config = {**(ATTENTION.get(family) or HYBRID.get(family) or RECURRENT[family])}
     model = build(config, seed)
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)

@@ -1,6 +1,7 @@
 """Which mlx-lm architectures the engine serves: those whose layers keep attention keys
 and values, and hybrids whose other layers keep recurrent state (``ArraysCache``, kept as
-checkpoints) beside at least one attention layer (tiny random-weight models of each kind,
+checkpoints) beside at least one attention layer, or both in each layer (a ``CacheList``:
+Falcon-H1) (tiny random-weight models of each kind,
 built in-process); and where a prefill takes its checkpoints, and which a conversation keeps."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import importlib
 from typing import Any
 
 import pytest
+from mlx_lm.models.cache import CacheList
 
 from app.cache.checkpoints import MAX_CHECKPOINTS, Checkpoint, CheckpointPlan, CacheLayout, keep, plan
 from app.engine.model import unsupported_caches
@@ -49,6 +51,9 @@ HYBRID = {
                  num_key_value_heads=2, max_position_embeddings=128, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                  block_dim=32, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
                  intermediate_size=32, layer_types=["conv", "full_attention", "conv"]),
+    "falcon_h1": dict(model_type="falcon_h1", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                      intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=4),
 }
 
 
@@ -65,6 +70,21 @@ def test_hybrid_models_are_served_with_their_layout() -> None:
     cache = layout.assemble(["kv0"], None)
     assert layout.attention(cache) == ["kv0"] and len(layout.recurrent(cache)) == 2
     assert not CacheLayout.of(_build(ATTENTION["llama"])).hybrid
+
+
+def test_a_model_keeping_state_and_kv_in_each_layer_is_served_with_both_parts() -> None:
+    """Falcon-H1: every layer's cache is mlx-lm's ``CacheList(ArraysCache(2), KVCache())``."""
+    model = _build(HYBRID["falcon_h1"])
+    assert unsupported_caches(model) == []
+    layout = CacheLayout.of(model)
+    assert layout.kinds == ("state:2+kv", "state:2+kv") and layout.hybrid
+    assert layout.n_attention == layout.n_recurrent == 2
+    point = Checkpoint(5, (("a0", "b0"), ("a1", "b1")))
+    cache = layout.assemble(["kv0", "kv1"], point)
+    assert [type(entry) for entry in cache] == [CacheList, CacheList]
+    assert layout.attention(cache) == ["kv0", "kv1"]
+    assert [state.cache for state in layout.recurrent(cache)] == [["a0", "b0"], ["a1", "b1"]]
+    assert CacheLayout.of_cache(model.make_cache()) == layout
 
 
 def test_a_prefill_stops_at_its_end_and_at_blocks_spaced_back_from_it() -> None:
