@@ -100,6 +100,23 @@ def cmd_chat(settings: Settings, args: argparse.Namespace) -> int:
                temperature=args.temperature)
 
 
+def cmd_launch(settings: Settings, args: argparse.Namespace) -> int:
+    from app import launch
+    from app.status import read_health, server_url
+
+    url = (args.url or server_url(settings)).rstrip("/")
+    planned = launch.plan(args.client, url, settings.home, settings.api_key or None, args.model, args.args, args.bin)
+    if args.print:
+        print(planned.shown())
+        return 0
+    if read_health(url) is None:
+        print(f"semantic launch: no server answers at {url}; start one with ./scripts/serve (or semantic serve)",
+              file=sys.stderr)
+        return 1
+    launch.run(planned)
+    return 0  # not reached: the client replaced this process
+
+
 def cmd_config(settings: Settings, _args: argparse.Namespace) -> int:
     import os
 
@@ -432,6 +449,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--url", help="the server to talk to (default: the one serving this home)")
     chat.set_defaults(handler=cmd_chat)
 
+    launch = commands.add_parser(
+        "launch", help="run Claude Code or Codex against the running server",
+        usage="semantic launch [-h] [--model MODEL] [--bin PATH] [--url URL] [--print] {claude,codex} [-- ARGS ...]",
+        epilog="example: semantic launch claude -- -p 'say hello'   (arguments after -- go to the client)")
+    launch.add_argument("client", choices=("claude", "codex"), help="the agent CLI to run")
+    launch.add_argument("--model", help="the model name the client asks for (default: the client's own)")
+    launch.add_argument("--bin", metavar="PATH", help="the client's executable (default: found on the PATH)")
+    launch.add_argument("--url", help="the server (default: the one serving this home)")
+    launch.add_argument("--print", action="store_true", help="print the configuration and command, run nothing")
+    launch.set_defaults(handler=cmd_launch, args=[])
+
     pool = commands.add_parser("pool", help="run several servers on this machine as one (docs/pool.md)")
     pool_commands = pool.add_subparsers(dest="pool_command", required=False, title="commands",
                                         metavar="COMMAND")
@@ -559,8 +587,11 @@ def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     chosen = _chosen(parser, args)
+    if getattr(args, "handler", None) is cmd_launch and extra[:1] == ["--"]:  # the client's own arguments
+        args.args, extra = extra[1:], []
     if extra:  # the usage of the command given, not the top level's
-        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+        hint = " (the client's own arguments go after --)" if getattr(args, "handler", None) is cmd_launch else ""
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if getattr(args, "handler", None) is None:  # `semantic`, `semantic models`: a command is wanted
         chosen.print_help()
         return 0

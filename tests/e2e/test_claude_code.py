@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from conftest import ServerProcess, claude_env, start_server, stop_server
+from conftest import ROOT, ServerProcess, claude_env, start_server, stop_server
 from support.dbcheck import query
 
 
@@ -45,3 +47,23 @@ def test_headless_turns_and_the_second_reads_from_cache(claude: Path, server: Se
     assert len(rows) >= 2
     cached, total, outcome = rows[-1]
     assert cached / total >= 0.9 and outcome == "extend"
+
+
+def test_semantic_launch_runs_claude_code_against_this_homes_server(claude: Path, server: ServerProcess,
+                                                                    tmp_path: Path) -> None:
+    """`semantic launch claude -- ARGS`: Claude Code with the server serving the home as its
+    API (and nothing else to contact), run with the arguments given."""
+    workdir, home = tmp_path / "work", tmp_path / "home"
+    workdir.mkdir()
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "SEMANTIC_HOME": str(server.home), "IS_SANDBOX": "1",
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "app", "launch", "claude", "--bin", str(claude), "--", "-p", "say hi",
+                           "--output-format", "json", "--max-turns", "2", "--tools", "Bash,Read",
+                           "--model", "claude-sonnet-5"], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    answer = json.loads(done.stdout)
+    assert not answer["is_error"] and answer["result"].strip()
+    assert query(server.db_path, "SELECT count(*) FROM requests WHERE agent_id = ? AND status = 'ok'",
+                 answer["session_id"])[0][0] >= 1

@@ -248,7 +248,8 @@ def test_help_lists_every_command_and_choice(tmp_path: Path) -> None:
     section = top.stdout.split("commands:\n  COMMAND\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split()[0] for line in section] == list(commands)  # one line each: no wrapped help
     assert all(len(line.split()) >= 3 for line in section)
-    assert set(commands) == {"serve", "worker", "jobs", "sql", "config", "status", "pool", "models", "agents"}
+    assert set(commands) == {"serve", "worker", "jobs", "sql", "config", "status", "chat", "launch", "pool", "models",
+                             "agents"}
     assert JOBS == tuple(WORKER_JOBS)
     jobs = semantic(tmp_path, "jobs", "run", "--help").stdout
     assert all(job in jobs for job in JOBS) and "example: semantic jobs run" in jobs

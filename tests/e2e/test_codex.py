@@ -4,12 +4,15 @@ two turns (``codex exec``, then ``codex exec resume --last``)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from conftest import ROOT, ServerProcess, start_server, stop_server
 from support.codex_recorder import codex_env, run_codex, write_config
 from support.dbcheck import query
 
@@ -53,3 +56,24 @@ def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server:
     (_, prompt_1, _, _, _), (_, prompt_2, cached_2, outcome_2, _) = rows
     assert cached_2 >= 0.9 * prompt_1 and outcome_2 == "extend"
     assert query(server.db_path, "SELECT thread FROM conversations WHERE id = ?", rows[0][0]) == [(session,)]
+
+
+@pytest.mark.timeout(1000)
+def test_semantic_launch_runs_codex_against_this_homes_server(codex: Path, server: ServerProcess,
+                                                              tmp_path: Path) -> None:
+    """`semantic launch codex -- ARGS`: Codex configured for the server serving the home (its
+    own CODEX_HOME under the home), run with the arguments given."""
+    (tmp_path / "work").mkdir()
+    answered = "SELECT count(*) FROM requests WHERE protocol = 'responses' AND status = 'ok'"
+    before = query(server.db_path, answered)[0][0]
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SEMANTIC_HOME": str(server.home)}
+    done = subprocess.run([sys.executable, "-m", "app", "launch", "codex", "--bin", str(codex), "--",
+                           "exec", "--skip-git-repo-check", "--json", "What is 2+2?"],
+                          cwd=tmp_path / "work", env={**env, "PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert any(e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+               for e in events(done.stdout)), done.stdout[-2000:]
+    config = (server.home / "clients" / "codex" / "config.toml").read_text()
+    assert f'base_url = "{server.url}/v1"' in config and 'wire_api = "responses"' in config
+    assert query(server.db_path, answered)[0][0] > before
