@@ -214,7 +214,9 @@ def latest_at(checkpoints: Sequence[Checkpoint], n_tokens: int, usable: Any = No
 
 def plan(start: int, end: int) -> tuple[int, ...]:
     """Positions a prefill of tokens ``[start, end)`` stops at to take a checkpoint: block
-    boundaries 1, 2, 4, ... blocks before ``end`` (at most ``MAX_SPACED``), then ``end``."""
+    boundaries 1, 2, 4, ... blocks before ``end`` (at most ``MAX_SPACED``), the last block
+    boundary before ``end`` (where a prompt that is all shared start, a direct agent's
+    system prompt, ends its last whole block: a shared checkpoint), then ``end``."""
     positions = {end} if end > start else set()
     distance = BLOCK_TOKENS
     while len(positions) <= MAX_SPACED and end - distance > start:
@@ -222,6 +224,9 @@ def plan(start: int, end: int) -> tuple[int, ...]:
         if at > start:
             positions.add(at)
         distance *= 2
+    last = (end - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    if start < last:
+        positions.add(last)
     return tuple(sorted(positions))
 
 
