@@ -18,6 +18,15 @@ block boundaries at 1, 2, 4, ... blocks before the prompt's end (an edit ``d`` t
 before the end resumes at most about ``2 d`` tokens before the edit). The prefill's chunks
 end exactly at those positions.
 
+Shared checkpoints: a checkpoint at a block boundary B holds for every prompt whose first
+B tokens are the same, which the id of the block ending at B names (it chains all earlier
+tokens and the model). A turn that began from shared data alone (cold, or from shared
+blocks and a shared checkpoint: ``manager.Lease.public``) keeps those its prefill took at
+block boundaries with their blocks (``files.CacheFiles.write_shared_checkpoint``, the
+checksum in the block's row); a new conversation of any agent resumes at the latest of
+them its prompt's shared blocks reach (``CacheManager.lease``). They go with their
+block's row; a turn shares at most as many as its plan has block boundaries.
+
 Bounds (``keep``): at most ``MAX_CHECKPOINTS`` per conversation: the newest two (prompt
 and reply end of the last turn) and, of the older ones still on the conversation's
 tokens, those spaced geometrically back from its end. Bytes per checkpoint per model:

@@ -16,8 +16,13 @@ the previous one deleted once the index points to the new) holds token ids and c
 as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
 checkpoints' arrays (``ckpt.<i>.<layer>.<array>``, lossless), metadata agent_id /
 conversation_id / text / chain / tail_tokens (/ checkpoints: each one's tokens and dtypes).
+A hybrid model's shared checkpoint (the recurrent state after a block, for every
+conversation starting with its tokens) is a file beside the block's,
+``<hash[:2]>/<hash>.state.safetensors``: arrays ``<layer>.<array>``, metadata fingerprint /
+hash / n_tokens / dtypes, its checksum in the block's index row.
 
-Verification: every read checks the checksum; a block file also that it is this model's
+Verification: every read checks the checksum (a shared checkpoint's against its block's
+row); a block or shared checkpoint file also that it is this model's
 and this block's, a conversation that its record, its index row and its blocks agree. A
 file that fails its checksum is moved to ``<root>/quarantine/`` (kept for inspection, never
 served) by whoever finds it: the cache manager as it loads a cache, the worker's compact

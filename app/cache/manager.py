@@ -3,7 +3,8 @@
 Caches belong to conversations (an agent holds several). ``lease`` finds the
 longest reusable prefix for a prompt, by characters: the conversation's own
 cache first, else another conversation of the same agent, else the blocks
-any conversation stored for the same token prefix; in memory first, then on disk.
+any conversation stored for the same token prefix (a hybrid model: up to the latest
+shared checkpoint of its recurrent state there); in memory first, then on disk.
 It returns a float working cache holding that prefix. ``commit`` turns the
 working cache after a turn back into 4-bit blocks (only the blocks that
 changed) as that conversation's cache, updates the pool and hands a snapshot
