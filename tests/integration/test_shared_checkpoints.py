@@ -19,7 +19,7 @@ import pytest
 from app.cache import checkpoints
 from app.cache.blocks import BLOCK_TOKENS, KV_FORMATS
 from app.cache.checkpoints import CacheLayout, CheckpointPlan
-from app.cache.files import QUARANTINE, SHARED_CHECKPOINT_SUFFIX, read_metadata
+from app.cache.files import CHECKSUM_KEY, QUARANTINE, SHARED_CHECKPOINT_SUFFIX, read, read_metadata, write
 from app.cache.records import CacheRecord
 from support.families import HYBRID, build
 from test_cache_round_trips import as_prompt, manager
@@ -102,6 +102,8 @@ def test_shared_checkpoints_come_back_from_disk_and_go_with_their_blocks(family:
     # A turn from a conversation's own cache shares nothing more (its start may be an import's).
     more = np.random.default_rng(4).integers(100, TOKENS, 300).tolist()  # a checkpoint at 1024 too
     assert turn(reloaded, model, "a", "a-1", first + more)[1] == "extend"
+    # Nor one resumed from another conversation's record (its agent's sibling).
+    assert turn(reloaded, model, "a", "a-2", second[:SYSTEM] + more) == (3 * BLOCK_TOKENS, "sibling")
     assert reloaded.flush(30)
     assert len(state_files(tmp_path)) == 3
     reloaded.forget_agent("a")  # b's conversation was never committed: the blocks go, and their states
@@ -110,15 +112,21 @@ def test_shared_checkpoints_come_back_from_disk_and_go_with_their_blocks(family:
     reloaded.close()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_damaged_shared_checkpoint_is_a_miss_and_an_earlier_one_serves(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family,damage", [(f, d) for f in FAMILIES for d in ("flipped", "forged")])
+def test_a_damaged_shared_checkpoint_is_a_miss_and_an_earlier_one_serves(family: str, damage: str,
+                                                                       tmp_path: Path) -> None:
     model, layout, caches, _, second = setup(family, tmp_path)
     assert caches.flush(30)
     caches.close()
     damaged = next(p for p in state_files(tmp_path) if read_metadata(p)["n_tokens"] == str(3 * BLOCK_TOKENS))
-    data = bytearray(damaged.read_bytes())
-    data[-8] ^= 0xFF
-    damaged.write_bytes(bytes(data))
+    if damage == "flipped":  # fails its own checksum
+        data = bytearray(damaged.read_bytes())
+        data[-8] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    else:  # another state with its own checksum recomputed: only the index's checksum refuses it
+        arrays, meta = read(damaged)
+        write(damaged, {name: np.zeros_like(array) for name, array in arrays.items()},
+              {k: v for k, v in meta.items() if k != CHECKSUM_KEY})
     reloaded = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
     resume(reloaded, model, layout, second, 2 * BLOCK_TOKENS)
     assert not damaged.exists() and (tmp_path / "blocks" / QUARANTINE / damaged.name).exists()
