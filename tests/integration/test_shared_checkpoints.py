@@ -9,18 +9,23 @@ random models of two hybrid families (Qwen3.5: ``ArraysCache`` layers; Falcon-H1
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from sqlalchemy import delete, update
 
-from app.cache import checkpoints
+from app.cache import checkpoints, upkeep
 from app.cache.blocks import BLOCK_TOKENS, KV_FORMATS
 from app.cache.checkpoints import CacheLayout, CheckpointPlan
 from app.cache.files import CHECKSUM_KEY, QUARANTINE, SHARED_CHECKPOINT_SUFFIX, read, read_metadata, write
 from app.cache.records import CacheRecord
+from app.store.db import make_engine, make_session_factory
+from app.store.history import utcnow
+from app.store.models import Block, CacheBlock
 from support.families import HYBRID, build
 from test_cache_round_trips import as_prompt, manager
 from test_checkpoints import TOKENS, prefill
@@ -131,3 +136,21 @@ def test_a_damaged_shared_checkpoint_is_a_miss_and_an_earlier_one_serves(family:
     resume(reloaded, model, layout, second, 2 * BLOCK_TOKENS)
     assert not damaged.exists() and (tmp_path / "blocks" / QUARANTINE / damaged.name).exists()
     reloaded.close()
+
+
+@pytest.mark.parametrize("job", ["expire", "compact"])
+def test_the_workers_jobs_delete_shared_checkpoints_with_their_blocks(job: str, tmp_path: Path) -> None:
+    _, _, caches, _, _ = setup("qwen3_5", tmp_path)
+    assert caches.flush(30)
+    caches.close()
+    assert len(state_files(tmp_path)) == 3
+    engine = make_engine(f"sqlite:///{tmp_path / 'semantic.db'}")
+    sessions = make_session_factory(engine)
+    if job == "expire":  # the conversation's cache goes cold: its blocks, and their states, go
+        assert upkeep.run_expire(sessions, default_ttl_s=0)["files_deleted"] == 1 + 3 + 3
+    else:  # blocks no cache references any more (compact drops them): their states go along
+        with sessions.begin() as session:  # (as if the conversation had moved on to other blocks)
+            session.execute(delete(CacheBlock))
+            session.execute(update(Block).values(ref_count=0, last_access_at=utcnow() - timedelta(days=1)))
+        assert upkeep.run_compact(engine, sessions, tmp_path / "blocks")["unreferenced_blocks"] == 3 + 3  # their files
+    assert state_files(tmp_path) == []
