@@ -18,6 +18,15 @@ block boundaries at 1, 2, 4, ... blocks before the prompt's end (an edit ``d`` t
 before the end resumes at most about ``2 d`` tokens before the edit). The prefill's chunks
 end exactly at those positions.
 
+Shared checkpoints: a checkpoint at a block boundary B holds for every prompt whose first
+B tokens are the same, which the id of the block ending at B names (it chains all earlier
+tokens and the model). A turn that began from shared data alone (cold, or from shared
+blocks and a shared checkpoint: ``manager.Lease.public``) keeps those its prefill took at
+block boundaries with their blocks (``files.CacheFiles.write_shared_checkpoint``, the
+checksum in the block's row); a new conversation of any agent resumes at the latest of
+them its prompt's shared blocks reach (``CacheManager.lease``). They go with their
+block's row; a turn shares at most as many as its plan has block boundaries.
+
 Bounds (``keep``): at most ``MAX_CHECKPOINTS`` per conversation: the newest two (prompt
 and reply end of the last turn) and, of the older ones still on the conversation's
 tokens, those spaced geometrically back from its end. Bytes per checkpoint per model:
@@ -214,7 +223,9 @@ def latest_at(checkpoints: Sequence[Checkpoint], n_tokens: int, usable: Any = No
 
 def plan(start: int, end: int) -> tuple[int, ...]:
     """Positions a prefill of tokens ``[start, end)`` stops at to take a checkpoint: block
-    boundaries 1, 2, 4, ... blocks before ``end`` (at most ``MAX_SPACED``), then ``end``."""
+    boundaries 1, 2, 4, ... blocks before ``end`` (at most ``MAX_SPACED``), the last block
+    boundary before ``end`` (where a prompt that is all shared start, a direct agent's
+    system prompt, ends its last whole block: a shared checkpoint), then ``end``."""
     positions = {end} if end > start else set()
     distance = BLOCK_TOKENS
     while len(positions) <= MAX_SPACED and end - distance > start:
@@ -222,6 +233,9 @@ def plan(start: int, end: int) -> tuple[int, ...]:
         if at > start:
             positions.add(at)
         distance *= 2
+    last = (end - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    if start < last:
+        positions.add(last)
     return tuple(sorted(positions))
 
 

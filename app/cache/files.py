@@ -16,8 +16,13 @@ the previous one deleted once the index points to the new) holds token ids and c
 as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
 checkpoints' arrays (``ckpt.<i>.<layer>.<array>``, lossless), metadata agent_id /
 conversation_id / text / chain / tail_tokens (/ checkpoints: each one's tokens and dtypes).
+A hybrid model's shared checkpoint (the recurrent state after a block, for every
+conversation starting with its tokens) is a file beside the block's,
+``<hash[:2]>/<hash>.state.safetensors``: arrays ``<layer>.<array>``, metadata fingerprint /
+hash / n_tokens / dtypes, its checksum in the block's index row.
 
-Verification: every read checks the checksum; a block file also that it is this model's
+Verification: every read checks the checksum (a shared checkpoint's against its block's
+row); a block or shared checkpoint file also that it is this model's
 and this block's, a conversation that its record, its index row and its blocks agree. A
 file that fails its checksum is moved to ``<root>/quarantine/`` (kept for inspection, never
 served) by whoever finds it: the cache manager as it loads a cache, the worker's compact
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
 CHECKSUM_KEY = "sha256"
+SHARED_CHECKPOINT_SUFFIX = ".state.safetensors"  # a shared checkpoint, beside its block's file
 CHECKPOINT_PREFIX = "ckpt."  # a record file's recurrent-state checkpoints: ckpt.<i>.<layer>.<array>
 QUARANTINE = "quarantine"
 FETCH_THREADS = 8  # GETs from the shared tier at once, for one conversation
@@ -78,6 +84,15 @@ class FileUnavailable(Exception):
 # What reading a cache's files can raise besides FileUnavailable: a damaged file, or one
 # that verifies but does not fit (another model's shapes, a record that disagrees with its index).
 UNUSABLE = (DamagedFile, KeyError, ValueError)
+
+
+class StorableCheckpoint(Protocol):
+    """What a shared checkpoint file is written from (``checkpoints.Checkpoint``)."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    def to_numpy(self, prefix: str) -> tuple[Arrays, list[list[str]]]: ...
 
 
 class StorableBlock(Protocol):
@@ -345,6 +360,44 @@ class CacheFiles:
 
     def block_path(self, block: str) -> Path:
         return self.base / block[:2] / f"{block}.safetensors"
+
+    def checkpoint_path(self, block: str) -> Path:
+        """Where the shared checkpoint after block ``block`` lives: beside the block's file."""
+        return self.base / block[:2] / f"{block}{SHARED_CHECKPOINT_SUFFIX}"
+
+    def write_shared_checkpoint(self, block: str, point: StorableCheckpoint,
+                                indexed: str | None = None) -> tuple[Path, str]:
+        """Write the shared checkpoint after block ``block`` (the recurrent state after its
+        first ``point.n_tokens`` tokens) unless the file there claims ``indexed`` (the
+        checksum the block's row holds); returns (path, the checksum of the file now there).
+        Any other file there is replaced, never adopted (as ``write_block``)."""
+        path = self.checkpoint_path(block)
+        try:
+            claimed = read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
+        except DamagedFile:
+            claimed = None
+        if claimed is not None and claimed == indexed:
+            return path, claimed
+        arrays, dtypes = point.to_numpy("")
+        digest, _ = write(path, arrays, {"fingerprint": self.fingerprint, "hash": block,
+                                         "n_tokens": str(point.n_tokens), "dtypes": json.dumps(dtypes)})
+        return path, digest
+
+    def read_shared_checkpoint(self, block: str, path: str | Path, checksum: str,
+                               n_tokens: int) -> tuple[Arrays, list[list[str]]]:
+        """The arrays and dtypes of the shared checkpoint after block ``block``, verified
+        against ``checksum`` (its index row's), to be this model's, this block's and at
+        ``n_tokens``.
+
+        Raises:
+            One of UNUSABLE, or FileUnavailable.
+        """
+        local = self.local(path)
+        arrays, meta = read(local, checksum)
+        if meta.get("fingerprint") != self.fingerprint or meta.get("hash") != block or \
+                meta.get("n_tokens") != str(n_tokens):
+            raise ValueError(f"checkpoint file {local} belongs to another model, block or position")
+        return arrays, [[str(d) for d in layer] for layer in json.loads(meta["dtypes"])]
 
     def record_path(self, conversation_id: str) -> Path:
         """A new file for the conversation's record: records are versioned (the old one is

@@ -3,7 +3,8 @@
 Caches belong to conversations (an agent holds several). ``lease`` finds the
 longest reusable prefix for a prompt, by characters: the conversation's own
 cache first, else another conversation of the same agent, else the blocks
-any conversation stored for the same token prefix; in memory first, then on disk.
+any conversation stored for the same token prefix (a hybrid model: up to the latest
+shared checkpoint of its recurrent state there); in memory first, then on disk.
 It returns a float working cache holding that prefix. ``commit`` turns the
 working cache after a turn back into 4-bit blocks (only the blocks that
 changed) as that conversation's cache, updates the pool and hands a snapshot
@@ -29,13 +30,14 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
                               join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
                               to_working_cache)
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
-from app.cache.files import UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation
+from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation,
+                             quarantine_if_damaged)
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
-from app.store.cache_index import CacheEntry, CacheIndex
+from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
 from app.store.history import utcnow
 from app.types import ForkPoint, Prompt, ReuseReport
 
@@ -68,6 +70,10 @@ class Lease:
     # In a pool: the agent's ownership epoch when the lease was taken. The turn's cache is
     # stored only while it is still current (a turn begun under an older owner is fenced off).
     epoch: int | None = None
+    # The reused prefix is this home's shared data only (nothing, or shared blocks and a
+    # shared checkpoint; never a conversation's record, which may be an import's): the
+    # checkpoints its prefill takes at block boundaries may be shared (hybrid models).
+    public: bool = False
 
     @property
     def n_reused(self) -> int:
@@ -95,6 +101,10 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
+# Hybrid models: shared checkpoints held in memory (the most recently used; the rest are
+# read from disk, verified, when a lease needs them).
+SHARED_CHECKPOINTS_IN_MEMORY = 4
+
 # Conversations used this recently come back into memory after a restart (``prefetch``).
 PREFETCH_WINDOW = timedelta(hours=1)
 
@@ -119,6 +129,8 @@ class CacheManager:
         self._files = CacheFiles(blocks_dir, fingerprint, tier)
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
+        # Hybrid models: shared checkpoints by the id of the block they follow (``checkpoints.py``).
+        self._shared_points: OrderedDict[str, Checkpoint] = OrderedDict()
         self._hot: dict[str, ConversationCache] = {}
         # Per agent, its conversations with a cache (memory or disk), least recently used
         # first; beyond ``max_conversations`` the oldest one's cache is deleted.
@@ -177,9 +189,10 @@ class CacheManager:
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
         if best is not None and self._layout.hybrid:
             n_text = self._resumable(best.cache, n_text, whole_blocks)
-        # Shared blocks hold no recurrent state: a hybrid model reuses its own conversations only.
-        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS and \
-            not self._layout.hybrid else []
+        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
+        point = None
+        if self._layout.hybrid:  # blocks hold no recurrent state: up to the latest shared checkpoint
+            shared, point = self._shared_checkpoint(shared, prompt)
         n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
                                            len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
@@ -190,7 +203,7 @@ class CacheManager:
             return self._from_source(best.cache, conversation_id, n_text, report, use_working_copy=own)
         if n_shared > 0:
             return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
-                                     ReuseReport("shared", prompt.ends[n_shared - 1], **divergence))
+                                     ReuseReport("shared", prompt.ends[n_shared - 1], **divergence), point)
         return self.cold(agent_id, conversation_id, ReuseReport("miss", 0, **divergence))
 
     def _resumable(self, cache: ConversationCache, n_tokens: int, whole_blocks: bool) -> int:
@@ -305,7 +318,8 @@ class CacheManager:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
         cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
         epoch = self._epochs.get(agent_id) if agent_id is not None else None
-        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan, epoch=epoch)
+        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan, epoch=epoch,
+                     public=True)
 
     def _shared_prefix(self, prompt: Prompt) -> list[str]:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
@@ -320,13 +334,64 @@ class CacheManager:
         return usable
 
     def _from_shared(self, agent_id: str, conversation_id: str, prompt: Prompt, usable: list[str], n_reused: int,
-                     report: ReuseReport) -> Lease:
+                     report: ReuseReport, point: Checkpoint | None = None) -> Lease:
+        """A lease of the shared blocks ``usable`` (hybrid models: and the shared checkpoint
+        ``point`` after them, at ``n_reused``)."""
         blocks = [self._blocks[h] for h in usable]
         cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
+        plan = None
+        if self._layout.hybrid:
+            assert point is not None and point.n_tokens == n_reused, "a hybrid lease resumes at a checkpoint"
+            cache, plan = self._layout.assemble(cache, point), CheckpointPlan(self._layout, taken=[point])
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
-        return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable),
-                     epoch=self._epochs.get(agent_id))
+        return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable), plan,
+                     epoch=self._epochs.get(agent_id), public=True)
+
+    def _shared_checkpoint(self, shared: list[str], prompt: Prompt) -> tuple[list[str], Checkpoint | None]:
+        """Hybrid models: the longest start of ``shared`` (the prompt's blocks found, in
+        order) after which a shared checkpoint holds the recurrent state, short of the
+        prompt's last token, and that checkpoint; ([], None) if there is none."""
+        n = min(len(shared), (prompt.n_tokens - 1) // BLOCK_TOKENS)
+        if n == 0:
+            return [], None
+        stored = None
+        for j in range(n, 0, -1):
+            block = shared[j - 1]
+            point = self._shared_points.get(block)
+            if point is None:
+                if stored is None:  # one query for all of them, only if memory has none
+                    stored = self._index.block_checkpoints(shared[:n])
+                point = self._load_shared_checkpoint(stored[block], j * BLOCK_TOKENS) if block in stored else None
+            if point is not None and point.n_tokens == j * BLOCK_TOKENS:
+                self._keep_shared_checkpoint(block, point)
+                return shared[:j], point
+        return [], None
+
+    def _load_shared_checkpoint(self, row: SharedCheckpoint, n_tokens: int) -> Checkpoint | None:
+        """A shared checkpoint from disk, verified against its index row (a damaged file is
+        quarantined); None if it cannot be used: a miss, never a wrong state."""
+        try:
+            arrays, dtypes = self._files.read_shared_checkpoint(row.block, row.path, row.checksum, n_tokens)
+            point = Checkpoint.from_numpy(n_tokens, arrays, "", dtypes)
+            if len(point.states) != self._layout.n_recurrent:
+                raise ValueError("it does not hold every recurrent layer's state")
+        except (FileMissing, FileUnavailable) as exc:
+            log.warning("shared checkpoint after block %s unavailable: %s", row.block, exc)
+            return None
+        except UNUSABLE as exc:
+            log.warning("shared checkpoint after block %s unusable: %s", row.block, exc)
+            quarantine_if_damaged(self._files.local(row.path, fetch=False), self._files.root, row.checksum)
+            return None
+        return point
+
+    def _keep_shared_checkpoint(self, block: str, point: Checkpoint) -> None:
+        """Hold a shared checkpoint in memory, the most recently used of at most
+        ``SHARED_CHECKPOINTS_IN_MEMORY``."""
+        self._shared_points[block] = point
+        self._shared_points.move_to_end(block)
+        while len(self._shared_points) > SHARED_CHECKPOINTS_IN_MEMORY:
+            self._shared_points.popitem(last=False)
 
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""
@@ -386,10 +451,13 @@ class CacheManager:
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints)
+        shared = self._shareable(lease, chain)
+        for block, point in shared.items():
+            self._keep_shared_checkpoint(block, point)
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
-                                                  lease.epoch)) if persist else None
+                                                  lease.epoch, shared)) if persist else None
         if hot_ttl_s is not None and persist:
             self._hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:
@@ -406,6 +474,17 @@ class CacheManager:
             return ()
         taken = [p for p in lease.plan.taken if p.n_tokens < n_tokens]
         return keep([*taken, capture(self._layout, cache, n_tokens)])
+
+    @staticmethod
+    def _shareable(lease: Lease, chain: list[str]) -> dict[str, Checkpoint]:
+        """Hybrid models: the checkpoints a turn's prefill took at block boundaries, by the
+        id of the block ending there, if the turn began from this home's shared data only
+        (``Lease.public``): each holds for every prompt starting with that block's tokens."""
+        if lease.plan is None or not lease.public:
+            return {}
+        return {chain[p.n_tokens // BLOCK_TOKENS - 1]: p for p in lease.plan.taken
+                if p.n_tokens > lease.n_reused and p.n_tokens % BLOCK_TOKENS == 0
+                and p.n_tokens // BLOCK_TOKENS <= len(chain)}
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least

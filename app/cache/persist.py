@@ -14,13 +14,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.cache.files import CacheFiles
+from app.cache.files import CacheFiles, StorableCheckpoint
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import ConversationCache
 from app.cache.shared_tier import Upload, Uploader
@@ -44,11 +44,13 @@ INDEX_ATTEMPTS = 4  # a locked database is waited out (with_retries: 0.1, 0.2, 0
 class Snapshot:
     """Write ``cache``; ``blocks`` holds the chain's blocks (those not on disk yet get written).
     ``epoch``: in a pool, the agent's ownership epoch the cache was computed under (indexed
-    only while it is current)."""
+    only while it is current). ``shared``: hybrid models, checkpoints at block boundaries to
+    keep as shared ones, by the id of the chain's block that ends where each was taken."""
 
     cache: ConversationCache
     blocks: dict[str, KVBlock]
     epoch: int | None = None
+    shared: dict[str, StorableCheckpoint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,10 +145,12 @@ class Persister(threading.Thread):
         for _ in range(WRITE_ATTEMPTS):
             known = with_retries(lambda: self._block_checksums(cache.chain), INDEX_ATTEMPTS)
             written = [self._files.write_block(block, snapshot.blocks[block], known.get(block)) for block in cache.chain]
+            shared = self._write_shared(snapshot.shared)
             # Another writer (the worker, a second process) may hold the database: wait it out
             # as a finished turn's history does, rather than lose the cache's rows.
             indexed, previous = with_retries(
-                lambda: self._index(cache, record_path, record_checksum, written, snapshot.epoch), INDEX_ATTEMPTS)
+                lambda: self._index(cache, record_path, record_checksum, written, snapshot.epoch, shared),
+                INDEX_ATTEMPTS)
             if indexed is None:  # another server owns the agent now: its cache is the one that counts
                 record_path.unlink(missing_ok=True)
                 log.warning("conversation %s: not indexed, agent %s is owned by another server since",
@@ -159,17 +163,33 @@ class Persister(threading.Thread):
             if previous is not None and previous.record_path != str(record_path):
                 self._files.local(previous.record_path, fetch=False).unlink(missing_ok=True)
             if self._uploader is not None:
-                self._uploader.submit(Upload(tuple((self._files.key(path), path) for path, _ in written),
+                files = [*(path for path, _ in written), *(Path(point.path) for point in shared)]
+                self._uploader.submit(Upload(tuple((self._files.key(path), path) for path in files),
                                              (self._files.key(record_path), record_path)))
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
+
+    def _write_shared(self, points: dict[str, StorableCheckpoint]) -> list[cache_index.SharedCheckpoint]:
+        """Write the shared checkpoints not on disk yet (as the index knows them); returns the
+        rows to index."""
+        if not points:
+            return []
+        with self._sessions() as session:
+            known = with_retries(lambda: cache_index.block_checkpoints(session, list(points)), INDEX_ATTEMPTS)
+        rows = []
+        for block, point in points.items():
+            path, digest = self._files.write_shared_checkpoint(block, point, known[block].checksum
+                                                               if block in known else None)
+            rows.append(cache_index.SharedCheckpoint(block, str(path), digest, path.stat().st_size))
+        return rows
 
     def _block_checksums(self, chain: tuple[str, ...]) -> dict[str, str]:
         with self._sessions() as session:
             return cache_index.block_checksums(session, chain)
 
     def _index(self, cache: ConversationCache, record_path: Path, record_checksum: str,
-               written: list[tuple[Path, str]], epoch: int | None) -> tuple[bool | None, cache_index.CacheEntry | None]:
+               written: list[tuple[Path, str]], epoch: int | None,
+               shared: Sequence[cache_index.SharedCheckpoint] = ()) -> tuple[bool | None, cache_index.CacheEntry | None]:
         """Index the written files in one transaction: (False, None) if a block file was
         deleted meanwhile, (None, None) if this server
         no longer owns the agent (pool mode), else (True, the entry it replaced)."""
@@ -180,7 +200,7 @@ class Persister(threading.Thread):
             # A block file that existed above may have been deleted since by the worker
             # (its row was dropped); under the lock no deleter runs, and after this
             # commit the rows protect the files.
-            if not all(path.exists() for path, _ in written):
+            if not all(path.exists() for path in [*(p for p, _ in written), *(Path(c.path) for c in shared)]):
                 return False, None
             rows = [cache_index.BlockRow(block, parent, BLOCK_TOKENS, str(path), path.stat().st_size, digest)
                     for block, parent, (path, digest) in zip(cache.chain, (None, *cache.chain), written)]
@@ -189,6 +209,7 @@ class Persister(threading.Thread):
             ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
             cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
                                    cache.record.n_tokens, str(record_path), rows, now, record_checksum=record_checksum)
+            cache_index.save_block_checkpoints(session, shared)  # in the same transaction as the rows
             return True, previous
 
     def _copy(self, item: Copy) -> None:

@@ -124,6 +124,37 @@ def block_file(session: Session, block_hash: str) -> tuple[str, str | None] | No
     return (block.path, block.checksum or None) if block is not None and block.path else None
 
 
+@dataclass(frozen=True, slots=True)
+class SharedCheckpoint:
+    """A block's shared checkpoint file (hybrid models): the recurrent state after its tokens."""
+
+    block: str
+    path: str
+    checksum: str
+    nbytes: int
+
+
+def block_checkpoints(session: Session, hashes: Collection[str]) -> dict[str, SharedCheckpoint]:
+    """The shared checkpoints the rows of these blocks name (blocks without one left out)."""
+    found: dict[str, SharedCheckpoint] = {}
+    wanted = list(hashes)
+    for start in range(0, len(wanted), 500):  # SQLite bounds the parameters of one statement
+        found.update((h, SharedCheckpoint(h, p, c, n or 0)) for h, p, c, n in session.execute(
+            select(Block.hash, Block.checkpoint_path, Block.checkpoint_checksum, Block.checkpoint_nbytes)
+            .where(Block.hash.in_(wanted[start:start + 500]))) if p and c)
+    return found
+
+
+def save_block_checkpoints(session: Session, checkpoints: Iterable[SharedCheckpoint]) -> None:
+    """Point blocks' rows at their shared checkpoint files (the blocks' rows must exist: the
+    same transaction's ``save_cache`` adds them). A row that names another file gets this one."""
+    for point in checkpoints:
+        block = session.get(Block, point.block)
+        if block is not None:
+            block.checkpoint_path, block.checkpoint_checksum = point.path, point.checksum
+            block.checkpoint_nbytes = point.nbytes
+
+
 def block_checksums(session: Session, hashes: Collection[str]) -> dict[str, str]:
     """The checksum each of these blocks' rows holds (blocks without a row or a checksum left out)."""
     found: dict[str, str] = {}
@@ -171,8 +202,14 @@ def referenced_paths(session: Session, paths: Sequence[str]) -> set[str]:
     for start in range(0, len(paths), 500):  # SQLite bounds the parameters of one statement
         chunk = paths[start:start + 500]
         found.update(session.scalars(select(Block.path).where(Block.path.in_(chunk))))
+        found.update(session.scalars(select(Block.checkpoint_path).where(Block.checkpoint_path.in_(chunk))))
         found.update(session.scalars(select(Cache.record_path).where(Cache.record_path.in_(chunk))))
     return found
+
+
+def _files_of(block: Block) -> list[str]:
+    """A block row's files: the block's, and its shared checkpoint's if it has one."""
+    return [path for path in (block.path, block.checkpoint_path) if path]
 
 
 def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
@@ -180,8 +217,7 @@ def _drop_unreferenced(session: Session, hashes: Sequence[str]) -> list[str]:
     _refresh_ref_counts(session, hashes)
     orphans = []
     for block in session.scalars(select(Block).where(Block.hash.in_(hashes), Block.ref_count == 0)):
-        if block.path:
-            orphans.append(block.path)
+        orphans += _files_of(block)
         session.delete(block)
     return orphans
 
@@ -244,8 +280,10 @@ def _file_size(path: str | None) -> int:
 
 
 def disk_bytes(session: Session) -> int:
-    """Bytes of cache files the index points to (blocks and records)."""
+    """Bytes of cache files the index points to (blocks, their shared checkpoints, records)."""
     blocks = session.scalar(select(func.coalesce(func.sum(Block.nbytes), 0)).where(Block.path.is_not(None))) or 0
+    blocks += session.scalar(select(func.coalesce(func.sum(Block.checkpoint_nbytes), 0))
+                             .where(Block.checkpoint_path.is_not(None))) or 0
     records = session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None)))
     return int(blocks) + sum(_file_size(path) for path in records)
 
@@ -283,19 +321,22 @@ def drop_blocks(session: Session, hashes: list[str], before: datetime) -> list[s
                                                          Block.ref_count == 0, Block.last_access_at < before)))
         for block in stale:
             session.delete(block)
-        paths += [b.path for b in stale if b.path]
+            paths += _files_of(block)
     return paths
 
 
 def files_by_model(session: Session) -> list[tuple[str, str]]:
     """(path, model fingerprint) of every file a block or cache row points to."""
     return [*session.execute(select(Block.path, Block.model_fingerprint).where(Block.path.is_not(None))),
+            *session.execute(select(Block.checkpoint_path, Block.model_fingerprint)
+                             .where(Block.checkpoint_path.is_not(None))),
             *session.execute(select(Cache.record_path, Cache.model_fingerprint).where(Cache.record_path.is_not(None)))]
 
 
 def known_paths(session: Session) -> set[str]:
     """Every file a block or cache row points to."""
     known = set(session.scalars(select(Block.path).where(Block.path.is_not(None))))
+    known |= set(session.scalars(select(Block.checkpoint_path).where(Block.checkpoint_path.is_not(None))))
     return known | set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
 
 
@@ -352,6 +393,11 @@ class CacheIndex:
         """See ``block_file``."""
         with self.sessions() as session:
             return block_file(session, block_hash)
+
+    def block_checkpoints(self, hashes: Collection[str]) -> dict[str, SharedCheckpoint]:
+        """See ``block_checkpoints``."""
+        with self.sessions() as session:
+            return block_checkpoints(session, hashes)
 
     def block_checksums(self, hashes: Collection[str]) -> dict[str, str]:
         """See ``block_checksums``."""

@@ -189,6 +189,11 @@ class Block(Base):
     path: Mapped[str | None]
     nbytes: Mapped[int]
     checksum: Mapped[str | None] = mapped_column(String(64))
+    # Hybrid models: the recurrent state after this block's tokens (and all before it), a
+    # checkpoint any conversation starting with them may resume from (revision 0010).
+    checkpoint_path: Mapped[str | None]
+    checkpoint_checksum: Mapped[str | None] = mapped_column(String(64))
+    checkpoint_nbytes: Mapped[int | None]
     ref_count: Mapped[int] = mapped_column(default=0)
     tier: Mapped[str] = mapped_column(String(8))
     created_at: Mapped[datetime]

@@ -89,9 +89,11 @@ def test_a_model_keeping_state_and_kv_in_each_layer_is_served_with_both_parts() 
 
 def test_a_prefill_stops_at_its_end_and_at_blocks_spaced_back_from_it() -> None:
     assert plan(0, 100) == (100,)
-    assert plan(0, 2000) == (768, 1280, 1536, 2000)  # 1, 2 and 4 blocks before the end, on a block
+    # 1, 2 and 4 blocks before the end, on a block, and the last block boundary before it
+    assert plan(0, 2000) == (768, 1280, 1536, 1792, 2000)
     assert plan(1900, 2000) == (2000,)
-    assert plan(1500, 2000) == (1536, 2000)
+    assert plan(1500, 2000) == (1536, 1792, 2000)
+    assert plan(0, 1024) == (512, 768, 1024)
     assert plan(10, 10) == ()
     point = CheckpointPlan(CacheLayout(("kv",)), positions=(256, 700))
     assert [point.chunk(0, 512), point.chunk(256, 512), point.chunk(700, 64)] == [256, 444, 64]
