@@ -64,6 +64,8 @@ def parse_for_model(parse: Callable[[Any, RequestOptions], ParsedTurn], body: An
 
 def render_turn(engine: EngineSurface, parsed: ParsedTurn, model: str) -> Prompt:
     """The prompt ``model`` sees for ``parsed``."""
+    if parsed.completion is not None:
+        return engine.render_completion(parsed.completion.prompt, parsed.completion.suffix, model)
     return engine.render(parsed.messages, parsed.reply_start, model, parsed.tool_specs)
 
 

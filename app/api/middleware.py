@@ -30,7 +30,7 @@ def protocol_of(path: str) -> Protocol:
     """The protocol a request to ``path`` speaks, decided here only (``req.context.protocol``):
     its error shape (api/errors.py; the direct API's is Anthropic's), the ``requests.protocol``
     column and the ``protocol`` label of the request metrics, its errors in the OpenAPI document."""
-    if path.startswith("/v1/chat/"):
+    if path.startswith("/v1/chat/") or path == "/v1/completions":
         return "openai"
     if path == "/v1/responses" or path.startswith("/v1/responses/"):
         return "responses"

@@ -27,6 +27,7 @@ from app.api.people_page import FILES as PAGE_FILES
 from app.errors import InvalidRequest
 from app.protocol.anthropic import MessagesBody
 from app.protocol.ollama import OllamaChatBody, OllamaGenerateBody, OllamaShowBody
+from app.protocol.completions import CompletionBody
 from app.protocol.openai import ChatBody
 from app.protocol.responses import ResponsesBody
 
@@ -92,6 +93,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "The tokens /v1/messages would prefill for this request",
         Body(MessagesBody, "CountTokensBody", required=("model", "messages"))),
     ("POST", "/v1/chat/completions"): Operation("OpenAI Chat Completions", Body(ChatBody), streams=True),
+    ("POST", "/v1/completions"): Operation("OpenAI Completions: a raw prompt continued (suffix: fill-in-the-middle)",
+                                           Body(CompletionBody), streams=True),
     ("POST", "/v1/responses"): Operation(
         "OpenAI Responses API (Codex's endpoint)", Body(ResponsesBody), streams=True,
         description="`previous_response_id` continues a stored response's conversation and cache."),

@@ -14,6 +14,7 @@ from app.api.api_docs import ApiDocument, DocsResource, OpenApiResource
 from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHistoryResource, AgentResource,
                             AgentsResource)
 from app.api.chat import OPENAI
+from app.api.completions import COMPLETIONS
 from app.api.generation import GenerationResource
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.ollama import (OLLAMA_CHAT, OLLAMA_GENERATE, OllamaGenerationResource, PsResource, ShowResource,
@@ -49,7 +50,7 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))
     app.add_route("/metrics", MetricsResource(metrics))
-    for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI)):
+    for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI), ("/v1/completions", COMPLETIONS)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))
     responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))

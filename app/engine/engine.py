@@ -23,7 +23,7 @@ from app.catalog.registry import Catalog
 from app.engine.admission import Admission
 from app.engine.channel import Job
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
-from app.engine.prompting import check_fits, render_chat, render_conversation_start
+from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
 from app.errors import EngineUnavailable, MemoryExhausted
@@ -162,6 +162,13 @@ class Engine:
         spec = self._spec(model)
         return render_chat(spec.tokenizer, messages, reply_prefix, max_tokens=spec.context_length - 1,
                            max_token_chars=spec.token_bytes.longest, tools=tools)
+
+    def render_completion(self, prompt: str, suffix: str | None = None, model: str | None = None) -> Prompt:
+        """The prompt ``model`` (default: the default model) reads for a raw ``prompt``
+        (``suffix``: fill-in-the-middle). Raises InvalidRequest, ContextTooLong."""
+        spec = self._spec(model)
+        return render_completion(spec.tokenizer, prompt, suffix, max_tokens=spec.context_length - 1,
+                                 max_token_chars=spec.token_bytes.longest)
 
     def render_start(self, system: str, model: str | None = None) -> Prompt | None:
         """What every conversation under ``system`` starts with; None when the

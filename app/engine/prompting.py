@@ -126,6 +126,47 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: s
     return Prompt(text, *tokenize_with_ends(tokenizer, text))
 
 
+# Fill-in-the-middle tokens a vocabulary may have, each set in prefix-suffix-middle order
+# (StarCoder and SmolLM-style, then Qwen2.5-Coder-style).
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+
+def fim_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The model's fill-in-the-middle tokens, if its vocabulary has a set of them."""
+    vocabulary = tokenizer.get_vocab()
+    return next((names for names in FIM_TOKENS if all(name in vocabulary for name in names)), None)
+
+
+def _leading_special(tokenizer: Any) -> str:
+    """What the tokenizer puts before a text it encodes alone (a BOS), as text; "" for none."""
+    alone, bare = tokenizer.encode("x"), tokenizer.encode("x", add_special_tokens=False)
+    extra = len(alone) - len(bare)
+    return str(tokenizer.decode(alone[:extra])) if extra > 0 and alone[extra:] == bare else ""
+
+
+def render_completion(tokenizer: Any, prompt: str, suffix: str | None = None, max_tokens: int | None = None,
+                      max_token_chars: int = 1) -> Prompt:
+    """A raw prompt as the model reads it: the tokenizer's own start (a BOS where it adds
+    one) and the text, special tokens included (the client writes the whole prompt); with
+    ``suffix``, in the model's fill-in-the-middle form (prefix, suffix, then the middle to
+    generate).
+
+    Raises:
+        InvalidRequest: a suffix for a model without fill-in-the-middle tokens.
+        ContextTooLong: the text alone proves the prompt longer than ``max_tokens``.
+    """
+    if suffix is not None:
+        fim = fim_tokens(tokenizer)
+        if fim is None:
+            raise InvalidRequest("suffix: the served model has no fill-in-the-middle tokens", "suffix")
+        prompt = f"{fim[0]}{prompt}{fim[1]}{suffix}{fim[2]}"
+    text = _leading_special(tokenizer) + prompt
+    at_least = -(-len(text) // max_token_chars)
+    if max_tokens is not None and at_least > max_tokens:
+        raise ContextTooLong(at_least, max_tokens)
+    return Prompt(text, *tokenize_with_ends(tokenizer, text))
+
+
 SENTINEL = "\x00semantic:first-user-message\x00"
 
 

@@ -127,6 +127,10 @@ class EngineSurface(Protocol):
         (``tools``: definitions for a template that writes them, see ``ModelInfo.tool_syntax``)."""
         ...
 
+    def render_completion(self, prompt: str, suffix: str | None = None, model: str | None = None) -> Prompt:
+        """The prompt ``model`` reads for a raw ``prompt`` (``suffix``: fill-in-the-middle)."""
+        ...
+
     def render_start(self, system: str, model: str | None = None) -> Prompt | None:
         """What every conversation under ``system`` starts with (None: no cut allowed)."""
         ...

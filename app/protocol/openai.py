@@ -318,8 +318,6 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
     }
 
 
-
-
 def render_chunks(completion_id: str, parsed: ParsedTurn,
                   events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str | Heartbeat]:
     """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker; a

@@ -19,6 +19,15 @@ def content_digest(role: str, text: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Completion:
+    """A raw prompt to continue (``POST /v1/completions``): no chat template; ``suffix``: the
+    text after the gap, for fill-in-the-middle."""
+
+    prompt: str
+    suffix: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ParsedTurn:
     model: str
     messages: tuple[ChatMessage, ...]
@@ -51,6 +60,7 @@ class ParsedTurn:
     # What one protocol's renderers need beyond the above (the Responses API: its tools'
     # kinds and namespaces, the request fields its response object repeats).
     details: Any = None
+    completion: Completion | None = None  # a raw prompt (``messages`` empty): not a chat
 
     def with_snapshot(self, pinned: str | None) -> ParsedTurn:
         """The turn rendered with the conversation's pinned snapshot instead of this request's."""

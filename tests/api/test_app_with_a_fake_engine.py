@@ -21,7 +21,7 @@ from app.api.routes import Deps
 from app.catalog.registry import Catalog
 from app.engine.timing import PrefillProgress
 from app.engine.surface import EngineCounters, EngineStatus, EngineSurface, GenerationJob, ModelInfo
-from app.errors import ContextTooLong, MemoryExhausted, Overloaded
+from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -73,6 +73,11 @@ class FakeEngine:
         text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + reply_prefix
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
+
+    def render_completion(self, prompt: str, suffix: str | None = None, model: str | None = None) -> Prompt:
+        if suffix is not None:
+            raise InvalidRequest("suffix: the served model has no fill-in-the-middle tokens", "suffix")
+        return Prompt(prompt, tuple(range(len(prompt.split()))), ())
 
     def render_start(self, system: str, model: str | None = None) -> Prompt:
         return self.render((ChatMessage("system", system),))

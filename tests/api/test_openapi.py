@@ -41,6 +41,7 @@ EXAMPLES: dict[str, list[dict[str, Any]]] = {
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]}],
+    "/v1/completions": [VALID["/v1/completions"], {"model": "m", "prompt": ["Once upon"], "stream": True}],
     "/v1/responses": [VALID["/v1/responses"], {"model": "m", "input": "Hi", "max_output_tokens": 4},
                       {**CODEX["body"], "max_output_tokens": 4}],
     "/v1/agents": [VALID["/v1/agents"], {"id": "a1", "system_prompt": "Be brief."}],
@@ -56,6 +57,7 @@ INVALID: dict[str, dict[str, Any]] = {
     "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
     "/v1/messages/count_tokens": {"model": "m", "messages": []},
     "/v1/chat/completions": {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"},
+    "/v1/completions": {"model": "m", "prompt": 5},
     "/v1/responses": {"model": "m", "input": "Hi", "temperature": 3},
     "/v1/agents": {"id": "a b", "system_prompt": "Be brief."},
     "/v1/agents/{agent_id}/generate": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0},

@@ -42,6 +42,8 @@ VALID = {
                                  "name": "f", "parameters": {"type": "object"}}}],
                              "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}]},
+    "/v1/completions": {"model": "gpt-x", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0,
+                        "top_p": 0.9, "stop": ["\n\n"], "session_id": "fuzz-completion"},
     "/v1/responses": {"model": "gpt-x", "max_output_tokens": 8, "temperature": 0, "store": True,
                       "instructions": "Be brief.", "reasoning": {"summary": "auto"}, "tool_choice": "auto",
                       "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}},
@@ -153,7 +155,7 @@ def check(client: falcon.testing.TestClient, db: str, route: str, status: int | 
     after = stored(db)
     if response.status_code >= 400:
         error = response.json
-        if route in ("/v1/chat/completions", "/v1/responses"):  # OpenAI's shape
+        if route in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):  # OpenAI's shape
             assert set(error["error"]) >= {"message", "type", "param", "code"}, response.text
         elif route.startswith("/api/"):  # Ollama's
             assert set(error) == {"error"} and isinstance(error["error"], str), response.text

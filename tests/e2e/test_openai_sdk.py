@@ -152,3 +152,38 @@ def test_cache_mode_prefix_and_ttl(client: openai.OpenAI, server: ServerProcess)
                                             extra_body={"session_id": memory_only, "ttl": 0})
     assert repeat.usage.prompt_tokens_details.cached_tokens > 0  # kept in memory
     assert query(server.db_path, "SELECT count(*) FROM caches WHERE agent_id = ?", memory_only) == [(0,)]
+
+
+CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(60))  # ~1,000 tokens
+
+
+def test_completions_continue_a_raw_prompt_and_reuse_its_blocks(client: openai.OpenAI, server: ServerProcess) -> None:
+    """``POST /v1/completions`` through the SDK: the raw prompt continued (no chat template),
+    greedy, the same text streamed; a next prompt sharing the first one's whole blocks reads
+    them from cache (an editor's next completion in the same file)."""
+    first = client.completions.create(model="gpt-3.5-turbo-instruct", prompt=CODE + "def f60(x):\n    return",
+                                      max_tokens=8, temperature=0)
+    assert first.object == "text_completion" and first.model == "gpt-3.5-turbo-instruct"
+    assert first.choices[0].text.strip() and first.choices[0].finish_reason in ("length", "stop")
+    assert first.usage.prompt_tokens > 900 and first.usage.completion_tokens > 0
+    [(stored,)] = query(server.db_path, "SELECT m.content FROM messages m JOIN requests r ON r.id = m.request_id "
+                        "WHERE m.role = 'user' ORDER BY r.created_at DESC LIMIT 1")
+    assert json.loads(stored) == CODE + "def f60(x):\n    return"  # history keeps the prompt as sent
+
+    streamed = list(client.completions.create(model="m", prompt=CODE + "def f60(x):\n    return", max_tokens=8,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == first.choices[0].text
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= 768  # whole blocks shared with the first
+
+    edited = client.completions.create(model="m", prompt=CODE + "def g(y):\n    return", max_tokens=4, temperature=0)
+    assert edited.usage.prompt_tokens_details.cached_tokens >= 768
+
+
+def test_completions_refuse_what_they_cannot_honour(client: openai.OpenAI) -> None:
+    for extra, field in (({"suffix": "\n    return y"}, "suffix"), ({"echo": True}, "echo"),
+                         ({"logprobs": 2}, "logprobs"), ({"n": 2}, "n")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="m", prompt="def add(a, b):", max_tokens=4, **extra)
+        assert field in refused.value.message, (field, refused.value.message)
+    with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):  # SmolLM2 has no FIM tokens
+        client.completions.create(model="m", prompt="def add(a, b):", suffix="\n", max_tokens=4)

@@ -1,0 +1,34 @@
+"""POST /v1/completions: OpenAI's (legacy) completions, a raw prompt continued."""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+from app.agents.identity import AgentKey, openai_agent
+from app.api.generation import Dialect
+from app.api.sse import frame, keep_alive
+from app.protocol import completions, openai
+from app.protocol.turn import ParsedTurn
+from app.types import GenerationEvent, Heartbeat
+
+
+def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
+    return openai_agent(headers, parsed.session_id)
+
+
+def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
+    for chunk in completions.render_chunks(completion_id, parsed, events):
+        yield keep_alive(chunk) if isinstance(chunk, Heartbeat) else frame(None, chunk)
+
+
+COMPLETIONS = Dialect(
+    parse=completions.parse_request,
+    named_agent=_named_agent,
+    new_id=completions.new_completion_id,
+    render_message=completions.render_message,
+    reply_messages=lambda message_id, parsed, text: [{"role": "assistant", "content": text}],
+    message_digest=completions.message_digest,
+    render_stream=_stream,
+    render_stream_error=lambda status, message: frame(None, openai.render_error(status, message)),
+    error_types=openai.ERROR_TYPES,
+)
