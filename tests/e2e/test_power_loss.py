@@ -17,6 +17,7 @@ import httpx
 
 from conftest import start_server, stop_server
 from support import powercut
+from support.dbcheck import wait_persisted
 from support.store_check import store_problems
 
 SYSTEM = "You are a terse assistant for a bicycle shop. Answer in one sentence."
@@ -42,7 +43,14 @@ def test_a_power_cut_keeps_every_answered_turn_and_no_cache_row_points_at_a_lost
     server = start_server(home, smollm2_dir, {**EXACT, **cut.env()})
     api = httpx.Client(base_url=server.url, timeout=300)
     assert api.post("/v1/agents", json={"id": "shop", "system_prompt": SYSTEM}).status_code == 201
-    answers = [_turn(api, "shop", q)["content"][0]["text"] for q in QUESTIONS]
+    replies = [_turn(api, "shop", q) for q in QUESTIONS]
+    answers = [reply["content"][0]["text"] for reply in replies]
+    last = replies[-1]["usage"]
+    # The last answered turn's extent: its whole prompt and its reply (but the final token,
+    # which decoding never feeds back), in the cache and on disk before the power goes.
+    extent = sum(last[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")) \
+        + last["output_tokens"] - 1
+    wait_persisted(home / "semantic.db", "shop", extent)
     # The power goes while a fourth turn is being generated: a stream, cut mid-answer.
     with api.stream("POST", "/v1/agents/shop/generate", json={
             "messages": [{"role": "user", "content": "Tell me about your opening hours in detail."}],
@@ -69,7 +77,9 @@ def test_a_power_cut_keeps_every_answered_turn_and_no_cache_row_points_at_a_lost
         assert [m["content"][0]["text"] for m in messages[1:6:2]] == answers
         assert len(messages) == 6  # the turn the cut interrupted was never answered, never stored
         after = _turn(api, "shop", "Thanks, bye.")
-        assert after["usage"]["cache_read_input_tokens"] > 0  # the synced cache was read
+        # The synced cache was read, all of the last answered turn (the system prompt alone,
+        # a few hundred tokens less, would pass a weaker check).
+        assert after["usage"]["cache_read_input_tokens"] >= extent, (after["usage"], extent)
         # The same conversation sent whole to an agent with nothing cached answers the same:
         # whatever the cut left of the cache was either sound or not used.
         api.post("/v1/agents", json={"id": "shop-cold", "system_prompt": SYSTEM, "prefill": False})
