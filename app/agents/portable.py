@@ -168,6 +168,9 @@ def import_agent(sessions: sessionmaker[Session], root: Path, source: IO[bytes],
     imported agent alone: a block is shared with this home's other agents only if this home
     holds the same block, byte for byte; every other block (and every block after it in its
     chain) gets a private id (``private_fingerprint``), which no other agent's prompt hashes to.
+    So does every block the imported conversations fill later (their records' tails are the
+    archive's KV too, and their turns compute on top of it): each record carries the import's
+    salt, kept by its later records, forks and exports.
     Its message digests are not checked either, so they steer only requests that name the
     imported agent: one that was recognised by content is imported with origin ``imported``,
     which content matching never reaches. A refused import removes every file it wrote.
@@ -339,9 +342,11 @@ class _Staging:
             parent = block_id
         record_path = layout.record_path(conversation_id)
         self.written.append(record_path)
+        # The record's tail and checkpoints are the archive's too: the conversation carries the
+        # salt, and the blocks its later turns fill are private as well (``ConversationCache.salt``).
         record_checksum, _ = cache_files.write(record_path, record, {
             **meta, "agent_id": agent_id, "conversation_id": conversation_id,
-            "chain": json.dumps([row.hash for row in rows])})
+            "chain": json.dumps([row.hash for row in rows]), "salt": self._salt})
         return cache, record_path, record_checksum, rows
 
     def _verified(self, layout: CacheFiles, name: str) -> tuple[cache_files.Arrays, dict[str, str], str]:

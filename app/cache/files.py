@@ -15,7 +15,8 @@ every layer, metadata fingerprint / hash / n_tokens; a record file (a new one ea
 the previous one deleted once the index points to the new) holds token ids and char ends
 as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
 checkpoints' arrays (``ckpt.<i>.<layer>.<array>``, lossless), metadata agent_id /
-conversation_id / text / chain / tail_tokens (/ checkpoints: each one's tokens and dtypes).
+conversation_id / text / chain / tail_tokens (/ checkpoints: each one's tokens and dtypes; / salt:
+an imported conversation's, ``records.ConversationCache.salt``).
 A hybrid model's shared checkpoint (the recurrent state after a block, for every
 conversation starting with its tokens) is a file beside the block's,
 ``<hash[:2]>/<hash>.state.safetensors``: arrays ``<layer>.<array>``, metadata fingerprint /
@@ -318,6 +319,7 @@ class StoredConversation:
     # Recurrent-state checkpoints (hybrid models): (tokens, arrays named CHECKPOINT_PREFIX
     # + "<layer>.<array>", each array's dtype by layer), oldest first.
     checkpoints: tuple[tuple[int, Arrays, list[list[str]]], ...] = ()
+    salt: str | None = None  # some of its data is an import's (``records.ConversationCache.salt``)
 
 
 class CacheFiles:
@@ -446,6 +448,8 @@ class CacheFiles:
                 "chain": json.dumps(list(cache.chain)), "tail_tokens": str(cache.tail.n_tokens if cache.tail else 0)}
         if checkpoints:
             meta["checkpoints"] = json.dumps(checkpoints)
+        if cache.salt is not None:
+            meta["salt"] = cache.salt
         digest, _ = write(path, arrays, meta)
         return path, digest
 
@@ -493,7 +497,8 @@ class CacheFiles:
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
             raise ValueError("blocks do not cover the record")
-        return StoredConversation(record, chain, blocks, tail, tail_tokens, _checkpoints(arrays, meta, record.n_tokens))
+        return StoredConversation(record, chain, blocks, tail, tail_tokens, _checkpoints(arrays, meta, record.n_tokens),
+                                  meta.get("salt"))
 
     def _read_blocks(self, rows: list[BlockRow]) -> list[Arrays]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the

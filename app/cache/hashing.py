@@ -27,8 +27,10 @@ def scoped_fingerprint(fingerprint: str, scope: str) -> str:
 
 def private_fingerprint(fingerprint: str, salt: str) -> str:
     """The fingerprint under which blocks whose KV data this home did not compute (an imported
-    archive's) are addressed: their ids chain from it, so no prompt of another agent, hashed
-    under ``fingerprint``, ever reaches them, whatever tokens they cover."""
+    archive's), or computed on top of such data (the blocks an imported conversation's turns
+    fill: ``records.ConversationCache.salt``), are addressed: their ids chain from it, so no
+    prompt of another agent, hashed under ``fingerprint``, ever reaches them, whatever tokens
+    they cover."""
     return scoped_fingerprint(fingerprint, f"private:{salt}")
 
 

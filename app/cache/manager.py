@@ -32,7 +32,7 @@ from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
 from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation,
                              quarantine_if_damaged)
-from app.cache.hashing import block_hash, chain_hashes
+from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool
@@ -74,6 +74,10 @@ class Lease:
     # shared checkpoint; never a conversation's record, which may be an import's): the
     # checkpoints its prefill takes at block boundaries may be shared (hybrid models).
     public: bool = False
+    # The reused prefix came from a conversation holding an import's data (its record's
+    # tail or checkpoints, its private blocks: ``ConversationCache.salt``): the blocks the
+    # turn fills chain from that import's private fingerprint, never a public id.
+    salt: str | None = None
 
     @property
     def n_reused(self) -> int:
@@ -312,7 +316,7 @@ class CacheManager:
         cache, plan = self._hybrid_lease(cache, n_reused, source)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan,
-                     self._epochs.get(source.agent_id))
+                     self._epochs.get(source.agent_id), salt=source.salt)
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
@@ -440,17 +444,21 @@ class CacheManager:
         computed = quantize_span(cache, begin, record.n_tokens, self.kv_format)
         pending.append(computed)
         fresh = join_blocks(pending)
+        # An import's data (and what the turn computed on top of it) stays its conversation's:
+        # the ids of the blocks it fills chain from the import's private fingerprint.
+        addressed = private_fingerprint(self.fingerprint, lease.salt) if lease.salt is not None else self.fingerprint
         for offset in range(0, fresh.n_grouped - BLOCK_TOKENS + 1, BLOCK_TOKENS):  # full blocks hold no float16 keys
             parent = chain[-1] if chain else None
             at = start + offset
-            block = block_hash(self.fingerprint, parent, record.tokens[at:at + BLOCK_TOKENS])
+            block = block_hash(addressed, parent, record.tokens[at:at + BLOCK_TOKENS])
             if block not in self._blocks:
                 self._blocks[block] = slice_block(fresh, offset, offset + BLOCK_TOKENS)
                 self._pool.add_block(block, self._blocks[block].nbytes)
             chain.append(block)
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
-        stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints)
+        stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints,
+                                   lease.salt)
         shared = self._shareable(lease, chain)
         for block, point in shared.items():
             self._keep_shared_checkpoint(block, point)
@@ -557,7 +565,7 @@ class CacheManager:
             assert cut is not None
             tail = slice_block(cut, 0, n_kept - n_full * BLOCK_TOKENS)
         copy = ConversationCache(agent_id, conversation_id, cache.record.truncate(n_kept), cache.chain[:n_full], tail,
-                                 tuple(p for p in cache.checkpoints if p.n_tokens <= n_kept))
+                                 tuple(p for p in cache.checkpoints if p.n_tokens <= n_kept), cache.salt)
         log.info("agent %s: forked with %d of conversation %s's %d cached tokens", agent_id, n_kept, source,
                  cache.record.n_tokens)
         return self._persister.submit(Snapshot(copy, {h: self._blocks[h] for h in copy.chain}))
@@ -741,7 +749,8 @@ class CacheManager:
         checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
         if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
             raise ValueError("a checkpoint does not hold every recurrent layer's state")
-        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints), blocks
+        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
+                                 stored.salt), blocks
 
     def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""

@@ -81,7 +81,13 @@ def fork_cut(text: str, point: ForkPoint) -> int:
 class ConversationCache:
     """A conversation's cache as it stands after a turn: the record, its full blocks
     (by id, in order), its private partial block and, in a hybrid model, the checkpoints
-    of its recurrent state (``checkpoints.py``), oldest first."""
+    of its recurrent state (``checkpoints.py``), oldest first.
+
+    ``salt``: set if some of its KV data (or state) is an imported archive's, which this
+    home did not compute: the import's salt (``hashing.private_fingerprint``). The blocks
+    its later turns fill chain from that private fingerprint, so nothing the archive wrote,
+    nor anything computed on top of it, gets an id another agent's prompt hashes to. It
+    stays with the conversation: its later records, forks and exports."""
 
     agent_id: str
     conversation_id: str
@@ -89,6 +95,7 @@ class ConversationCache:
     chain: tuple[str, ...]
     tail: KVBlock | None
     checkpoints: tuple[Checkpoint, ...] = ()
+    salt: str | None = None
 
     @property
     def private_bytes(self) -> int:

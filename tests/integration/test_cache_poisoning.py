@@ -1,18 +1,28 @@
 """No agent's cache can be poisoned through a file it did not compute: a file found at a
-block's address is never adopted unless it is this home's (reliability round 4, item 1).
-The archive side of the same guarantee is tested end to end in e2e/test_agent_transfer.py."""
+block's address is never adopted unless it is this home's (reliability round 4, item 1), and
+an imported record's tail never reaches another agent (issue 35, item 1). The archive's
+blocks are tested end to end in e2e/test_agent_transfer.py."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import tarfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
+from app.agents.portable import export_agent, import_agent
 from app.cache import files
 from app.cache.hashing import BLOCK_TOKENS, chain_hashes
+from app.cache.records import CacheRecord
+from app.store.db import make_engine, make_session_factory
+from app.types import ForkPoint
 from support.dbcheck import query
-from test_cache_round_trips import VOCAB, as_prompt, build, forward, manager, store_turn
+from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward, manager, store_turn
 
 
 def _forge(path: Path) -> None:
@@ -67,3 +77,104 @@ def test_a_file_found_at_a_block_address_is_replaced_unless_it_is_this_homes(tmp
     assert checksum and checksum != forged_claim  # the home's own data, not the planted file's
     assert files.read_metadata(planted)[files.CHECKSUM_KEY] == checksum
     assert mx.array_equal(_shared_logits(tmp_path / "home", model, n_layers, tokens, more), expected)
+
+
+# -- an archive's record tail (reliability issue 35, item 1) ------------------------------------
+
+FINGERPRINT = "5e" * 32  # an import names model directories by a sha256
+
+
+def _turn(caches, model, agent: str, conversation: str, tokens: list[int]) -> int:  # type: ignore[no-untyped-def]
+    lease = caches.lease(agent, conversation, as_prompt(tokens))
+    forward(model, lease.cache, tokens[lease.n_reused:])
+    caches.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    assert caches.flush(60)
+    return lease.n_reused
+
+
+def _neighbour(caches, model, tokens: list[int]) -> tuple[int, mx.array]:  # type: ignore[no-untyped-def]
+    """Another agent's first turn (nothing of its own stored): what it reuses and its logits."""
+    lease = caches.lease("b", "neighbour", as_prompt(tokens))
+    return lease.n_reused, forward(model, lease.cache, tokens[lease.n_reused:])
+
+
+def _archive_with_a_forged_tail(source: Path, target: Path, scratch: Path) -> Path:
+    """``source``'s archive with its record's tail KV replaced by noise, every checksum
+    recomputed (the record file's own, the manifest's sha256 list): it verifies."""
+    with tarfile.open(source) as archive:
+        members = {m.name: archive.extractfile(m).read() for m in archive.getmembers()}  # type: ignore[union-attr]
+    manifest = json.loads(members.pop("agent.json"))
+    (record_name,) = [n for n in members if n.startswith("records/")]
+    (scratch / "in.safetensors").write_bytes(members[record_name])
+    arrays, meta = files.read(scratch / "in.safetensors")
+    rng = np.random.default_rng(5)
+    assert any(name.startswith("tail.") for name in arrays)
+    forged = {name: a if not name.startswith("tail.") else
+              rng.integers(0, 255, a.shape).astype(a.dtype) if a.dtype.kind in "ui"
+              else (rng.standard_normal(a.shape) * 4).astype(a.dtype) for name, a in arrays.items()}
+    files.write(scratch / "out.safetensors", forged, meta)
+    members[record_name] = (scratch / "out.safetensors").read_bytes()
+    manifest["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in members.items()}
+    with tarfile.open(target, "w") as archive:
+        for name, data in [("agent.json", json.dumps(manifest).encode()), *members.items()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return target
+
+
+@pytest.mark.parametrize("n_record,who", [(600, "own"), (100, "own"), (600, "copy"), (600, "cut")])
+def test_an_archives_record_tail_reaches_no_other_agent(n_record: int, who: str, tmp_path: Path) -> None:
+    """An imported record's tail (the KV past its last full block) is the archive's data too.
+    The imported agent's next turns fill it into full blocks; whatever their parent blocks
+    (here this home's own: the archive's blocks equal them byte for byte), those blocks never
+    get an id another agent's prompt hashes to. Nor after a restart (the record rewritten),
+    nor in a fork of the conversation (a whole copy, or cut inside the tail)."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    system = np.random.default_rng(12).integers(0, VOCAB, 1200).tolist()  # a long shared system prompt
+
+    # Another home's agent, its record two full blocks and a tail (or a tail alone), exported.
+    source = manager(tmp_path / "source", n_layers, FINGERPRINT, agents=("a",))
+    _turn(source, model, "a", "c", system[:n_record])
+    source.close()
+    archive = tmp_path / "a.tar"
+    with open(archive, "wb") as out:
+        export_agent(make_session_factory(make_engine(f"sqlite:///{tmp_path / 'source' / 'semantic.db'}")),
+                     tmp_path / "source" / "blocks", "a", out)
+    forged = _archive_with_a_forged_tail(archive, tmp_path / "forged.tar", tmp_path)
+
+    # This home computed the same start itself: the archive's blocks are its own, byte for byte.
+    home = tmp_path / "home"
+    caches = manager(home, n_layers, FINGERPRINT, agents=("h", "b", "forked"))
+    _turn(caches, model, "h", "honest", system[:n_record])
+    expected = _neighbour(caches, model, system)  # another agent, before any import
+    assert expected[0] == n_record // BLOCK_TOKENS * BLOCK_TOKENS
+    caches.close()
+
+    sessions = make_session_factory(make_engine(f"sqlite:///{home / 'semantic.db'}"))
+    with open(forged, "rb") as source_file:
+        imported = import_agent(sessions, home / "blocks", source_file, "forger")
+    assert imported.n_blocks_new == 0  # its blocks are this home's own: public
+    ((conversation,),) = query(home / "semantic.db", "SELECT conversation_id FROM caches WHERE agent_id = 'forger'")
+
+    caches = manager(home, n_layers, FINGERPRINT, agents=("h", "b", "forked"))
+    agent = "forger"
+    if who != "own":  # a fork of the imported conversation: a whole copy, or cut inside the tail
+        lease = caches.lease("forger", conversation, as_prompt(system[:n_record]))
+        assert lease.n_reused == n_record - 1  # an exact repeat leaves its last token to decode
+        point = None if who == "copy" else ForkPoint(kept=(), dropped=lease.record.text[n_record - 30:n_record - 20])
+        assert caches.fork(conversation, "forked", "fork", point).wait(60)
+        assert caches.flush(60)
+        agent, conversation = "forked", "fork"
+    reused = _turn(caches, model, agent, conversation, system[:700])  # rewrites the record, tainted
+    assert (reused == n_record) if who != "cut" else (512 < reused <= n_record - 30)  # the archive's tail: its own
+    caches.close()
+
+    caches = manager(home, n_layers, FINGERPRINT, agents=("h", "b", "forked"))  # a restart
+    # Fills the tail into block 2 (its keys are grouped: full blocks hold no float16 keys).
+    assert _turn(caches, model, agent, conversation, system[:900]) == 700
+    n_reused, logits = _neighbour(caches, model, system)
+    assert n_reused == expected[0]  # before the fix: 768, block 2 holding the archive's tail
+    assert mx.array_equal(logits, expected[1])
+    caches.close()
