@@ -496,6 +496,7 @@ ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too
                529: "overloaded"}
 
 
-def render_error(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": None,
+def render_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error body; ``param``: the field a bad request got wrong."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": ERROR_CODES.get(status)}}
