@@ -18,7 +18,8 @@ Output options: ``response_format`` ``json_object`` / ``json_schema`` hold the r
 (``app.protocol.structured``: a grammar the engine masks tokens with, and the schema in the
 system prompt); with tools offered the reply is that JSON or one tool call. A forced call
 (``tool_choice`` required or named) is held to the tool's parameters schema in the generic
-format. ``seed`` makes sampling reproducible; ``logprobs`` / ``top_logprobs`` return each
+format. ``seed`` makes sampling reproducible (and ``top_k``, a common extension, is
+honoured); ``logprobs`` / ``top_logprobs`` return each
 token's log-probability (``choices[0].logprobs.content``, streamed too). Fields this server
 cannot honour and that would change the answer (``logit_bias``, ``frequency_penalty``,
 ``presence_penalty``, ``min_p``, ``repetition_penalty``, ``functions``, audio output,
@@ -173,6 +174,7 @@ class ChatBody(_Strict):
     speculate: bool = True
     response_format: ResponseFormat | None = None
     seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0)  # (a common extension) 0: off
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Refused unless neutral (``_refuse_unsupported``): they would change the answer.
@@ -355,7 +357,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
-        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p, top_k=parsed.top_k or 0,
         max_tokens=limit, stop_sequences=stops,
         end_after=tool_format.end_markers(syntax) if tools_system else (),
         speculate=parsed.speculate, constraint=constraint, seed=parsed.seed,

@@ -146,14 +146,19 @@ def test_the_fake_engine_and_the_engine_have_the_surface_the_api_sees(tmp_path: 
                     f"{method.__qualname__}{inspect.signature(method)}"
 
 
-@pytest.fixture
-def app(tmp_path: Path) -> Iterator[tuple[falcon.testing.TestClient, FakeEngine, Path]]:
+def make_app(tmp_path: Path) -> tuple[falcon.testing.TestClient, FakeEngine, Path]:
+    """The app on a fake engine and a fresh store at ``tmp_path``: (its client, the engine, the database)."""
     db = tmp_path / "semantic.db"
     upgrade(f"sqlite:///{db}")
     sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
     engine = FakeEngine(tmp_path)
     settings = Settings(home=tmp_path, allowed_hosts="falconframework.org")  # the TestClient's Host
-    yield falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions))), engine, db
+    return falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions))), engine, db
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> tuple[falcon.testing.TestClient, FakeEngine, Path]:
+    return make_app(tmp_path)
 
 
 MESSAGES = {"model": "claude-sonnet-5", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}

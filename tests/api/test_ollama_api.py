@@ -5,6 +5,7 @@ recorded (protocol "ollama") with its history."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,13 @@ import pytest
 from app.protocol import ollama
 from app.types import RequestOptions
 from support.dbcheck import query
-from test_app_with_a_fake_engine import app  # noqa: F401 - the fixture
+from test_app_with_a_fake_engine import make_app
+
+
+@pytest.fixture
+def app(tmp_path: Path):  # type: ignore[no-untyped-def]
+    return make_app(tmp_path)
+
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hi."}]}
 GENERATE = {"model": "fake", "prompt": "Say hi.", "system": "Be brief."}

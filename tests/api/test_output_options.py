@@ -10,13 +10,20 @@ tests/integration/test_structured_outputs.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import llguidance
 import pytest
 
 from support.dbcheck import query
-from test_app_with_a_fake_engine import app  # noqa: F401 - the fixture
+from test_app_with_a_fake_engine import make_app
+
+
+@pytest.fixture
+def app(tmp_path: Path):  # type: ignore[no-untyped-def]
+    return make_app(tmp_path)
+
 
 CHAT = {"model": "gpt-x", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}
 MESSAGES = {"model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}
@@ -102,6 +109,8 @@ def test_openai_seed_and_logprobs_reach_the_engine(app) -> None:  # type: ignore
     client.simulate_post("/v1/chat/completions", json={**CHAT, "seed": 7, "temperature": 0.9})
     assert (engine.submitted[-1].sampling.seed, engine.submitted[-1].sampling.logprobs) == (7, None)
     assert not engine.submitted[-1].sampling.may_draft
+    client.simulate_post("/v1/chat/completions", json={**CHAT, "top_k": 40})
+    assert engine.submitted[-1].sampling.top_k == 40
     client.simulate_post("/v1/chat/completions", json={**CHAT, "logprobs": True})
     assert engine.submitted[-1].sampling.logprobs == 0
     client.simulate_post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 3})
