@@ -81,6 +81,24 @@ class ToolSyntax:
     parse: Callable[[str, Any], Any] = field(compare=False, repr=False)  # (text, tools) -> call dict(s)
 
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's limit)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """The reply held to a grammar (structured outputs): every token is drawn from those the
+    grammar allows after the reply so far (``app/engine/grammar.py`` masks the rest).
+
+    Plain data: ``grammar`` is llguidance's grammar text (``llguidance.LLMatcher`` takes it,
+    ``app/protocol/structured.py`` makes it), ``prefix`` the start of the reply that the
+    prompt already holds (a prefill, a forced tool call's start), which the grammar covers
+    and the engine feeds it before the first token. ``what`` names it in logs and errors."""
+
+    grammar: str
+    prefix: str = ""
+    what: str = "json_schema"
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -90,6 +108,16 @@ class SamplingParams:
     stop_sequences: tuple[str, ...] = ()  # end the turn before these (not sent)
     end_after: tuple[str, ...] = ()  # end the turn once the output has one of these (sent): a tool call's end
     speculate: bool = True  # decoding may draft from the conversation (app/engine/speculation.py)
+    constraint: OutputConstraint | None = None  # structured outputs (no drafts: a grammar masks each token)
+    seed: int | None = None  # sampling draws from its own generator seeded so (no drafts); None: the shared one
+    # Each output token's log-probability (and this many alternatives) comes back (no drafts); None: not asked.
+    logprobs: int | None = None
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether decoding may draft (``speculate``, and nothing a draft would bypass or change:
+        a grammar's mask, a seeded generator's order of draws, per-token log-probabilities)."""
+        return self.speculate and self.constraint is None and self.seed is None and self.logprobs is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +174,24 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's log-probability under the distribution it was drawn from (after
+    the server's repetition penalty and a grammar's mask, before temperature and top-p/k),
+    and the most likely tokens there (``top``: each one's logprob; asked for by the request)."""
+
+    token: str  # its text (an incomplete UTF-8 character as U+FFFD; ``bytes`` has it exactly)
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
-    """New output text (may span several tokens or none: stop-sequence hold-back)."""
+    """New output text (may span several tokens or none: stop-sequence hold-back);
+    ``logprobs``: the tokens generated since the last delta, when the request asked."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +227,7 @@ class Finished:
     prefill_s: float = 0.0  # the prompt's new tokens computed, until the first token
     n_draft_tokens: int = 0  # speculative draft tokens proposed (app/engine/speculation.py)
     n_draft_accepted: int = 0  # of which the model's own greedy choice agreed with
+    logprobs: tuple[TokenLogprob, ...] = field(default=(), repr=False)  # every output token's (when asked)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from app.engine.surface import EngineSurface
 
 SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
-                   "tools", "tool_choice", "thinking", "speculate")
+                   "tools", "tool_choice", "thinking", "speculate", "output_format", "output_config", "mcp_servers",
+                   "container")
 
 log = logging.getLogger(__name__)
 

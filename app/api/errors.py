@@ -34,7 +34,8 @@ STORE_RETRY_AFTER_S = 5
 
 ErrorRenderer = Callable[[int, str, SemanticError | None], dict[str, Any]]  # status, message, the error if ours
 RENDERERS: dict[str, ErrorRenderer] = {"anthropic": lambda status, message, _: anthropic.render_error(status, message),
-                                       "openai": lambda status, message, _: openai.render_error(status, message),
+                                       "openai": lambda status, message, exc: openai.render_error(
+                                           status, message, exc.field if isinstance(exc, InvalidRequest) else None),
                                        "responses": responses_output.render_error,
                                        "ollama": lambda status, message, _: ollama.render_error(status, message)}
 RENDERERS["direct"] = RENDERERS["anthropic"]  # the direct API answers errors as the Anthropic API does

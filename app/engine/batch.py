@@ -68,6 +68,9 @@ class DecodeBatch:
         self._use_cores = use_cores
         self._drafting: dict[int, _Drafting] = {}
         self._lane: tuple[int, Lane] | None = None
+        # The normalized log-probabilities ``(vocab,)`` each sequence's token of the last step
+        # was drawn from, by uid (the batch's rows: a speculating lane's tokens have none).
+        self.logprobs: dict[int, mx.array] = {}
 
     def __len__(self) -> int:
         return len(self._batch) + (self._lane is not None)
@@ -108,12 +111,15 @@ class DecodeBatch:
         """One forward pass for every sequence: (uid, its next tokens: one, or a speculating
         sequence's verified draft and the token after it)."""
         self._arrange()
+        self.logprobs = {}
         if self._lane is not None:
             uid, lane = self._lane
             return [(uid, lane.step(self._model, self._before_forward))]
         self._before_forward(len(self._batch))
         with mx.stream(generation_stream):
-            stepped = [(r.uid, r.token) for r in self._batch.next()]
+            responses = self._batch.next()
+        stepped = [(r.uid, r.token) for r in responses]
+        self.logprobs = {r.uid: r.logprobs for r in responses}
         out = []
         for uid, token in stepped:
             drafting = self._drafting.get(uid)

@@ -21,6 +21,7 @@ from app.cache.shared_tier import S3Tier
 from app.cache.manager import CacheManager
 from app.catalog.registry import Catalog
 from app.engine.admission import Admission
+from app.engine import grammar
 from app.engine.channel import Job
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
@@ -180,7 +181,7 @@ class Engine:
         ``job.events()`` for its output.
 
         Raises:
-            ContextTooLong, EngineUnavailable;
+            ContextTooLong, EngineUnavailable; InvalidRequest: its output constraint cannot hold on the model;
             MemoryExhausted: its working cache alone would exceed the memory budget;
             Overloaded: ``max_queue`` requests already wait for a place in the batch.
         """
@@ -188,6 +189,7 @@ class Engine:
         spec = self._spec(request.model)
         request = replace(request, model=spec.name, arrived_at=arrived)
         self.check_fits(request.prompt, spec.name)
+        grammar.check(request.sampling.constraint, spec)  # a format this model cannot hold: a 400, not a failed turn
         refusal = self._admission.refusal(request, spec)
         if refusal is not None:
             raise MemoryExhausted(refusal)

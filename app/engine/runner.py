@@ -41,6 +41,7 @@ from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
 from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
 from app.engine.model import LoadedModel
+from app.engine.sampling import token_logprobs
 from app.engine.scheduler import PrefillPolicy
 from app.engine.sequence import Sequence
 from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
@@ -329,8 +330,13 @@ class Runner(threading.Thread):
                                                      sum(len(tokens) for _, tokens in stepped))
         for uid, tokens in stepped:
             sequence = self._decoding[uid]
+            n_top = sequence.job.request.sampling.logprobs
+            logprobs = self._batch.logprobs.get(uid) if n_top is not None else None
             for i, token in enumerate(tokens):  # a verified draft ends where plain decoding would
-                if sequence.accept(token):
+                entry = None
+                if logprobs is not None and len(tokens) == 1 and token not in sequence.stop_ids:
+                    entry = token_logprobs(logprobs, token, n_top, sequence.token_bytes)
+                if sequence.accept(token, entry):
                     done.append((uid, len(tokens) - 1 - i))
                     break
         for uid, n_unused in done:
@@ -387,7 +393,8 @@ class Runner(threading.Thread):
         self._decoding[uid] = sequence
         sampling = sequence.job.request.sampling
         self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
-                        self._processors, speculate=sampling.speculate, distribution=sequence.distribution)
+                        (*self._processors, *sequence.processors), speculate=sampling.may_draft,
+                        distribution=sequence.distribution)
 
     def _finish(self, sequence: Sequence, take_cache: Callable[[], list[Any]]) -> None:
         """End the turn, then commit its cache (``take_cache`` hands it over).

@@ -9,18 +9,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlx_lm.sample_utils import make_sampler
-
 from app.cache import checkpoints
 from app.cache.manager import Lease
 from app.cache.records import CacheRecord
 from app.engine.channel import Job
+from app.engine.grammar import GrammarMask, matcher_for
 from app.engine.model import ModelSpec
 from app.engine.sampled_drafts import Distribution, token_distribution
+from app.engine.sampling import sampler_for
 from app.engine.stopping import EndMatcher, StopMatcher
 from app.engine.timing import TurnClock
 from app.engine.token_text import TextTracker, TokenBytes, spells
-from app.types import Finished, GenerationEvent, StopReason, TextDelta
+from app.types import Finished, GenerationEvent, StopReason, TextDelta, TokenLogprob
 
 
 @dataclass
@@ -44,6 +44,8 @@ class Sequence:
     n_drafted: int = 0  # speculative draft tokens proposed, and accepted (set as it ends)
     n_accepted: int = 0
     distribution: Distribution | None = None  # what ``sampler`` draws from (None: greedy)
+    grammar: GrammarMask | None = None  # its structured output's logits processor
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # each output token's, when asked
 
     @classmethod
     def begin(cls, job: Job, lease: Lease, model: ModelSpec, clock: TurnClock) -> Sequence:
@@ -64,15 +66,25 @@ class Sequence:
         if lease.plan is not None:  # a hybrid model: checkpoints where its prefill stops (the last token decodes)
             lease.plan.positions = checkpoints.plan(n, n + len(ids) - (1 if max_new > 0 else 0))
         top_k = sampling.top_k if sampling.top_k < model.vocab_size else 0
+        grammar = None
+        if sampling.constraint is not None and max_new > 0:
+            grammar = GrammarMask(matcher_for(sampling.constraint, model), model.stop_token_ids,
+                                  job.request.request_id)
         return cls(job, lease, tuple(ids), tuple(ends), storable, max_new=max_new,
-                   sampler=make_sampler(temp=sampling.temperature, top_p=sampling.top_p, top_k=top_k),
+                   sampler=sampler_for(sampling.temperature, sampling.top_p, top_k, sampling.seed),
                    distribution=token_distribution(sampling.temperature, sampling.top_p, top_k),
-                   token_bytes=model.token_bytes, stop_ids=model.stop_token_ids, clock=clock)
+                   token_bytes=model.token_bytes, stop_ids=model.stop_token_ids, clock=clock, grammar=grammar)
 
     def __post_init__(self) -> None:
         self.tracker = TextTracker(self.token_bytes)
         self.stops = StopMatcher(self.job.request.sampling.stop_sequences)
         self.ends = EndMatcher(self.job.request.sampling.end_after)
+        self._unsent: list[TokenLogprob] = []  # log-probabilities not sent with a delta yet
+
+    @property
+    def processors(self) -> tuple[Any, ...]:
+        """Its own logits processors (after the server's): its grammar's mask, if any."""
+        return (self.grammar,) if self.grammar is not None else ()
 
     @property
     def cache(self) -> list[Any]:
@@ -112,8 +124,15 @@ class Sequence:
     def put(self, event: GenerationEvent) -> None:
         self.job.put(event)
 
-    def accept(self, token: int) -> bool:
-        """Take one generated token (already in the cache); True when the turn is over."""
+    def _send(self, text: str) -> None:
+        """Send ``text`` (and the log-probabilities of the tokens since the last delta)."""
+        if text or self._unsent:
+            self.put(TextDelta(text, tuple(self._unsent)))
+            self._unsent.clear()
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Take one generated token (already in the cache) and, when the request asked, its
+        log-probabilities; True when the turn is over."""
         if not self.output:
             self.first_token_at = time.perf_counter()
         self.output.append(token)
@@ -124,9 +143,11 @@ class Sequence:
         if token in self.stop_ids:
             self.reason = "end_turn"
             return True
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self._unsent.append(logprob)
         check = self.stops.feed(text)
-        if check.emit:
-            self.put(TextDelta(check.emit))
+        self._send(check.emit)
         if check.stop_sequence is not None:
             self.reason, self.stop_sequence = "stop_sequence", check.stop_sequence
             return True
@@ -143,10 +164,10 @@ class Sequence:
             if check.stop_sequence is not None:
                 self.reason, self.stop_sequence = "stop_sequence", check.stop_sequence
             rest = check.emit if check.stop_sequence else check.emit + self.stops.flush()
-            if rest:
-                self.put(TextDelta(rest))
+            self._send(rest)
         elif self.reason == "end_turn" and (held := self.stops.flush()):
-            self.put(TextDelta(held))
+            self._send(held)
+        self._send("")
 
     @property
     def committable(self) -> bool:
@@ -172,4 +193,4 @@ class Sequence:
             n_output_tokens=len(self.output), ttft_s=parts.ttft_s if self.first_token_at is not None else 0.0,
             total_s=self.clock.since_arrival(now), output_token_ids=tuple(self.output), reuse=self.lease.report,
             queue_s=parts.queue_s, restore_s=parts.restore_s, prefill_s=parts.prefill_s,
-            n_draft_tokens=self.n_drafted, n_draft_accepted=self.n_accepted)
+            n_draft_tokens=self.n_drafted, n_draft_accepted=self.n_accepted, logprobs=tuple(self.logprobs))

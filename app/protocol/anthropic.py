@@ -3,6 +3,12 @@
 Request validation follows the real API: unknown fields are ignored, wrong
 types and missing fields are a 400 ``invalid_request_error`` whose message
 names the field (``messages.0.content: Field required``).
+
+Structured outputs: ``output_format`` (and ``output_config.format``) ``json_schema`` hold
+the reply to the schema (``app.protocol.structured``; a prefilled final assistant message
+is the start of it), and a forced tool call (``tool_choice`` any / tool) is held to the
+tool's ``input_schema`` in the generic tool format. Fields this server cannot honour and
+that would change the answer (``mcp_servers``, ``container``) are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -17,12 +23,12 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import claude_code, tool_format, tools
+from app.protocol import claude_code, structured, tool_format, tools
 from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, RequestOptions,
-                       SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
+from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, OutputConstraint,
+                       RequestOptions, SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,16 @@ class ThinkingConfig(_Strict):
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+    effort: Any = None  # accepted: how hard a Claude model thinks (a local model's depth is its own)
+
+
 class MessagesBody(_Strict):
     model: ModelName
     messages: list[MessageIn] = Field(min_length=1)
@@ -121,6 +137,35 @@ class MessagesBody(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     speculate: bool = True
+    output_format: OutputFormat | None = None
+    output_config: OutputConfig | None = None
+    mcp_servers: list[Any] | None = None  # refused unless empty
+    container: Any = None  # refused
+
+
+def _refuse_unsupported(parsed: MessagesBody) -> None:
+    """Fields that would change the answer in ways this server cannot honour.
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    if parsed.mcp_servers:
+        raise InvalidRequest("mcp_servers: remote MCP servers are not supported (the client runs its tools)",
+                             "mcp_servers")
+    if parsed.container is not None:
+        raise InvalidRequest("container: code execution containers are not supported", "container")
+    if parsed.output_format is not None and parsed.output_config is not None and parsed.output_config.format:
+        raise InvalidRequest("output_config.format: give the format once (output_format or output_config.format)",
+                             "output_config.format")
+
+
+def _output_schema(parsed: MessagesBody) -> tuple[str, dict[str, Any]] | None:
+    """(where the requested JSON schema is, the schema), or None: plain text."""
+    if parsed.output_format is not None:
+        return "output_format.schema", parsed.output_format.schema_
+    if parsed.output_config is not None and parsed.output_config.format is not None:
+        return "output_config.format.schema", parsed.output_config.format.schema_
+    return None
 
 
 def _flatten(content: str | list[Any], where: str) -> str:
@@ -216,6 +261,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(MessagesBody, body)
+    _refuse_unsupported(parsed)
     if parsed.max_tokens > options.max_output_tokens:
         raise InvalidRequest(
             f"max_tokens: {parsed.max_tokens} > {options.max_output_tokens}, the maximum allowed "
@@ -231,10 +277,12 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     # format: the template writes them) only in the conversation's identity.
     tools_text = tools.render_tools_system([t.model_dump() for t in offered]) if use_tools else ""
     in_system = tools_text if syntax is None else ""
-    system_text = "\n\n".join(p for p in (system.stable + system.snapshot, in_system) if p)
+    output = _output_schema(parsed)
+    format_text = structured.instructions(output[1]) if output else ""
+    system_text = "\n\n".join(p for p in (system.stable + system.snapshot, in_system, format_text) if p)
     if system_text:
         messages.append(ChatMessage("system", system_text))
-    parts = [("system", system.stable + system.snapshot), ("tools", in_system)]
+    parts = [("system", system.stable + system.snapshot), ("tools", in_system), ("output_format", format_text)]
     flat = [_flatten(message.content, f"messages.{i}.content") for i, message in enumerate(parsed.messages)]
     for i, (message, text) in enumerate(zip(parsed.messages, flat)):
         pieces = [ChatMessage(message.role, text)] if syntax is None else _for_template(message, text, syntax)
@@ -243,6 +291,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     digests = tuple(content_digest(m.role, text) for m, text in zip(parsed.messages, flat))
     forced = _forced_call(choice, parsed.tools or [], syntax)
     prefill = _prefill(messages, len(parsed.messages) - 1, forced)
+    constraint = _constraint(parsed, output, choice, forced, prefill, syntax) if use_tools or output else None
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
@@ -250,7 +299,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         max_tokens=parsed.max_tokens,
         stop_sequences=tuple(parsed.stop_sequences),
         end_after=tool_format.end_markers(syntax) if use_tools else (),
-        speculate=parsed.speculate,
+        speculate=parsed.speculate, constraint=constraint,
     )
     specs = tuple(tool_format.tool_spec(t.name, t.description, t.input_schema) for t in offered)
     return ParsedTurn(
@@ -290,6 +339,23 @@ def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
         raise InvalidRequest("tool_choice: a tool call cannot be forced after a prefilled assistant message",
                              "tool_choice")
     return text
+
+
+def _constraint(parsed: MessagesBody, output: tuple[str, dict[str, Any]] | None, choice: ToolChoice, forced: str,
+                prefill: str, syntax: ToolSyntax | None) -> OutputConstraint | None:
+    """What holds the reply: a forced call to its tool's ``input_schema`` (the generic format),
+    else the output format (a reply that may call one of the tools instead)."""
+    offered = [(t.name, t.input_schema) for t in parsed.tools or []] if choice.type != "none" else []
+    if forced:
+        name = choice.name if choice.type == "tool" else None
+        return structured.forced_call(offered, name, forced) if syntax is None else None
+    if output is None:
+        return None
+    where, schema = output
+    if offered and syntax is not None:
+        raise InvalidRequest(f"{where}: a JSON format with tools needs the generic tool-call format; this model "
+                             "writes calls in its own", where)
+    return structured.response_format(schema, where, prefix=prefill, offered=offered)
 
 
 def _forced_call(choice: ToolChoice, offered: list[ToolDefinition], syntax: ToolSyntax | None) -> str:

@@ -8,14 +8,15 @@ tools and history behave exactly as they do there, and history keeps the OpenAI 
 ``/api/generate`` request is a chat of its ``system`` and ``prompt``.
 
 ``options`` map to sampling: ``temperature``, ``top_p``, ``top_k``, ``num_predict`` (the
-reply's token limit; -1 and -2: up to the context), ``stop``, ``seed`` (accepted only with
-temperature 0, where it changes nothing: sampling takes no seed). Options that only tune the
-runtime (``num_ctx``, ``num_thread``, ``num_gpu``, ...) are accepted and change nothing
-(``HARMLESS_OPTIONS``); penalties and other samplers are accepted at their neutral value only
-(``NEUTRAL_OPTIONS``); anything else is a 400 naming the option. Request fields that change
-the answer and are not supported (``format``, ``think``, ``images``, ``raw``, ``context``,
-``suffix``, ``template``) are a 400 naming the field; ``keep_alive`` is accepted and
-ignored (the model stays loaded). Extension: ``session_id`` names the agent, as in the
+reply's token limit; -1 and -2: up to the context), ``stop``, ``seed`` (reproducible
+sampling, as the OpenAI API's ``seed``). ``format`` ("json", or a JSON schema) holds the
+reply to JSON, as the OpenAI API's ``response_format`` does (``app.protocol.structured``).
+Options that only tune the runtime (``num_ctx``, ``num_thread``, ``num_gpu``, ...) are
+accepted and change nothing (``HARMLESS_OPTIONS``); penalties and other samplers are
+accepted at their neutral value only (``NEUTRAL_OPTIONS``); anything else is a 400 naming
+the option. Request fields that change the answer and are not supported (``think``,
+``images``, ``raw``, ``context``, ``suffix``, ``template``, ``logprobs``) are a 400 naming
+the field; ``keep_alive`` is accepted and ignored (the model stays loaded). Extension: ``session_id`` names the agent, as in the
 OpenAI API (also the ``X-Session-ID`` header).
 
 Durations are nanoseconds: ``load_duration`` is the time the conversation's cache took to
@@ -33,7 +34,7 @@ from typing import Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import openai
+from app.protocol import openai, structured
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import ModelName, validate
 from app.types import Finished, GenerationEvent, RequestOptions
@@ -76,10 +77,12 @@ class _Generation(_Body):
     model: ModelName
     stream: bool = True
     options: dict[str, Any] | None = Field(default=None, description=(
-        "temperature, top_p, top_k, num_predict, stop, seed (with temperature 0 only); runtime options such as "
-        "num_ctx and num_thread are accepted and change nothing; others are refused by name"))
-    format: Union[str, dict[str, Any], None] = None  # refused: no constrained decoding
+        "temperature, top_p, top_k, num_predict, stop, seed; runtime options such as num_ctx and num_thread "
+        "are accepted and change nothing; others are refused by name"))
+    format: Union[str, dict[str, Any], None] = None  # "json" or a JSON schema
     think: Union[bool, str, None] = None  # refused unless false
+    logprobs: bool | None = None  # refused when true
+    top_logprobs: int | None = None  # refused unless 0
     keep_alive: Union[str, int, float, None] = None  # accepted, ignored
     session_id: str | None = None
 
@@ -110,10 +113,28 @@ def _refuse(where: str, why: str) -> InvalidRequest:
 
 
 def _common_refusals(body: _Generation) -> None:
-    if body.format not in (None, ""):
-        raise _refuse("format", "structured outputs (JSON mode, schemas) are not supported")
     if body.think not in (None, False):
         raise _refuse("think", "thinking is not supported by this server")
+    if body.logprobs or body.top_logprobs:
+        where = "logprobs" if body.logprobs else "top_logprobs"
+        raise _refuse(where, "log probabilities are not supported by this server's Ollama API "
+                             "(the OpenAI chat API returns them)")
+
+
+def _response_format(body: _Generation) -> dict[str, Any] | None:
+    """``format`` as the OpenAI chat API's ``response_format`` (None: plain text).
+
+    Raises:
+        InvalidRequest: a format that is neither "json" nor a schema llguidance can hold.
+    """
+    if body.format in (None, ""):
+        return None
+    if body.format == "json":
+        return {"type": "json_object"}
+    if not isinstance(body.format, dict):
+        raise _refuse("format", "must be \"json\" or a JSON schema")
+    structured.response_format(body.format, "format")  # a schema it cannot hold: a 400 naming format
+    return {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
 
 
 def _sampling(options: dict[str, Any] | None, limits: RequestOptions) -> dict[str, Any]:
@@ -143,8 +164,11 @@ def _sampling(options: dict[str, Any] | None, limits: RequestOptions) -> dict[st
         if not isinstance(predict, int) or isinstance(predict, bool) or predict == 0 or predict < -2:
             raise _refuse("options.num_predict", "must be a positive integer, or -1 / -2 (up to the context)")
         fields["max_tokens"] = limits.max_output_tokens if predict < 0 else predict
-    if options.get("seed") is not None and options.get("temperature") != 0:
-        raise _refuse("options.seed", "sampling takes no seed here; a seed is accepted with temperature 0 only")
+    seed = options.get("seed")
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise _refuse("options.seed", "must be an integer")
+        fields["seed"] = seed
     return {**fields, "top_k": top_k or 0}
 
 
@@ -166,7 +190,9 @@ def _as_openai(model: str, messages: list[dict[str, Any]], tools: list[dict[str,
     """The turn an OpenAI chat request of ``messages`` would be, with ``body``'s sampling."""
     sampling = _sampling(body.options, options)
     top_k = sampling.pop("top_k")
-    chat = {"model": model, "messages": messages, **sampling, **({"tools": tools} if tools else {})}
+    response_format = _response_format(body)
+    chat = {"model": model, "messages": messages, **sampling, **({"tools": tools} if tools else {}),
+            **({"response_format": response_format} if response_format else {})}
     parsed = openai.parse_request(chat, options)
     return replace(parsed, stream=body.stream, session_id=body.session_id,
                    sampling=replace(parsed.sampling, top_k=top_k))

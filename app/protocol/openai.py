@@ -13,6 +13,19 @@ cache shares with the prompt, ``"prefix"`` only whole shared blocks; ``ttl``
 is how many seconds the agent's conversation caches are kept (recorded on the agent), 0
 keeps this turn's cache off disk; ``speculate`` false turns off speculative decoding
 (prompt-lookup drafts, on by default for greedy requests) for this request.
+
+Output options: ``response_format`` ``json_object`` / ``json_schema`` hold the reply to JSON
+(``app.protocol.structured``: a grammar the engine masks tokens with, and the schema in the
+system prompt); with tools offered the reply is that JSON or one tool call. A forced call
+(``tool_choice`` required or named) is held to the tool's parameters schema in the generic
+format. ``seed`` makes sampling reproducible (and ``top_k``, a common extension, is
+honoured); ``logprobs`` / ``top_logprobs`` return each
+token's log-probability (``choices[0].logprobs.content``, streamed too). Fields this server
+cannot honour and that would change the answer (``logit_bias``, ``frequency_penalty``,
+``presence_penalty``, ``min_p``, ``repetition_penalty``, ``functions``, audio output,
+``web_search_options``, ``n`` > 1) are a 400 naming the field unless at their neutral
+value; fields that change nothing here (``user``, ``metadata``, ``store``,
+``parallel_tool_calls``, ``stream_options``, ``service_tier``, ...) are accepted.
 """
 
 from __future__ import annotations
@@ -26,12 +39,13 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
-from app.protocol import tool_format, tools
+from app.protocol import structured, tool_format, tools
 from app.protocol.reply import ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, ChatMessage, Finished, Heartbeat,
-                       RequestOptions, SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
+from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, MAX_TTL_SECONDS, ChatMessage, Finished,
+                       Heartbeat, OutputConstraint, RequestOptions, SamplingParams, Started, TextDelta, TokenLogprob,
+                       ToolCall, ToolSyntax)
 
 
 class _Strict(BaseModel):
@@ -116,6 +130,29 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is held either way
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+
+
 class ChatBody(_Strict):
     model: ModelName
     messages: list[Annotated[MessageIn, Field(discriminator="role")]] = Field(min_length=1)
@@ -135,6 +172,49 @@ class ChatBody(_Strict):
     cache_mode: CacheMode = "full"
     ttl: int | None = Field(default=None, ge=0, le=MAX_TTL_SECONDS)
     speculate: bool = True
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0)  # (a common extension) 0: off
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Refused unless neutral (``_refuse_unsupported``): they would change the answer.
+    logit_bias: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_p: float | None = None  # (a common extension)
+    repetition_penalty: float | None = None  # (a common extension)
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+
+
+def _refuse_unsupported(parsed: ChatBody) -> None:
+    """Fields that would change the answer in ways this server cannot honour, set to anything
+    but their neutral value.
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    refused = [
+        ("logit_bias", bool(parsed.logit_bias), "token biases are not supported"),
+        ("frequency_penalty", bool(parsed.frequency_penalty), "not supported (only 0, which changes nothing)"),
+        ("presence_penalty", bool(parsed.presence_penalty), "not supported (only 0, which changes nothing)"),
+        ("min_p", bool(parsed.min_p), "not supported (only 0, which changes nothing)"),
+        ("repetition_penalty", parsed.repetition_penalty not in (None, 1.0),
+         "not supported per request (only 1, which changes nothing; the server's repetition_penalty setting applies)"),
+        ("functions", bool(parsed.functions), "the deprecated functions are not supported; use tools"),
+        ("function_call", parsed.function_call not in (None, "none", "auto"),
+         "the deprecated function_call is not supported; use tool_choice"),
+        ("modalities", any(m != "text" for m in parsed.modalities or []), "only text output is supported"),
+        ("audio", parsed.audio is not None, "audio output is not supported"),
+        ("web_search_options", parsed.web_search_options is not None, "web search is not supported"),
+        ("top_logprobs", parsed.top_logprobs is not None and not parsed.logprobs, "requires logprobs true"),
+    ]
+    for where, is_set, why in refused:
+        if is_set:
+            raise InvalidRequest(f"{where}: {why}", where)
 
 
 def _text(content: Content | None, where: str) -> str:
@@ -199,23 +279,50 @@ def message_digest(message: dict[str, Any]) -> str:
     return content_digest(one.role, one.content)
 
 
-def _tool_setup(parsed: ChatBody, syntax: ToolSyntax | None) -> tuple[str, str]:
-    """(the tools in the generic format's system prompt section, the forced start of the reply)."""
+def _tool_setup(parsed: ChatBody, syntax: ToolSyntax | None) -> tuple[str, str, OutputConstraint | None]:
+    """(the tools in the generic format's system prompt section, the forced start of the reply,
+    what holds the reply: a forced call's schema, or the response format)."""
     choice = parsed.tool_choice or "auto"
     if not parsed.tools or choice == "none":
         if choice not in ("auto", "none"):
             raise InvalidRequest("tool_choice: requires tools", "tool_choice")
-        return "", ""
+        return "", "", _format_constraint(parsed, syntax, ())
     offered = [{"name": t.function.name, "description": t.function.description,
                 "input_schema": t.function.parameters} for t in parsed.tools]
+    schemas = [(t["name"], t["input_schema"]) for t in offered]
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in {t["name"] for t in offered}:
             raise InvalidRequest(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
                                  "tool_choice.function.name")
-        forced = tool_format.forced_start(syntax, choice.function.name)
+        name: str | None = choice.function.name
+    elif choice == "required":
+        name = None
     else:
-        forced = tool_format.forced_start(syntax, None) if choice == "required" else ""
-    return tools.render_tools_system(offered), forced
+        return tools.render_tools_system(offered), "", _format_constraint(parsed, syntax, schemas)
+    forced = tool_format.forced_start(syntax, name)
+    return tools.render_tools_system(offered), forced, \
+        structured.forced_call(schemas, name, forced) if syntax is None else None
+
+
+def _format_schema(parsed: ChatBody) -> tuple[bool, dict[str, Any] | None]:
+    """(whether ``response_format`` asks for JSON, its schema: None for any JSON object)."""
+    spec = parsed.response_format
+    if isinstance(spec, JsonSchemaFormat):
+        return True, spec.json_schema.schema_ if spec.json_schema.schema_ is not None else {}
+    return isinstance(spec, JsonObjectFormat), None
+
+
+def _format_constraint(parsed: ChatBody, syntax: ToolSyntax | None,
+                       offered: list[tuple[str, dict[str, Any]]]) -> OutputConstraint | None:
+    """The response format as a grammar (a reply that may also call one of ``offered``)."""
+    wanted, schema = _format_schema(parsed)
+    if not wanted:
+        return None
+    where = "response_format.json_schema.schema" if schema is not None else "response_format"
+    if offered and syntax is not None:
+        raise InvalidRequest(f"{where}: a response format with tools needs the generic tool-call format; this "
+                             "model writes calls in its own", "response_format")
+    return structured.response_format(schema, where, offered=offered)
 
 
 def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
@@ -226,29 +333,35 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         InvalidRequest: naming the first offending field.
     """
     parsed = validate(ChatBody, body)
+    _refuse_unsupported(parsed)
     limit = parsed.max_completion_tokens or parsed.max_tokens or options.default_max_tokens
     if limit > options.max_output_tokens:
         raise InvalidRequest(f"max_tokens: {limit} > {options.max_output_tokens}, the maximum allowed", "max_tokens")
     syntax = options.tool_syntax
     rendered = [_rendered(m, f"messages.{i}") for i, m in enumerate(parsed.messages)]
-    tools_system, forced = _tool_setup(parsed, syntax)
+    tools_system, forced, constraint = _tool_setup(parsed, syntax)
+    wanted, schema = _format_schema(parsed)
+    format_text = structured.instructions(schema) if wanted else ""
     if syntax is None:
         messages = _chat_messages(parsed.messages, rendered)
-        if tools_system:
-            if messages[0].role == "system":
-                messages[0] = ChatMessage("system", f"{messages[0].content}\n\n{tools_system}")
-            else:
-                messages.insert(0, ChatMessage("system", tools_system))
     else:
         messages = [_for_template(m, one, f"messages.{i}", syntax)
                     for i, (m, one) in enumerate(zip(parsed.messages, rendered))]
+    template_messages = list(messages)
+    in_system = "\n\n".join(t for t in (tools_system if syntax is None else "", format_text) if t)
+    if in_system:
+        if messages[0].role == "system":
+            messages[0] = ChatMessage("system", f"{messages[0].content}\n\n{in_system}")
+        else:
+            messages.insert(0, ChatMessage("system", in_system))
     stops = (parsed.stop,) if isinstance(parsed.stop, str) else tuple(parsed.stop or ())
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
-        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p, top_k=parsed.top_k or 0,
         max_tokens=limit, stop_sequences=stops,
         end_after=tool_format.end_markers(syntax) if tools_system else (),
-        speculate=parsed.speculate,
+        speculate=parsed.speculate, constraint=constraint, seed=parsed.seed,
+        logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
     )
     specs = tuple(t.model_dump() for t in parsed.tools or ()) if tools_system and syntax is not None else ()
     return ParsedTurn(parsed.model, tuple(messages), sampling, parsed.stream, parsed.session_id,
@@ -257,14 +370,17 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
                       parse_tools=bool(tools_system), reply_prefix=forced, ttl_seconds=parsed.ttl,
                       cache_mode=parsed.cache_mode, system_digest=content_digest("tools", tools_system),
                       message_digests=tuple(content_digest(m.role, m.content) for m in rendered),
-                      parts=_parts(rendered, tools_system) if syntax is None else _parts(messages, ""),
+                      parts=_parts(rendered, tools_system, format_text) if syntax is None
+                      else _parts(template_messages, "", format_text),
                       tool_syntax=syntax, tool_specs=specs)
 
 
-def _parts(rendered: list[ChatMessage], tools_system: str) -> tuple[tuple[str, str], ...]:
-    """The prompt's pieces in order: the tools section follows a leading system message."""
+def _parts(rendered: list[ChatMessage], tools_system: str, format_text: str = "") -> tuple[tuple[str, str], ...]:
+    """The prompt's pieces in order: the tools section, then the response format's, follow a
+    leading system message."""
     parts = [(f"messages.{i}", m.content) for i, m in enumerate(rendered)]
-    parts.insert(1 if rendered[0].role == "system" else 0, ("tools", tools_system))
+    at = 1 if rendered and rendered[0].role == "system" else 0
+    parts[at:at] = [("tools", tools_system), ("response_format", format_text)]
     return tuple((label, text) for label, text in parts if text)
 
 
@@ -308,11 +424,23 @@ def reply_message(completion_id: str, parsed: ParsedTurn, text: str) -> dict[str
     return {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
 
 
+def _logprob(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes)}
+
+
+def render_logprobs(parsed: ParsedTurn, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    """``choices[].logprobs``: each token's, with its ``top_logprobs`` (None: not asked for)."""
+    if parsed.sampling.logprobs is None:
+        return None
+    return {"content": [{**_logprob(e), "top_logprobs": [_logprob(t) for t in e.top]} for e in entries],
+            "refusal": None}
+
+
 def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     message = reply_message(completion_id, parsed, text)
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": parsed.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
+        "choices": [{"index": 0, "message": message, "logprobs": render_logprobs(parsed, finished.logprobs),
                      "finish_reason": _finish_reason(finished, "tool_calls" in message)}],
         "usage": usage(finished),
     }
@@ -345,7 +473,12 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
         elif isinstance(event, Started):
             yield chunk({"role": "assistant", "content": ""}, None)
         elif isinstance(event, TextDelta):
-            yield from deltas(parser.feed(event.text))
+            chunks = list(deltas(parser.feed(event.text)))
+            if event.logprobs and parsed.sampling.logprobs is not None:
+                if not chunks:  # its text is held back (a possible stop sequence or tool call)
+                    chunks = [chunk({"content": ""}, None)]
+                chunks[0]["choices"][0]["logprobs"] = render_logprobs(parsed, event.logprobs)
+            yield from chunks
         else:
             yield from deltas(parser.finish())
             yield chunk({}, _finish_reason(event, n_calls > 0))
@@ -362,6 +495,7 @@ ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too
                529: "overloaded"}
 
 
-def render_error(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": None,
+def render_error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """An error body; ``param``: the field a bad request got wrong."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": ERROR_CODES.get(status)}}

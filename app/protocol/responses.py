@@ -1,12 +1,15 @@
 """OpenAI Responses API requests: validate them and render their input items for the model. Pure.
 
+``text.format`` ``json_object`` / ``json_schema`` hold the reply to JSON
+(``app.protocol.structured``), as the OpenAI chat API's ``response_format`` does.
+
 Input items (``input``, a string or a list): messages (roles user, assistant, system,
 developer; ``input_text`` / ``output_text`` / ``refusal`` parts, or a string),
 ``function_call`` / ``function_call_output``, ``custom_tool_call`` /
 ``custom_tool_call_output``, and ``reasoning`` (accepted and ignored: another model's
 encrypted thoughts mean nothing here). Other item types, image/file/audio parts and
 request fields that would change the answer in ways this server cannot honour
-(structured outputs, prompt templates, background runs, ...) are a 400 naming the field.
+(log probabilities, prompt templates, background runs, ...) are a 400 naming the field.
 
 The chat template sees: one system message (``instructions``, the leading
 developer/system items and the tools section), then user and assistant turns, each
@@ -36,10 +39,10 @@ from typing import Annotated, Any, Literal, Mapping, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.errors import InvalidRequest
-from app.protocol import codex, tool_format, tools
+from app.protocol import codex, structured, tool_format, tools
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import ChatMessage, RequestOptions, SamplingParams, ToolCall, ToolSyntax
+from app.types import ChatMessage, OutputConstraint, RequestOptions, SamplingParams, ToolCall, ToolSyntax
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +203,10 @@ ToolChoice = Annotated[Union[Annotated[Literal["none", "auto", "required"], Tag(
 
 class TextFormat(_Strict):
     type: str
+    name: str | None = None  # json_schema
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is held either way
 
 
 class TextConfig(_Strict):
@@ -280,7 +287,8 @@ def _refuse_unsupported(body: ResponsesBody) -> None:
         ("truncation", body.truncation == "auto", "'auto' truncation is not supported: a prompt beyond the "
                                                   "context is refused (context_length_exceeded)"),
         ("text.format.type", body.text is not None and body.text.format is not None
-         and body.text.format.type != "text", "structured outputs are not supported: only 'text'"),
+         and body.text.format.type not in ("text", "json_object", "json_schema"),
+         "not supported: 'text', 'json_object' or 'json_schema'"),
         ("context_management", bool(body.context_management), "server-side context management is not supported"),
         ("prompt_cache_options.prewarm", bool(body.prompt_cache_options and body.prompt_cache_options.prewarm),
          "prewarming is not supported here (the direct agent API prefills a system prompt)"),
@@ -376,10 +384,36 @@ def _offered(body: ResponsesBody, stable: bool) -> list[tuple[OfferedTool, str, 
     return offered
 
 
-def _tool_setup(body: ResponsesBody, stable: bool,
-                syntax: ToolSyntax | None) -> tuple[str, str, dict[str, OfferedTool], tuple[dict[str, Any], ...]]:
+def _format_schema(body: ResponsesBody) -> tuple[bool, dict[str, Any] | None]:
+    """(whether ``text.format`` asks for JSON, its schema: None for any JSON object)."""
+    spec = body.text.format if body.text is not None else None
+    if spec is None or spec.type not in ("json_object", "json_schema"):
+        return False, None
+    return True, (spec.schema_ if spec.schema_ is not None else {}) if spec.type == "json_schema" else None
+
+
+def _format_constraint(body: ResponsesBody, syntax: ToolSyntax | None,
+                       offered: list[tuple[str, dict[str, Any]]]) -> OutputConstraint | None:
+    """``text.format`` as a grammar (a reply that may also call one of ``offered``).
+
+    Raises:
+        InvalidRequest: a schema llguidance cannot hold; tools in a model's own format.
+    """
+    wanted, schema = _format_schema(body)
+    if not wanted:
+        return None
+    where = "text.format.schema" if schema is not None else "text.format"
+    if offered and syntax is not None:
+        raise InvalidRequest(f"{where}: a JSON format with tools needs the generic tool-call format; this model "
+                             "writes calls in its own", "text.format")
+    return structured.response_format(schema, where, offered=offered)
+
+
+def _tool_setup(body: ResponsesBody, stable: bool, syntax: ToolSyntax | None
+                ) -> tuple[str, str, dict[str, OfferedTool], tuple[dict[str, Any], ...], OutputConstraint | None]:
     """(the tools in the generic format's system prompt section, the forced start of the reply,
-    the tools by flat name, the tools as chat templates take them).
+    the tools by flat name, the tools as chat templates take them, what holds the reply: a
+    forced call's schema in the generic format, or ``text.format``).
 
     Raises:
         InvalidRequest: a tool choice naming a tool that is not offered, or a hosted tool.
@@ -397,21 +431,27 @@ def _tool_setup(body: ResponsesBody, stable: bool,
     if choice == "none" or not offered:
         if choice not in ("auto", "none") and not isinstance(choice, AllowedTools):
             raise InvalidRequest("tool_choice: requires tools", "tool_choice")
-        return "", "", {}, ()
-    forced = ""
+        return "", "", {}, (), _format_constraint(body, syntax, [])
+    schemas = [(flat_name(t.name, t.namespace), schema) for t, _, schema in offered]
+    forced, name = "", None
     if isinstance(choice, NamedChoice):
         named = [flat for flat, t in by_name.items() if choice.name in (flat, t.name) and t.kind == choice.type]
         if len(named) != 1:
             raise InvalidRequest(f"tool_choice.name: {choice.name!r} is not one of the {choice.type} tools offered",
                                  "tool_choice.name")
-        forced = tool_format.forced_start(syntax, named[0])
+        name = named[0]
+        forced = tool_format.forced_start(syntax, name)
     elif choice == "required" or (isinstance(choice, AllowedTools) and choice.mode == "required"):
         forced = tool_format.forced_start(syntax, None)
+    if forced:
+        constraint = structured.forced_call(schemas, name, forced) if syntax is None else None
+    else:
+        constraint = _format_constraint(body, syntax, schemas)
     section = tools.render_tools_system([{"name": flat_name(t.name, t.namespace), "description": description,
                                           "input_schema": schema} for t, description, schema in offered])
     specs = tuple(tool_format.tool_spec(flat_name(t.name, t.namespace), description, schema)
                   for t, description, schema in offered)
-    return section, forced, by_name, specs
+    return section, forced, by_name, specs, constraint
 
 
 def _chat_messages(pieces: list[ChatMessage], system: list[str]) -> list[ChatMessage]:
@@ -471,7 +511,9 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     syntax = options.tool_syntax
     seen = [(f"input.{i}", *_rendered(item, f"input.{i}"), item) for i, _, item in kept]  # (label, side, text, item)
     digests = tuple(content_digest(side, text) for _, side, text, _ in seen)  # as sent, fitted or not
-    tools_text, forced, by_name, specs = _tool_setup(parsed, options.stable_prompts, syntax)
+    tools_text, forced, by_name, specs, constraint = _tool_setup(parsed, options.stable_prompts, syntax)
+    wanted, schema = _format_schema(parsed)
+    format_text = structured.instructions(schema) if wanted else ""
     instructions = parsed.instructions or ""
     if options.fit:
         instructions = codex.drop_optional_sections(instructions)
@@ -479,17 +521,17 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
                 for label, side, text, item in seen if not (side == "system" and codex.is_optional_message(text))]
     in_system = tools_text if syntax is None else ""
     lead = next((n for n, (_, side, _, _) in enumerate(seen) if side != "system"), len(seen))
-    system = [text for text in (instructions, *(t for _, _, t, _ in seen[:lead]), in_system) if text]
+    system = [text for text in (instructions, *(t for _, _, t, _ in seen[:lead]), in_system, format_text) if text]
     pieces = [ChatMessage(side, text) if syntax is None else _for_template(item, side, text, label, syntax)
               for label, side, text, item in seen[lead:]]
     messages = _chat_messages(pieces, system)
     parts = [("instructions", instructions), *((label, t) for label, _, t, _ in seen[:lead]), ("tools", in_system),
-             *((label, piece.content) for (label, _, _, _), piece in zip(seen[lead:], pieces))]
+             ("response_format", format_text), *((label, piece.content) for (label, _, _, _), piece in zip(seen[lead:], pieces))]
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, end_after=tool_format.end_markers(syntax) if tools_text else (),
-        speculate=parsed.speculate,
+        speculate=parsed.speculate, constraint=constraint,
     )
     details = ResponsesDetails(by_name, _echo(body, parsed), parsed.store is not False, parsed.previous_response_id,
                                bounded=parsed.max_output_tokens is not None)

@@ -25,7 +25,8 @@ from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, Overload
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
+from app.types import (ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started, TextDelta,
+                       TokenLogprob)
 from support.dbcheck import query
 
 CONTEXT = 64
@@ -40,13 +41,23 @@ class FakeJob:
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
         yield Started(n, 0, n)
-        yield TextDelta("Hello there.")
+        n_top = self.request.sampling.logprobs
+        logprobs = () if n_top is None else fake_logprobs(("Hello", " there", "."), n_top)
+        yield TextDelta("Hello there.", logprobs)
         queue_s, restore_s, prefill_s = self.parts
         yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01,
-                       queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s)
+                       queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s, logprobs=logprobs)
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def fake_logprobs(tokens: tuple[str, ...], n_top: int) -> tuple[TokenLogprob, ...]:
+    """Each token at logprob -0.5, its alternatives (``n_top`` of them) below it."""
+    def entry(token: str, logprob: float) -> TokenLogprob:
+        return TokenLogprob(token, tuple(token.encode()), logprob)
+    return tuple(TokenLogprob(t, tuple(t.encode()), -0.5, tuple(entry(t if i == 0 else f"{t}{i}", -0.5 - i)
+                                                                for i in range(n_top))) for t in tokens)
 
 
 class FakeEngine:
@@ -140,14 +151,19 @@ def test_the_fake_engine_and_the_engine_have_the_surface_the_api_sees(tmp_path: 
                     f"{method.__qualname__}{inspect.signature(method)}"
 
 
-@pytest.fixture
-def app(tmp_path: Path) -> Iterator[tuple[falcon.testing.TestClient, FakeEngine, Path]]:
+def make_app(tmp_path: Path) -> tuple[falcon.testing.TestClient, FakeEngine, Path]:
+    """The app on a fake engine and a fresh store at ``tmp_path``: (its client, the engine, the database)."""
     db = tmp_path / "semantic.db"
     upgrade(f"sqlite:///{db}")
     sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
     engine = FakeEngine(tmp_path)
     settings = Settings(home=tmp_path, allowed_hosts="falconframework.org")  # the TestClient's Host
-    yield falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions))), engine, db
+    return falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions))), engine, db
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> tuple[falcon.testing.TestClient, FakeEngine, Path]:
+    return make_app(tmp_path)
 
 
 MESSAGES = {"model": "claude-sonnet-5", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi."}]}

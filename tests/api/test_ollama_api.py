@@ -5,6 +5,7 @@ recorded (protocol "ollama") with its history."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,13 @@ import pytest
 from app.protocol import ollama
 from app.types import RequestOptions
 from support.dbcheck import query
-from test_app_with_a_fake_engine import app  # noqa: F401 - the fixture
+from test_app_with_a_fake_engine import make_app
+
+
+@pytest.fixture
+def app(tmp_path: Path):  # type: ignore[no-untyped-def]
+    return make_app(tmp_path)
+
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hi."}]}
 GENERATE = {"model": "fake", "prompt": "Say hi.", "system": "Be brief."}
@@ -81,19 +88,39 @@ def test_options_map_to_sampling(app) -> None:  # type: ignore[no-untyped-def]
     assert client.simulate_post("/api/chat", json={**CHAT, "stream": False, "options": options}).status_code == 200
     sampling = engine.submitted[-1].sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens,
-            sampling.stop_sequences) == (0, 0.5, 7, 9, ("\n\n",))
+            sampling.stop_sequences, sampling.seed) == (0, 0.5, 7, 9, ("\n\n",), 42)
     client.simulate_post("/api/generate", json={**GENERATE, "stream": False, "options": {"num_predict": -1}})
     assert engine.submitted[-1].sampling.max_tokens == RequestOptions().max_output_tokens
+    client.simulate_post("/api/chat", json={**CHAT, "stream": False, "options": {"seed": 7, "temperature": 0.8}})
+    assert (engine.submitted[-1].sampling.seed, engine.submitted[-1].sampling.temperature) == (7, 0.8)
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+def test_format_holds_the_reply_to_json_and_says_so_in_the_prompt(app, path: str) -> None:  # type: ignore[no-untyped-def]
+    client, engine, _ = app
+    body = CHAT if path == "/api/chat" else GENERATE
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for fmt, instruction in (("json", "Answer with a JSON object only."), (schema, '"required": ["city"]')):
+        assert client.simulate_post(path, json={**body, "stream": False, "format": fmt}).status_code == 200
+        submitted = engine.submitted[-1]
+        assert submitted.sampling.constraint is not None and submitted.sampling.constraint.what != ""
+        assert instruction in submitted.prompt.text
+    assert client.simulate_post(path, json={**body, "stream": False, "format": ""}).status_code == 200
+    assert engine.submitted[-1].sampling.constraint is None
 
 
 @pytest.mark.parametrize("path,extra,field", [
     ("/api/chat", {"options": {"repeat_penalty": 1.1}}, "options.repeat_penalty"),
     ("/api/chat", {"options": {"mirostat": 2}}, "options.mirostat"),
     ("/api/chat", {"options": {"no_such_option": 1}}, "options.no_such_option"),
-    ("/api/chat", {"options": {"seed": 1, "temperature": 0.8}}, "options.seed"),
+    ("/api/chat", {"options": {"seed": "1"}}, "options.seed"),
     ("/api/chat", {"options": {"num_predict": 0}}, "options.num_predict"),
     ("/api/chat", {"options": {"temperature": 5}}, "temperature"),
-    ("/api/chat", {"format": "json"}, "format"),
+    ("/api/chat", {"format": "yaml"}, "format"),
+    ("/api/chat", {"format": {"type": "object", "properties": {"x": {"not": {}}}}}, "format"),
+    ("/api/generate", {"format": {"type": "strin"}}, "format"),
+    ("/api/chat", {"logprobs": True}, "logprobs"),
+    ("/api/generate", {"top_logprobs": 3}, "top_logprobs"),
     ("/api/chat", {"think": True}, "think"),
     ("/api/chat", {"messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]},
      "messages.0.images"),

@@ -1,0 +1,123 @@
+"""Structured outputs: a request's output format as a grammar the engine holds the reply to. Pure.
+
+Every API's way of asking for JSON (OpenAI chat ``response_format``, the Responses API's
+``text.format``, Ollama's ``format``, Anthropic's ``output_format``) becomes an
+``OutputConstraint``: llguidance's grammar text, checked here (a schema it cannot hold is a
+400 naming the field), which the engine turns into a token mask (``app/engine/grammar.py``).
+The JSON is written in one style, the one ``json.dumps`` and the generic tool format use
+(``", "`` between items, ``": "`` after keys, no other whitespace): a small model cannot then
+pad it with endless newlines, and a tool call's arguments come back exactly as history writes
+them. A schema's own ``x-guidance`` options override that.
+
+The prompt says so too (``instructions``: the schema, written deterministically, after the
+system prompt), so the model knows what the mask allows; the mask is what holds.
+
+When tools are offered (the generic tool format), the reply may be the JSON answer or one
+tool call (``with_tools``). A forced call in that format (``forced_call``) is held to the
+called tool's ``input_schema``, leniently: a keyword the grammar cannot express is left
+out of the mask, and a schema it cannot read at all leaves the call unconstrained, as
+before.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import llguidance
+
+from app.errors import InvalidRequest
+from app.protocol import tools
+from app.types import OutputConstraint
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}  # "JSON mode": any JSON object
+
+Tool = tuple[str, dict[str, Any]]  # (name, input JSON schema)
+
+
+def _styled(schema: dict[str, Any]) -> dict[str, Any]:
+    options = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**JSON_STYLE, **(options if isinstance(options, dict) else {})}}
+
+
+def _compiles(grammar: str) -> str:
+    """"" when llguidance can hold ``grammar``, else why not."""
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def _json_rule(schema: dict[str, Any], lenient: bool) -> str | None:
+    """A lark rule body holding JSON to ``schema``; None when llguidance cannot hold it."""
+    styled = _styled(schema)
+    if lenient:
+        styled["x-guidance"] = {"lenient": True, **styled["x-guidance"]}
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(styled)
+    except ValueError:
+        return None
+    return None if _compiles(grammar) else f"%json {json.dumps(styled, ensure_ascii=False)}"
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _call_rules(offered: Sequence[Tool], names: Sequence[str] | None = None) -> list[str]:
+    """Lark rules: ``call``, one call in the generic format of one of ``offered`` (``names``:
+    only these), its arguments held to the tool's schema where llguidance can hold it."""
+    rules, alternatives = [], []
+    for i, (name, schema) in enumerate(offered):
+        if names is not None and name not in names:
+            continue
+        object_schema = schema if isinstance(schema, dict) and schema else ANY_OBJECT
+        args = _json_rule(object_schema, lenient=True) or _json_rule(ANY_OBJECT, lenient=False)
+        head = f"{tools.CALL_START}\n{json.dumps({'name': name}, ensure_ascii=False)[:-1]}, \"arguments\": "
+        rules += [f"call{i}: {_literal(head)} args{i} {_literal('}' + chr(10) + tools.CALL_END)}", f"args{i}: {args}"]
+        alternatives.append(f"call{i}")
+    return [f"call: {' | '.join(alternatives)}", *rules]
+
+
+def response_format(schema: dict[str, Any] | None, where: str, prefix: str = "",
+                    offered: Sequence[Tool] = ()) -> OutputConstraint:
+    """The reply held to JSON matching ``schema`` (None: any JSON object); ``prefix``: the
+    reply's start the prompt holds; ``offered``: tools the reply may call instead (one call,
+    in the generic format).
+
+    Raises:
+        InvalidRequest: naming ``where``, when llguidance cannot hold the schema (an
+            unsupported keyword, a dangling ``$ref``, ...).
+    """
+    schema = ANY_OBJECT if schema is None else schema
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_styled(schema))
+    except ValueError as exc:
+        raise InvalidRequest(f"{where}: not a JSON schema: {exc}", where) from None
+    why = _compiles(grammar)
+    if why:
+        raise InvalidRequest(f"{where}: this server cannot hold replies to the schema: {why}", where)
+    if offered:
+        answer = _json_rule(schema, lenient=False)
+        grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(
+            ["start: answer | call", f"answer: {answer}", *_call_rules(offered)]))
+        why = _compiles(grammar)
+        if why:
+            raise InvalidRequest(f"{where}: this server cannot hold replies to the schema with the tools offered: "
+                                 f"{why}", where)
+    return OutputConstraint(grammar, prefix, where)
+
+
+def forced_call(offered: Sequence[Tool], name: str | None, prefix: str) -> OutputConstraint | None:
+    """A forced call in the generic format (``prefix``: its start, which the prompt holds, as
+    ``tools.forced_prefix`` writes it) held to the called tool's input schema (``name``
+    None: any offered tool's); None when no grammar fits."""
+    names = None if name is None else [name]
+    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(["start: call", *_call_rules(offered, names)]))
+    return None if _compiles(grammar) else OutputConstraint(grammar, prefix, "tool_choice")
+
+
+def instructions(schema: dict[str, Any] | None) -> str:
+    """What the system prompt says of the format (deterministic: the same schema, the same text)."""
+    if schema is None:
+        return "Answer with a JSON object only."
+    return ("Answer with a JSON value only, matching this JSON schema:\n"
+            + json.dumps(schema, ensure_ascii=False))
