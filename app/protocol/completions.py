@@ -8,8 +8,8 @@ the engine writes the prompt in the model's FIM form when its vocabulary has the
 an agent's turn like any other: history keeps the prompt and the text, and the cache is
 reused as for chat (``session_id``, ``ttl``, ``cache_mode``, ``speculate`` as in
 ``app.protocol.openai``). What it cannot honour is a 400 naming the field: several prompts
-or choices, ``echo``, ``best_of``, ``logprobs``, ``seed``, ``logit_bias`` and non-zero
-penalties.
+or choices, ``echo``, ``best_of``, ``logprobs``, ``logit_bias`` and non-zero penalties.
+``seed`` makes sampling reproducible, as on the chat API.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def _refuse_unsupported(body: CompletionBody) -> None:
         ("best_of", body.best_of > 1, "one completion per request"),
         ("echo", body.echo, "the prompt is not echoed"),
         ("logprobs", body.logprobs is not None, "log probabilities are not returned"),
-        ("seed", body.seed is not None, "seeded sampling is not supported on completions"),
         ("logit_bias", bool(body.logit_bias), "logit biases are not supported"),
         ("presence_penalty", body.presence_penalty != 0, "presence penalties are not supported (the server's "
                                                          "repetition_penalty setting applies)"),
@@ -107,7 +106,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        max_tokens=limit, stop_sequences=stops, speculate=parsed.speculate)
+        max_tokens=limit, stop_sequences=stops, speculate=parsed.speculate, seed=parsed.seed)
     return ParsedTurn(parsed.model, (), sampling, parsed.stream, parsed.session_id,
                       ({"role": "user", "content": prompt},),
                       include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),

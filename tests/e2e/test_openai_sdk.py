@@ -177,6 +177,9 @@ def test_completions_continue_a_raw_prompt_and_reuse_its_blocks(client: openai.O
 
     edited = client.completions.create(model="m", prompt=CODE + "def g(y):\n    return", max_tokens=4, temperature=0)
     assert edited.usage.prompt_tokens_details.cached_tokens >= 768
+    sampled = [client.completions.create(model="m", prompt="def add(a, b):", max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1]  # a seed makes sampling reproducible
 
 
 def test_completions_refuse_what_they_cannot_honour(client: openai.OpenAI) -> None:
