@@ -159,8 +159,10 @@ def test_agents_stay_on_their_server_and_survive_its_kill(tmp_path: Path, smollm
         status = semantic(home, "pool", "status", "--json")
         assert status.returncode == 1  # one server is down
         assert {s["id"]: s["healthy"] for s in json.loads(status.stdout)} == {held: False, server: True}
-        # Every turn, on both servers.
-        assert stored_messages(state) == {agent: len(history) for agent, history in histories.items()}
+        # Every turn, on both servers (and the Responses agents' three turns each).
+        stored = stored_messages(state)
+        assert {agent: stored[agent] for agent in histories} == {agent: len(history) for agent, history in histories.items()}
+        assert sorted(n for agent, n in stored.items() if agent not in histories) == [6, 6, 6]
 
         assert semantic(home, "pool", "down").returncode == 0
         assert pool.wait(timeout=60) == 0
