@@ -328,3 +328,41 @@ def test_a_block_the_tier_lost_is_uploaded_again_by_the_server_that_uploaded_it(
     now[0] += 60
     assert "fp/aa/block.safetensors" in keys()  # the memo expired: put again
     uploader.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_a_hybrid_conversation_moves_through_the_tier_with_its_checkpoints(tmp_path: Path, s3_url: str,
+                                                                           family: str) -> None:
+    """Issue 37: a hybrid model's conversation stored on one server (its record carries the
+    recurrent-state checkpoints) is restored on another from the tier alone, and the next
+    turn's logits there are the first server's, bit for bit (f32)."""
+    from app.cache import checkpoints
+    from app.cache.blocks import KV_FORMATS
+    from app.cache.checkpoints import CacheLayout
+    from support.families import HYBRID
+    from support.families import build as build_family
+    from test_checkpoints import prefill
+
+    model = build_family(HYBRID[family])
+    layout = CacheLayout.of(model)
+    options = {"kv_format": KV_FORMATS["f32"], "layout": layout}
+    s3_url = s3_url.replace("/pool?", f"/{family}?")  # moto keeps one store per process: a prefix of its own
+    rng = np.random.default_rng(5)
+    first, more = rng.integers(100, 15000, 700).tolist(), rng.integers(100, 15000, 20).tolist()
+
+    a = server(tmp_path, "a", layout.n_attention, S3Tier(s3_url), **options)
+    lease = a.lease("a", "c", as_prompt(first))
+    lease.plan.positions = checkpoints.plan(0, len(first))
+    prefill(model, lease.cache, first, 0, lease.plan)
+    a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
+    expected = prefill(model, a.lease("a", "c", as_prompt(first + more)).cache, more, len(first), None)
+    assert a.flush(60)
+    a.close()
+
+    b = server(tmp_path, "b", layout.n_attention, S3Tier(s3_url), **options)
+    assert not (tmp_path / "b" / "blocks").exists()
+    b.stage("c")
+    lease = b.lease("a", "c", as_prompt(first + more))
+    assert (lease.n_reused, lease.report.reason) == (700, "extend"), lease.report
+    assert mx.array_equal(prefill(model, lease.cache, more, len(first), None), expected)
+    b.close()
