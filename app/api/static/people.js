@@ -255,8 +255,9 @@ async function showList() {
     link.href = `#${enc(agent.id)}`;
     const name = el("td");
     name.append(link, el("div", "origin muted", agent.origin));
-    row.append(name, el("td", agent.tier, agent.tier), el("td", "num", agent.n_messages),
-      el("td", "", when(agent.last_access_at)));
+    const last = el("td", "when");
+    last.append(...when(agent.last_access_at).split(" ").map((part) => el("span", "", part)));
+    row.append(name, el("td", agent.tier, agent.tier), el("td", "num", agent.n_messages), last);
     return row;
   });
   $("agents").tBodies[0].replaceChildren(...rows);
