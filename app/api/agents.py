@@ -54,12 +54,15 @@ class ForkAgent(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-def _caches(stored: tuple[tuple[str, int, str], ...], hot_tokens: int | None, fingerprint: str) -> list[dict]:
-    """A conversation's caches per model; the served model's is hot when ``hot_tokens`` is set."""
-    caches = [{"model_fingerprint": fp, "cached_tokens": n, "tier": t} for fp, n, t in stored
+def _caches(stored: tuple[tuple[str, int, str], ...], hot_tokens: int | None, fingerprint: str,
+            names: Mapping[str, str]) -> list[dict]:
+    """A conversation's caches per model; the served model's is hot when ``hot_tokens`` is set.
+    ``names``: model name by fingerprint, where this server knows it (else ``model`` is null)."""
+    caches = [{"model_fingerprint": fp, "model": names.get(fp), "cached_tokens": n, "tier": t} for fp, n, t in stored
               if hot_tokens is None or fp != fingerprint]
     if hot_tokens is not None:
-        caches.insert(0, {"model_fingerprint": fingerprint, "cached_tokens": hot_tokens, "tier": "hot"})
+        caches.insert(0, {"model_fingerprint": fingerprint, "model": names.get(fingerprint),
+                          "cached_tokens": hot_tokens, "tier": "hot"})
     return caches
 
 
@@ -68,11 +71,13 @@ def _tier(caches: list[dict]) -> str:
     return tier_of("hot" in tiers, tiers)
 
 
-def render_agent(agent: AgentView, hot: Mapping[str, int], fingerprint: str) -> dict[str, Any]:
-    """An agent's status; ``hot`` maps its conversations in memory to their cached tokens."""
+def render_agent(agent: AgentView, hot: Mapping[str, int], fingerprint: str,
+                 names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """An agent's status; ``hot`` maps its conversations in memory to their cached tokens,
+    ``names`` model fingerprints to model names."""
     conversations = []
     for conversation in agent.conversations:
-        caches = _caches(conversation.caches, hot.get(conversation.id), fingerprint)
+        caches = _caches(conversation.caches, hot.get(conversation.id), fingerprint, names or {})
         hit = conversation.last_hit
         conversations.append({"id": conversation.id, "n_messages": conversation.n_messages, "tier": _tier(caches),
                               "created_at": conversation.created_at.isoformat() + "Z",
@@ -104,7 +109,8 @@ class _AgentsBase:
         self._engine = engine
 
     def _render(self, agent: AgentView) -> dict[str, Any]:
-        return render_agent(agent, self._engine.hot_tokens(agent.id), self._engine.model.fingerprint)
+        return render_agent(agent, self._engine.hot_tokens(agent.id), self._engine.model.fingerprint,
+                            self._engine.model_names())
 
     @contextmanager
     def _undone_on_failure(self, agent_id: str) -> Iterator[None]:
@@ -197,7 +203,8 @@ class AgentHistoryResource:
 
 
 class AgentGenerateResource:
-    """Appends the new messages to the stored history, generates, stores the reply."""
+    """Appends the new messages to the stored history, generates, stores the reply; with
+    ``"new_conversation": true`` the messages start a new conversation of the agent instead."""
 
     def __init__(self, agents: AgentService, generation: GenerationResource, default_max_tokens: int) -> None:
         self._agents = agents
@@ -211,9 +218,14 @@ class AgentGenerateResource:
             new = _object(read_json(req))
             if not isinstance(new.get("messages"), list) or not new["messages"]:
                 raise InvalidRequest("messages: a non-empty list of the new messages is required", "messages")
-            _refuse_foreign(agent_id, self._agents.latest_protocols(agent_id))
-            history = [shaped for m in self._agents.history(agent_id, latest_only=True)
-                       if (shaped := _direct_shape(m["role"], m["content"])) is not None]
+            fresh = new.get("new_conversation", False)
+            if not isinstance(fresh, bool):
+                raise InvalidRequest("new_conversation: expected a boolean", "new_conversation")
+            history: list[dict[str, Any]] = []
+            if not fresh:  # continue the latest conversation: its stored turns come first
+                _refuse_foreign(agent_id, self._agents.latest_protocols(agent_id))
+                history = [shaped for m in self._agents.history(agent_id, latest_only=True)
+                           if (shaped := _direct_shape(m["role"], m["content"])) is not None]
             body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
             body.setdefault("model", "default")
             body.setdefault("max_tokens", self._default_max_tokens)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 # Where ``GET /`` points: this server's pages, and the references of the APIs it speaks.
-PAGES = {"agents": ("/agents", "the agents: their conversations and caches; continue a conversation"),
+PAGES = {"agents": ("/agents", "the agents: talk to them (streamed), their conversations and caches"),
          "status": ("/status", "the operator page: model, memory, agents and their caches, misses, jobs"),
          "health": ("/health", "health, model and version (JSON)"),
          "metrics": ("/metrics", "Prometheus metrics"),

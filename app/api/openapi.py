@@ -45,6 +45,7 @@ class Body:
     keep: tuple[str, ...] | None = None
     required: tuple[str, ...] | None = None
     optional: bool = False  # may be left out (every field has a default)
+    added: tuple[tuple[str, str, str], ...] = ()  # properties the model lacks: (name, JSON type, description)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                                    status=204),
     ("POST", "/v1/agents/{agent_id}/generate"): Operation(
         "The agent's next turn: send only the new messages; the server keeps the history",
-        Body(MessagesBody, "AgentGenerateBody", keep=_GENERATE, required=("messages",)), streams=True),
+        Body(MessagesBody, "AgentGenerateBody", keep=_GENERATE, required=("messages",), added=(
+            ("new_conversation", "boolean", "true: start a new conversation of the agent instead of continuing "
+                                            "its latest (default false)"),)),
+        streams=True),
     ("GET", "/v1/agents/{agent_id}/history"): Operation("The agent's stored messages"),
     ("POST", "/api/chat"): Operation(
         "Ollama chat: the next assistant message", Body(OllamaChatBody), streams=True, stream_type="application/x-ndjson",
@@ -232,7 +236,8 @@ def _body_schemas(bodies: list[Body]) -> tuple[dict[str, Any], dict[Body, str]]:
         base = schemas[refs[body].rsplit("/", 1)[-1]]
         refs[body] = REF.format(model=body.name)
         narrowed = {**base, "title": body.name, "properties": {
-            name: value for name, value in base["properties"].items() if body.keep is None or name in body.keep}}
+            **{name: value for name, value in base["properties"].items() if body.keep is None or name in body.keep},
+            **{name: {"type": kind, "description": what} for name, kind, what in body.added}}}
         narrowed["required"] = list(body.required if body.required is not None else base.get("required", []))
         schemas[body.name] = narrowed
     return schemas, refs

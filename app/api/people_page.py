@@ -1,6 +1,7 @@
-"""GET /agents: the page for people. The agents, their conversations and caches, and a box that
-continues a conversation, in three static files (HTML, script, style) that hold no data: the
-script reads the agent API from the browser, with the key the user enters when one is set.
+"""GET /agents: the page for people. The agents, their conversations and caches, and a place
+to talk to them (create an agent, stream a turn, stop it, start a conversation, delete), in
+three static files (HTML, script, style) that hold no data: the script reads and writes the
+agent API from the browser, with the key the user enters when one is set.
 So the files are served without the key (``middleware.OPEN_PATHS``), and under a content
 security policy that allows no inline script, no other origin and no framing."""
 

@@ -91,7 +91,7 @@ def render_page(data: PageData) -> str:
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">'
         f"<title>Semantic status</title><style>{STYLE}</style></head><body>"
         f'<h1>Semantic</h1><p class="muted">refreshed every 10 s · {escape(_time(datetime.now(timezone.utc)))} UTC · '
-        '<a href="/agents">the agents page</a>: conversations, caches, continue one</p>'
+        '<a href="/agents">the agents page</a>: talk to agents, their conversations and caches</p>'
         f'<div class="cards">{card_html}</div>'
         "<h2>Agents and their conversations</h2>"
         + _table(["agent", "origin", "turns", "cache hit rate", "conversation", "messages", "tier", "cached tokens",

@@ -142,6 +142,15 @@ class Engine:
         """
         return self._info(self._spec(self._catalog.resolve(requested)))
 
+    def model_names(self) -> Mapping[str, str]:
+        """Model name by fingerprint, of every model this engine has read since it started."""
+        with self._specs_lock:
+            specs = list(self._specs.values())
+        loaded = self._runner.snapshot.loaded
+        if loaded is not None:
+            specs.append(loaded)
+        return {scoped_fingerprint(spec.fingerprint, self._scope): spec.name for spec in specs}
+
     def _spec(self, name: str | None) -> ModelSpec:
         """Tokenizer side of model ``name`` (default: the default model), from any thread."""
         name = name or self._catalog.default

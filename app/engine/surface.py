@@ -121,6 +121,11 @@ class EngineSurface(Protocol):
         """The model a request's ``model`` names (NotFound; EngineUnavailable while loading)."""
         ...
 
+    def model_names(self) -> Mapping[str, str]:
+        """Model name by fingerprint, of every model this engine has read since it started
+        (the served one included): what a cache's fingerprint is called."""
+        ...
+
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None,
                tools: Sequence[dict[str, Any]] = ()) -> Prompt:
         """The prompt ``model`` (default: the default model) would see for ``messages``

@@ -105,6 +105,9 @@ class FakeEngine:
         self.submitted_at.append(time.perf_counter())
         return FakeJob(request, parts=self.parts)
 
+    def model_names(self) -> dict[str, str]:
+        return {self.model.fingerprint: self.model.name}
+
     def hot_tokens(self, agent_id: str) -> dict[str, int]:
         return self.hot.get(agent_id, {})
 
@@ -449,3 +452,28 @@ def test_the_key_form_opens_the_pages_to_a_browser_and_to_nothing_else(keyed: fa
     assert foreign.status_code == 403  # no other site's page posts the form
     assert keyed.simulate_post("/session", body="key=the-key", headers={
         "content-type": "application/x-www-form-urlencoded"}).status_code == 415  # a form comes from a browser
+
+
+def test_a_direct_turn_may_start_a_new_conversation_and_caches_name_their_model(app) -> None:  # type: ignore[no-untyped-def]
+    """``new_conversation`` starts a conversation of the agent with only the new messages (the
+    people page's "new conversation"), also when the latest one came through another API; a
+    cache names its model where the server knows the fingerprint."""
+    client, engine, db = app
+    made = client.simulate_post("/v1/messages", headers={"x-session-id": "mixed"},
+                                json={"model": "m", "max_tokens": 8, "system": "Be brief.",
+                                      "messages": [{"role": "user", "content": "Hi"}]})
+    assert made.status_code == 200, made.text
+    turn = {"messages": [{"role": "user", "content": "Hello again"}], "max_tokens": 8}
+    assert client.simulate_post("/v1/agents/mixed/generate", json=turn).status_code == 400
+    bad = client.simulate_post("/v1/agents/mixed/generate", json={**turn, "new_conversation": "yes"})
+    assert bad.status_code == 400 and "new_conversation" in bad.json["error"]["message"]
+    fresh = client.simulate_post("/v1/agents/mixed/generate", json={**turn, "new_conversation": True})
+    assert fresh.status_code == 200, fresh.text
+    assert "Be brief." not in engine.submitted[-1].prompt.text and "Hi" not in engine.submitted[-1].prompt.text.split()
+    assert client.simulate_post("/v1/agents/mixed/generate", json=turn).status_code == 200  # continues the new one
+    assert "Hello again" in engine.submitted[-1].prompt.text
+    agent = client.simulate_get("/v1/agents/mixed").json
+    assert len(agent["conversations"]) == 2 and agent["conversations"][0]["n_messages"] == 4
+    engine.hot = {"mixed": {agent["conversations"][0]["id"]: 12}}
+    caches = client.simulate_get("/v1/agents/mixed").json["conversations"][0]["caches"]
+    assert caches[0] == {"model_fingerprint": "fp-fake", "model": "fake", "cached_tokens": 12, "tier": "hot"}

@@ -1,7 +1,10 @@
 """The people page (/agents) in a real headless Chromium driven by chromedriver, on a real server:
 it lists an agent made through the API, shows its turns and caches, continues its conversation
 from the box and shows what was read from cache; history is shown as text, never as markup;
-with an api_key set it works once the key is entered, and nothing reads the API without it."""
+with an api_key set it works once the key is entered, and nothing reads the API without it.
+It is a place to talk: it creates an agent, streams a reply, stops a generation, starts a new
+conversation, deletes the agent, renders Markdown as elements it builds, and its layout holds
+from 800 to 1920 px wide (screenshots under the test's tmp dir)."""
 
 from __future__ import annotations
 
@@ -59,14 +62,15 @@ def test_an_agent_s_turns_and_caches_and_a_third_turn_from_the_box(server: Serve
     assert second["usage"]["cache_read_input_tokens"] > 0
     status = httpx.get(f"{server.url}/v1/agents/{agent}").json()
     conversation = status["conversations"][0]
-    cache = conversation["caches"][0]
     assert conversation["last_hit"]["cached_tokens"] == second["usage"]["cache_read_input_tokens"]
 
     shown = open_agent(browser, server.url, agent)
     for text in ("Name a fruit.", reply_text(first), "Name a vegetable.", reply_text(second)):
         assert text in shown, (text, shown)
+    # The cache as the page read it: the engine publishes the hot cache's size just after the answer.
+    cache = httpx.get(f"{server.url}/v1/agents/{agent}").json()["conversations"][0]["caches"][0]
     caches = browser.text("details.conversation[open] table.caches")
-    assert f"{cache['tier']} {cache['cached_tokens']}" in caches, caches  # a row: model, tier, cached tokens
+    assert f"{cache['model']} {cache['tier']} {cache['cached_tokens']}" in caches, caches  # model, tier, tokens
     assert f"{second['usage']['cache_read_input_tokens']} of" in shown  # the last hit
     assert agent in browser.text("#agents") and "You are brief." in browser.text("#agent-facts")
 
@@ -172,3 +176,189 @@ def test_with_an_api_key_the_page_asks_for_it_and_nothing_reads_without_it(locke
     browser.click("#forget-key")
     browser.wait(lambda: browser.run("return !document.getElementById('key-form').hidden"), "the key form again")
     assert all("status of 401" in e for e in page_errors(browser))  # the refused calls, nothing else
+
+
+def wait_hidden(browser: Browser, css: str, hidden: bool = True) -> None:
+    browser.wait(lambda: browser.run("return document.querySelector(arguments[0]).hidden === arguments[1]", css, hidden),
+                 f"{css} hidden={hidden}")
+
+
+def history_of(server: ServerProcess, agent: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{server.url}/v1/agents/{agent}/history").json()["messages"]
+
+
+def test_a_new_agent_from_the_page_a_streamed_reply_a_new_conversation_and_delete(server: ServerProcess,
+                                                                                  browser: Browser) -> None:
+    agent = "people-page-made"
+    model = httpx.get(f"{server.url}/health").json()["model"]
+    browser.open(f"{server.url}/agents")
+    browser.wait(lambda: browser.run("return document.getElementById('model').options.length"), "the model list")
+    served = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    options = browser.run("return [...document.getElementById('model').options].map((o) => [o.value, o.selected])")
+    assert [value for value, _ in options] == served and sum(selected for _, selected in options) == 1
+    browser.type("#new-id", agent)
+    browser.type("#new-system", "You are brief.")
+    browser.click("#create-button")
+    browser.wait_text("#agent-title", agent)
+    assert "You are brief." in browser.text("#agent-facts") and agent in browser.text("#agents")
+    assert httpx.get(f"{server.url}/v1/agents/{agent}").json()["metadata"]["system_prompt"] == "You are brief."
+
+    # Every delta replaces the reply's rendering: more than one change is a reply that streamed in.
+    browser.run("window.changes = 0; new MutationObserver(() => window.changes++)"
+                ".observe(document.getElementById('reply-body'), {childList: true});")
+    browser.type("#message", "Name three fruits.")
+    browser.type("#max-tokens", "12")
+    browser.click("#send-button")
+    read = int(browser.wait(lambda: browser.text("#cache-read-tokens"), "the reply's cache count"))
+    assert read > 0  # the system prompt was prefilled when the agent was made
+    assert browser.run("return window.changes") >= 2
+    stored = history_of(server, agent)
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    reply = stored[1]["content"]
+    reply_words = (reply if isinstance(reply, str) else "".join(b.get("text", "") for b in reply)).split()
+    shown = browser.text("#reply-body")
+    assert all(word.strip("*_`#") in shown for word in reply_words), (reply_words, shown)
+    # The conversation was reloaded: its cache line names the model and tells the last hit.
+    conversation = browser.wait_text("details.conversation[open]", "Name three fruits.", f"{read} of")
+    assert model in browser.text("details.conversation[open] table.caches"), conversation
+
+    browser.click("#new-conversation")
+    browser.wait_text("#send-label", "Start a new conversation")
+    browser.type("#message", "Name a colour.")
+    browser.type("#max-tokens", "4")
+    browser.click("#send-button")
+    browser.wait(lambda: len(httpx.get(f"{server.url}/v1/agents/{agent}").json()["conversations"]) == 2
+                 and browser.text("#cache-read-tokens"), "the second conversation")
+    browser.wait_text("details.conversation[open]", "Name a colour.")
+    assert "Name three fruits." not in browser.text("details.conversation[open]")
+    assert browser.run("return document.getElementById('new-conversation').checked") is False
+
+    browser.click("#delete-agent")
+    browser.wait_text("#delete-agent", "Click again")
+    assert httpx.get(f"{server.url}/v1/agents/{agent}").status_code == 200  # one click deletes nothing
+    browser.click("#delete-agent")
+    wait_hidden(browser, "#agent")
+    assert httpx.get(f"{server.url}/v1/agents/{agent}").status_code == 404
+    assert agent not in browser.text("#agents")
+    assert page_errors(browser) == []
+
+
+def test_stop_cancels_a_long_generation(server: ServerProcess, browser: Browser) -> None:
+    agent = "people-page-stop"
+    assert httpx.post(f"{server.url}/v1/agents", json={"id": agent}).status_code == 201
+    browser.open(f"{server.url}/agents#{agent}")
+    browser.wait_text("#agent-title", agent)
+    browser.type("#message", "Count from 1 to 1000, one number per line.")
+    browser.type("#max-tokens", "2000")
+    browser.click("#send-button")
+    wait_hidden(browser, "#stop-button", False)
+    browser.wait(lambda: browser.text("#reply-body").strip(), "the first streamed text")
+    browser.click("#stop-button")
+    browser.wait_text("#cache-read", "Stopped")
+    wait_hidden(browser, "#stop-button")
+    assert browser.run("return document.getElementById('send-button').disabled") is False
+    # The server cancelled it: nothing runs, and no turn was stored.
+    browser.wait(lambda: httpx.get(f"{server.url}/health").json()["active_requests"] == 0, "the cancel", 60)
+    assert history_of(server, agent) == []
+    assert page_errors(browser) == []
+
+
+MARKDOWN = ("Here is **bold**, *italic* and `x < y`.\n\n- one <script>window.pwned = 1</script>\n- two "
+            "<img src=x onerror=\"window.pwned = 2\">\n\n1. first\n2. [a link](https://example.com/a) and "
+            "[a trap](javascript:window.pwned=3)\n\n```python\nprint('<b>hi</b>')\n```")
+
+
+def test_markdown_in_a_reply_is_elements_the_page_builds_never_markup(server: ServerProcess,
+                                                                      browser: Browser) -> None:
+    """An assistant turn with Markdown, a <script> and an <img> (stored through the direct API,
+    as a model could write it): shown as paragraphs, lists, code and a safe link; the markup
+    is text, and no script or image is made."""
+    agent = "people-page-markdown"
+    assert httpx.post(f"{server.url}/v1/agents", json={"id": agent, "prefill": False}).status_code == 201
+    response = httpx.post(f"{server.url}/v1/agents/{agent}/generate", timeout=120, json={"messages": [
+        {"role": "user", "content": "Show me Markdown."}, {"role": "assistant", "content": MARKDOWN},
+        {"role": "user", "content": "Thanks."}], **SAMPLING})
+    assert response.status_code == 200, response.text
+
+    open_agent(browser, server.url, agent)
+    box = "details.conversation[open] .message.assistant .markdown"
+    browser.wait(lambda: browser.find(box), "the rendered Markdown")
+    made = browser.run("""const box = document.querySelector(arguments[0]);
+        return {strong: [...box.querySelectorAll('strong')].map((e) => e.textContent),
+                em: [...box.querySelectorAll('em')].map((e) => e.textContent),
+                code: [...box.querySelectorAll('p code')].map((e) => e.textContent),
+                ul: [...box.querySelectorAll('ul > li')].map((e) => e.textContent),
+                ol: [...box.querySelectorAll('ol > li')].length,
+                pre: box.querySelector('pre code').textContent, lang: box.querySelector('pre code').dataset.lang,
+                links: [...box.querySelectorAll('a')].map((a) => [a.textContent, a.href, a.rel, a.target]),
+                unsafe: document.querySelectorAll('#conversations script, #conversations img, '
+                                                  + '#conversations b').length};""", box)
+    assert made["strong"] == ["bold"] and made["em"] == ["italic"] and made["code"] == ["x < y"]
+    assert made["ul"] == ["one <script>window.pwned = 1</script>", 'two <img src=x onerror="window.pwned = 2">']
+    assert made["ol"] == 2 and made["pre"] == "print('<b>hi</b>')" and made["lang"] == "python"
+    assert made["links"] == [["a link", "https://example.com/a", "noopener noreferrer", "_blank"]]
+    assert made["unsafe"] == 0
+    assert "[a trap](javascript:window.pwned=3)" in browser.text(box)
+    # The reply box renders with the same function: a streamed reply is built the same way.
+    streamed = browser.run("""const node = markdown(arguments[0]);
+        document.getElementById('reply-body').replaceChildren(node);
+        return [node.querySelectorAll('script, img, b').length, node.querySelectorAll('a').length,
+                node.querySelectorAll('li').length];""", MARKDOWN)
+    assert streamed == [0, 1, 4]
+    assert browser.run("return window.pwned === undefined") is True
+    assert page_errors(browser) == []
+
+
+def test_a_turn_the_direct_api_refuses_is_shown_and_a_new_conversation_works(server: ServerProcess,
+                                                                             browser: Browser) -> None:
+    """An agent whose latest conversation came through the Anthropic API: the box's turn is a
+    400 naming that API, shown next to the box; a new conversation of the agent works."""
+    agent = "people-page-foreign"
+    made = httpx.post(f"{server.url}/v1/messages", headers={"x-session-id": agent}, timeout=120,
+                      json={"model": "m", **SAMPLING, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert made.status_code == 200, made.text
+    open_agent(browser, server.url, agent)
+    browser.type("#message", "Again.")
+    browser.type("#max-tokens", "4")
+    browser.click("#send-button")
+    error = browser.wait_text("#send-error", "anthropic API")
+    assert "continue it through that API" in error
+    assert len(history_of(server, agent)) == 2
+    browser.click("#new-conversation")
+    browser.click("#send-button")
+    browser.wait(lambda: browser.text("#cache-read-tokens"), "the new conversation's reply")
+    wait_hidden(browser, "#send-error")
+    assert len(httpx.get(f"{server.url}/v1/agents/{agent}").json()["conversations"]) == 2
+
+
+@pytest.mark.parametrize("width", [800, 1280, 1920])
+def test_the_layout_holds_from_800_to_1920_px(server: ServerProcess, browser: Browser, tmp_path: Path,
+                                              width: int) -> None:
+    """No horizontal scrolling, the agent list and the detail pane side by side (or stacked)
+    without overlapping, the list's table inside its pane, and nothing squeezed to nothing."""
+    agent = "people-page-layout-with-a-rather-long-agent-id-that-must-wrap"
+    if httpx.get(f"{server.url}/v1/agents/{agent}").status_code == 404:
+        assert httpx.post(f"{server.url}/v1/agents", json={"id": agent, "prefill": False}).status_code == 201
+        generate(server, agent, "Name a fruit.")
+    browser.resize(width, 900)
+    open_agent(browser, server.url, agent)
+    shot = browser.screenshot(tmp_path / f"agents-{width}.png")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+    seen = browser.run("""const rect = (css) => document.querySelector(css).getBoundingClientRect().toJSON();
+        return {inner: innerWidth, scroll: document.documentElement.scrollWidth,
+                rects: Object.fromEntries(['#list', '#agent', '#agents', '#new-agent', '#conversations', '#send',
+                                           '#message', '#send-button', '#model', 'details.conversation[open]']
+                                          .map((css) => [css, rect(css)]))};""")
+    assert abs(seen["inner"] - width) <= 20, seen["inner"]  # the window is the asked size
+    assert seen["scroll"] <= seen["inner"], seen
+    rects = seen["rects"]
+    assert all(r["width"] > 0 and r["height"] > 0 for r in rects.values()), rects
+    pane, listing = rects["#agent"], rects["#list"]
+    apart = (listing["right"] <= pane["left"] or pane["right"] <= listing["left"]
+             or listing["bottom"] <= pane["top"] or pane["bottom"] <= listing["top"])
+    assert apart, (listing, pane)
+    assert (listing["right"] <= pane["left"]) == (width >= 960)  # side by side from 960 px, else stacked
+    assert rects["#agents"]["right"] <= listing["right"] + 0.5 and rects["#agents"]["left"] >= listing["left"] - 0.5
+    for inside in ("#conversations", "#send", "details.conversation[open]"):
+        assert rects[inside]["right"] <= pane["right"] + 0.5, (inside, rects[inside], pane)
+    assert page_errors(browser) == []

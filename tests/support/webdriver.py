@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
 import socket
 import subprocess
@@ -66,6 +67,15 @@ class Browser:
 
     def open(self, url: str) -> None:
         self._call("POST", f"{self._session}/url", {"url": url})
+
+    def resize(self, width: int, height: int) -> None:
+        """The window's size (headless: its viewport's)."""
+        self._call("POST", f"{self._session}/window/rect", {"width": width, "height": height})
+
+    def screenshot(self, path: Path) -> Path:
+        """A PNG of the viewport, written to ``path``."""
+        path.write_bytes(base64.b64decode(self._call("GET", f"{self._session}/screenshot")))
+        return path
 
     def run(self, script: str, *args: Any) -> Any:
         """JavaScript in the page: ``script`` is a function body, ``arguments`` its args."""
