@@ -14,7 +14,7 @@ MAX_STOP_SEQUENCES = 16  # each checked on every generated token
 MAX_STOP_CHARS = 256
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # a TTL beyond ten years is a mistake (and overflows dates)
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"  # agent ids, wherever they come from
-# Stored KV formats (setting kv_format), defined in app/cache/blocks.py.
+# Stored KV formats (setting kv_format), defined in app/cache/formats.py.
 KV_FORMAT_NAMES = ("q4r", "q4c", "k5c", "k6v4", "k8v4", "q8", "f16", "f32")
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
 # How cache reuse ended for a request: the one vocabulary of the matcher, the cache manager,
@@ -205,6 +205,20 @@ class ReuseReport:
     stored: str | None = None  # the stored text around ``offset``
     new: str | None = None  # the prompt around ``offset``
     part: str | None = None  # the piece of the prompt ``offset`` falls in (set by the API)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The KV cache manager's memory and what it holds (the engine's status reports it)."""
+
+    enabled: bool
+    pool_bytes: int
+    budget_bytes: int
+    n_blocks: int
+    n_free_blocks: int  # cached in memory, referenced by no conversation
+    hot_agents: int
+    hot_conversations: int
+    n_spilled: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ load_fast_blas()
 
 import mlx.core as mx  # noqa: E402
 
-from app.cache.blocks import KV_FORMATS  # noqa: E402
+from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.engine.fidelity import copy_cache, natural_texts, prefill, roundtrip, teacher_forced  # noqa: E402
 from app.engine.model import load_model  # noqa: E402

@@ -34,7 +34,8 @@ load_fast_blas("")
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from app.cache.blocks import KV_FORMATS, KVBlock, to_working_cache  # noqa: E402
+from app.cache.blocks import KVBlock, to_working_cache  # noqa: E402
+from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.cache.manager import CacheManager  # noqa: E402
 from app.cache.records import CacheRecord  # noqa: E402
 from app.store.db import make_engine, make_session_factory, upgrade  # noqa: E402

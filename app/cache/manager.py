@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KVBlock, KVFormat, cache_nbytes, copy_prefix,
-                              join_blocks, overwrite_with_stored, quantize_span, requantize_start, slice_block,
-                              to_working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, KVBlock, cache_nbytes, copy_prefix, join_blocks, overwrite_with_stored,
+                              quantize_span, requantize_start, slice_block, to_working_cache)
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
+from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation,
                              quarantine_if_damaged)
 from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
@@ -39,7 +39,7 @@ from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
 from app.store.history import utcnow
-from app.types import ForkPoint, Prompt, ReuseReport
+from app.types import CacheStats, ForkPoint, Prompt, ReuseReport
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -82,18 +82,6 @@ class Lease:
     @property
     def n_reused(self) -> int:
         return self.record.n_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    enabled: bool
-    pool_bytes: int
-    budget_bytes: int
-    n_blocks: int
-    n_free_blocks: int  # cached in memory, referenced by no conversation
-    hot_agents: int
-    hot_conversations: int
-    n_spilled: int
 
 
 @dataclass(frozen=True)

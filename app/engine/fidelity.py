@@ -21,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from app.cache.blocks import KVFormat, quantize_span, to_working_cache
+from app.cache.blocks import quantize_span, to_working_cache
 from app.cache.checkpoints import CacheLayout, capture
+from app.cache.formats import KVFormat
 from app.engine.batch import prefill as feed
 
 TEXTS_DIR = Path(__file__).with_name("texts")

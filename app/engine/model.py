@@ -19,42 +19,19 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
-from app.cache.blocks import KV_FORMATS, KVFormat, to_working_cache
+from app.cache.blocks import to_working_cache
 from app.cache.checkpoints import CacheLayout, unsupported_caches
+from app.cache.formats import KV_FORMATS, KVFormat
 from app.engine import attention, calibration, cores
 from app.engine.backend import device_kind
-from app.engine.calibration import Calibration, Measured
 from app.engine.cores import CoreSplit
+from app.engine.kv_choice import CALIBRATION_VERSION, KVChoice
 from app.engine.token_text import TokenBytes
 from app.engine.tool_syntax import tool_syntax
 from app.errors import InvalidModelFile
 from app.types import ToolSyntax
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KVChoice:
-    """The stored KV format a model uses, and why: ``chosen_by`` "calibration" (the
-    ``auto`` format: ``calibration`` holds what it measured), "setting" (``kv_format``
-    or the model's entry in ``kv_formats``), or "pending" (``auto`` for a model not
-    calibrated yet: it is, when it loads)."""
-
-    format: KVFormat
-    chosen_by: str
-    calibration: Calibration | None = None
-
-    @property
-    def measured(self) -> Measured | None:
-        """The format's calibration scores, if it was measured."""
-        return self.calibration.measured.get(self.format.name) if self.calibration else None
-
-    def describe(self) -> str:
-        if self.chosen_by == "pending":
-            return "auto (calibrated when the model first loads)"
-        how = "auto" if self.chosen_by == "calibration" else "set"
-        measured = self.measured
-        return f"{self.format.name} ({how}: {measured.describe() if measured else f'{self.format.bytes_vs_fp16:.1%} of FP16'})"
 
 
 @dataclass(frozen=True)
@@ -187,7 +164,7 @@ def _compute_dtype(requested: str) -> Any:
 
 def calibration_key(path: Path) -> str:
     """What a model's KV calibration is valid for: its weights, tokenizer and template, and the calibration version."""
-    return model_fingerprint(path, f"kv-calibration-v{calibration.CALIBRATION_VERSION}")
+    return model_fingerprint(path, f"kv-calibration-v{CALIBRATION_VERSION}")
 
 
 def _head_dim(path: Path) -> int:

@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
-from app.cache.manager import CacheManager, CacheStats
+from app.cache.manager import CacheManager
 from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
 from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
@@ -47,7 +47,7 @@ from app.engine.sequence import Sequence
 from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
 from app.engine.surface import EngineCounters
 from app.errors import EngineUnavailable
-from app.types import GenerationRequest, Started
+from app.types import CacheStats, GenerationRequest, Started
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
+from app.engine.kv_choice import KVChoice
 from app.engine.timing import PrefillProgress
-from app.types import ChatMessage, ForkPoint, GenerationEvent, GenerationRequest, Prompt, ToolSyntax
+from app.types import CacheStats, ChatMessage, ForkPoint, GenerationEvent, GenerationRequest, Prompt, ToolSyntax
 
 if TYPE_CHECKING:
-    from app.cache.manager import CacheStats
     from app.catalog.registry import Catalog
-    from app.engine.model import KVChoice
 
 __all__ = ["EngineCounters", "EngineStatus", "EngineSurface", "GenerationJob", "KVChoice", "ModelInfo"]
 

@@ -18,15 +18,17 @@ import pytest
 from app import status
 from app.agents.service import AgentService
 from app.api.routes import Deps
+from app.cache.formats import KV_FORMATS
 from app.catalog.registry import Catalog
-from app.engine.timing import PrefillProgress
+from app.engine.kv_choice import Calibration, KVChoice, Measured
 from app.engine.surface import EngineCounters, EngineStatus, EngineSurface, GenerationJob, ModelInfo
+from app.engine.timing import PrefillProgress
 from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, Overloaded
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import (ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started, TextDelta,
-                       TokenLogprob)
+from app.types import (CacheStats, ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started,
+                       TextDelta, TokenLogprob)
 from support.dbcheck import query
 
 CONTEXT = 64
@@ -61,7 +63,8 @@ def fake_logprobs(tokens: tuple[str, ...], n_top: int) -> tuple[TokenLogprob, ..
 
 
 class FakeEngine:
-    """The Engine's surface, with words for tokens."""
+    """The Engine's surface, with words for tokens; it imports no MLX, nor does anything the
+    API reaches through it (the surface's values included: tests/unit/test_api_tier_without_mlx.py)."""
 
     def __init__(self, path: Path) -> None:
         self.model = ModelInfo("fake", path, "fp-fake", CONTEXT)
@@ -124,11 +127,6 @@ class FakeEngine:
         return True  # no cache to copy
 
     def status(self) -> EngineStatus:
-        from app.cache.blocks import KV_FORMATS
-        from app.cache.manager import CacheStats
-        from app.engine.calibration import Calibration, Measured
-        from app.engine.model import KVChoice
-
         calibration = Calibration("key", "k6v4", {"k6v4": Measured(0.986, 0.0033, 0.0011, 0.34375)}, 36.5)
         kv = None if self.loading else KVChoice(KV_FORMATS["k6v4"], "calibration", calibration)
         return EngineStatus(healthy=not self.loading, loading=self.loading, model="fake", backend="none",
@@ -138,7 +136,10 @@ class FakeEngine:
 
 
 def test_the_fake_engine_and_the_engine_have_the_surface_the_api_sees(tmp_path: Path) -> None:
-    """Both implement ``EngineSurface``: every member, methods with the parameters it declares."""
+    """Both implement ``EngineSurface``: every member, methods with the parameters it declares.
+    (The one test here that imports the real engine, and so MLX: skipped where MLX is not,
+    tests/unit/test_api_tier_without_mlx.py.)"""
+    pytest.importorskip("mlx.core", reason="the real Engine imports MLX")
     from app.engine.engine import Engine
 
     fake = FakeEngine(tmp_path)

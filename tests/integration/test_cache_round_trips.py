@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.cache.blocks import (BLOCK_TOKENS, DEFAULT_KV_FORMAT, KV_FORMATS, KVBlock, KVFormat, join_blocks, quantize_span,
-                              slice_block, to_working_cache)
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, join_blocks, quantize_span, slice_block, to_working_cache
+from app.cache.formats import DEFAULT_KV_FORMAT, KV_FORMATS, KVFormat
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade

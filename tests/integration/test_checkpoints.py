@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from app.cache import checkpoints
-from app.cache.blocks import KV_FORMATS
+from app.cache.formats import KV_FORMATS
 from app.cache.checkpoints import CacheLayout
 from app.cache.records import CacheRecord
 from support.families import HYBRID, build

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from app.cache.blocks import KV_FORMATS, rotation_is_exact
+from app.cache.formats import KV_FORMATS, rotation_is_exact
 from app.engine.model import kv_choice, load_model
 from app.errors import InvalidModelFile
 from app.types import ChatMessage, SamplingParams

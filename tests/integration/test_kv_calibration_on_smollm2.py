@@ -8,7 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from app.engine.calibration import GOAL, RECORD_NAME, read_record
+from app.engine.calibration import RECORD_NAME, read_record
+from app.engine.kv_choice import GOAL
 from app.engine.model import calibration_key, load_model, load_spec, model_fingerprint
 
 

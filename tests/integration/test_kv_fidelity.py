@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cache.blocks import KV_FORMATS
+from app.cache.formats import KV_FORMATS
 from app.engine.fidelity import natural_texts, teacher_forced
 from app.engine.model import load_model
 

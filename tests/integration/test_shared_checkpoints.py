@@ -19,9 +19,10 @@ import pytest
 from sqlalchemy import delete, update
 
 from app.cache import checkpoints, upkeep
-from app.cache.blocks import BLOCK_TOKENS, KV_FORMATS
+from app.cache.blocks import BLOCK_TOKENS
 from app.cache.checkpoints import CacheLayout, CheckpointPlan
 from app.cache.files import CHECKSUM_KEY, QUARANTINE, SHARED_CHECKPOINT_SUFFIX, read, read_metadata, write
+from app.cache.formats import KV_FORMATS
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory
 from app.store.history import utcnow

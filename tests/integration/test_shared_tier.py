@@ -337,7 +337,7 @@ def test_a_hybrid_conversation_moves_through_the_tier_with_its_checkpoints(tmp_p
     recurrent-state checkpoints) is restored on another from the tier alone, and the next
     turn's logits there are the first server's, bit for bit (f32)."""
     from app.cache import checkpoints
-    from app.cache.blocks import KV_FORMATS
+    from app.cache.formats import KV_FORMATS
     from app.cache.checkpoints import CacheLayout
     from support.families import HYBRID
     from support.families import build as build_family

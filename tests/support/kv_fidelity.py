@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from app.cache.blocks import KV_FORMATS
+from app.cache.formats import KV_FORMATS
 from app.engine.fidelity import copy_cache, natural_texts, prefill, roundtrip
 
 

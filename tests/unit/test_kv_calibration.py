@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from app.cache.blocks import KV_FORMATS, KVFormat
-from app.engine.calibration import (CALIBRATION_VERSION, GOAL, LOSSLESS, RECORD_NAME, Calibration, Goal, Measured,
-                                    by_size, choose, read_record, search, write_record)
+from app.cache.formats import KV_FORMATS, KVFormat
+from app.engine.calibration import LOSSLESS, RECORD_NAME, by_size, choose, read_record, search, write_record
+from app.engine.kv_choice import CALIBRATION_VERSION, GOAL, Calibration, Goal, Measured
 
 
 def m(top1: float, ppl: float, kl: float, size: float) -> Measured:
