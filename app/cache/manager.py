@@ -515,16 +515,18 @@ class CacheManager:
                 self._spill(conversation, "its hot TTL passed")
         return due
 
-    def forget_agent(self, agent_id: str) -> None:
+    def forget_agent(self, agent_id: str) -> Callable[[float | None], bool]:
         """Delete every conversation cache of this agent: memory, files, rows (blocks other
-        conversations still reference stay: they are theirs too)."""
+        conversations still reference stay: they are theirs too). The files and rows go on the
+        writer thread: returns the wait for them (``flush``), to call off the engine thread,
+        which this must never hold while a disk works."""
         stored = {c for c, _ in self._index.agent_caches(agent_id)}
         known = set(self._conversations.pop(agent_id, {}))
         hot = {c.conversation_id for c in self._hot.values() if c.agent_id == agent_id}
         for conversation_id in stored | known | hot:
             self._drop(conversation_id)
-        self._persister.flush(60)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
+        return self._persister.flush
 
     def fork(self, source: str, agent_id: str, conversation_id: str,
              point: ForkPoint | None = None) -> threading.Event:

@@ -8,6 +8,7 @@ published.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +30,8 @@ from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
 from app.errors import EngineUnavailable, MemoryExhausted
 from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +252,12 @@ class Engine:
         return {c: n for conversations in self._runner.snapshot.hot.values() for c, n in conversations.items()}
 
     def forget_agent(self, agent_id: str) -> None:
-        """Delete the agent's caches: memory, files and index rows (engine thread)."""
-        self._runner.call(lambda caches: caches.forget_agent(agent_id))
+        """Delete the agent's caches: memory, files and index rows. The engine thread drops them
+        and queues the deletions; this thread waits for the disk (up to 60 s), not the engine's."""
+        deleted = self._runner.call(lambda caches: caches.forget_agent(agent_id))
+        if not deleted(60):
+            log.warning("agent %s: its cache files were not all deleted within 60 s; they go when the disk "
+                        "catches up", agent_id)
 
     def fork_cache(self, source: str, agent_id: str, conversation_id: str, point: ForkPoint | None = None,
                    timeout_s: float = 60) -> bool:

@@ -112,7 +112,7 @@ def test_shared_checkpoints_come_back_from_disk_and_go_with_their_blocks(family:
     assert turn(reloaded, model, "a", "a-2", second[:SYSTEM] + more) == (3 * BLOCK_TOKENS, "sibling")
     assert reloaded.flush(30)
     assert len(state_files(tmp_path)) == 3
-    reloaded.forget_agent("a")  # b's conversation was never committed: the blocks go, and their states
+    assert reloaded.forget_agent("a")(60)  # b's conversation was never committed: the blocks go, and their states
     assert reloaded.flush(30)
     assert state_files(tmp_path) == []
     reloaded.close()

@@ -296,7 +296,7 @@ def test_a_block_the_tier_lost_is_a_miss_that_deletes_neither_the_row_nor_the_wr
     a.close()
 
     b = server(tmp_path, "b", n_layers, tier)
-    b.forget_agent("a")  # the pool's rows go; b deletes its own copies, never a's paths
+    assert b.forget_agent("a")(60)  # the pool's rows go; b deletes its own copies, never a's paths
     b.close()
     assert query(tmp_path / "pool.db", "SELECT count(*) FROM caches") == [(0,)]
     assert all(path.exists() for path in written)
