@@ -132,6 +132,9 @@ class Hosts:
             except RuntimeError:
                 pass
             _ip("netns", "del", namespace, check=False)
+            # The namespace itself may outlive its name a while (sockets of a cut link still
+            # closing): its veth pair goes now, from this end.
+            _ip("link", "del", self._veth(name), check=False)
         self._made.clear()
         if self._bridge_made:
             _ip("link", "del", self.bridge, check=False)  # its veth ends went with their namespaces
