@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -362,17 +363,35 @@ def cmd_pool_down(settings: Settings, _args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pool_join(settings: Settings, _args: argparse.Namespace) -> int:
-    from app.pool.supervisor import pool_join
+def cmd_pool_join(settings: Settings, args: argparse.Namespace) -> int:
+    from app.pool.supervisor import pool_join, pool_join_router
 
+    if args.router:
+        if not args.address:
+            raise ConfigError("pool join --router: --address HOST:PORT (how the router reaches this server)")
+        if args.id:
+            settings = dataclasses.replace(settings, server_id=args.id)
+        entry = pool_join_router(settings, args.router, args.address)
+        print(f"server {entry.id} joined the router at {args.router} as {entry.url}: it takes new agents; "
+              "placed ones stay")
+        return 0
+    if args.address or args.id:
+        raise ConfigError("pool join: --address and --id go with --router (a pool over several machines)")
     entry = pool_join(settings)
     print(f"server {entry.id} joined on {entry.url} (pid {entry.pid}): it takes new agents; placed ones stay")
     return 0
 
 
 def cmd_pool_drain(settings: Settings, args: argparse.Namespace) -> int:
-    from app.pool.supervisor import pool_drain
+    from app.pool.supervisor import pool_drain, pool_drain_router
 
+    if args.router:
+        if pool_drain_router(settings, args.server_id, args.router):
+            print(f"server {args.server_id} drained: its caches are in the shared tier, its agents released")
+        else:
+            print(f"server {args.server_id} gets no new request from the router at {args.router}; "
+                  "stop it on its host (SIGTERM: its caches are flushed, its agents released)")
+        return 0
     pool_drain(settings, args.server_id)
     print(f"server {args.server_id} drained: its caches are in the shared tier, its agents released")
     return 0
@@ -476,12 +495,26 @@ def build_parser() -> argparse.ArgumentParser:
     pool_status.add_argument("--json", action="store_true", help="as JSON")
     pool_status.set_defaults(handler=cmd_pool_status)
     pool_commands.add_parser("down", help="stop the running pool").set_defaults(handler=cmd_pool_down)
-    pool_commands.add_parser("join", help="start one more server and add it to the running router",
-                             epilog="example: semantic pool join").set_defaults(handler=cmd_pool_join)
+    join = pool_commands.add_parser(
+        "join", help="start one more server and add it to the running router",
+        epilog="examples: semantic pool join   (a pool that `pool up` runs here)\n"
+               "  semantic pool join --router 10.0.0.3:9999 --address 10.0.0.7:8000 --id s3   (from another host)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    join.add_argument("--router", metavar="HOST:PORT",
+                      help="the router's runtime API over TCP (router-config --admin-socket HOST:PORT): "
+                           "join from this host")
+    join.add_argument("--address", metavar="HOST:PORT",
+                      help="with --router: how the router reaches this server; one is started on that port "
+                           "(serve --host 0.0.0.0) unless one answers there")
+    join.add_argument("--id", help="with --router: the server id of the server started (default: server_id)")
+    join.set_defaults(handler=cmd_pool_join)
     drain = pool_commands.add_parser(
         "drain", help="take a server out: no new work, its caches flushed to the shared tier, its agents released",
         epilog="example: semantic pool drain s1")
     drain.add_argument("server_id", metavar="ID", help="the server's id (semantic pool status)")
+    drain.add_argument("--router", metavar="HOST:PORT",
+                       help="the router's runtime API over TCP (a pool over several machines): the server gets "
+                            "no new request, and is stopped if `pool join --router` started it from this home")
     drain.set_defaults(handler=cmd_pool_drain)
     router = pool_commands.add_parser(
         "router-config", help="print the HAProxy configuration for servers on other machines",
@@ -492,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, help="the router's port (default: the port setting, 8000)")
     router.add_argument("--bind", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
     router.add_argument("--admin-socket", default="/run/haproxy/semantic-admin.sock",
-                        help="HAProxy's runtime API socket")
+                        help="HAProxy's runtime API socket: a path, or HOST:PORT over TCP (no authentication: "
+                             "bind it to the router host's private address; `pool join --router` uses it)")
     router.add_argument("--routing", default="affinity", choices=["affinity", "round-robin"])
     router.set_defaults(handler=cmd_pool_router_config)
 

@@ -16,6 +16,11 @@ A request with no agent key has no entry in the table: it goes to the least busy
 Servers join and leave a running router through HAProxy's runtime API (``RuntimeAPI``):
 a joining server takes new agents only, no agent already placed moves; a server put in
 maintenance (drained) is skipped, and its agents' entries move to where they land next.
+The runtime API is a unix socket on the router's machine (``pool up``), or a TCP address
+(``ADDR:PORT``) for a pool over several machines, where servers join from their own host.
+HAProxy asks nothing of who connects to it: whoever reaches that address commands the
+router (adds a server of theirs, takes servers out), so it is bound to the router host's
+private address and is a trust boundary (docs/pool.md).
 """
 
 from __future__ import annotations
@@ -54,11 +59,29 @@ ROUTINGS = ("affinity", "round-robin")
 SERVER_OPTIONS = "check inter 500ms fall 1 rise 2 observe layer4 error-limit 1 on-error mark-down"
 
 
+def tcp_address(admin: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a runtime API given as ``HOST:PORT``; None for a unix socket's path."""
+    host, colon, port = admin.rpartition(":")
+    if admin.startswith("/") or not colon or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def stats_socket(admin: str) -> str:
+    """The ``stats socket`` line of the runtime API: a unix socket only its owner opens, or a TCP
+    address (``HOST:PORT``; no authentication: whoever reaches it commands the router)."""
+    address = tcp_address(admin)
+    if address is None:
+        return f'stats socket "{admin}" mode 600 level admin'
+    family = "ipv6" if ":" in address[0] else "ipv4"
+    return f"stats socket {family}@{address[0]}:{address[1]} level admin"
+
+
 def render_config(port: int, backends: list[Backend], admin_socket: str, host: str = "127.0.0.1",
                   routing: str = "affinity") -> str:
-    """HAProxy's configuration for a pool listening on ``host:port``. ``routing``
-    "round-robin" ignores the agent (what a generic load balancer does: the baseline
-    of benchmarks/pool.py)."""
+    """HAProxy's configuration for a pool listening on ``host:port``, its runtime API on
+    ``admin_socket`` (a path, or ``HOST:PORT`` over TCP). ``routing`` "round-robin" ignores
+    the agent (what a generic load balancer does: the baseline of benchmarks/pool.py)."""
     keys = ["    http-request set-var(txn.key) req.body,json_query('$.session_id') if { req.body_size lt 16000 }",
             "    http-request set-var(txn.key) req.body,json_query('$.metadata.user_id') if { req.body_size lt 16000 }",
             "    http-request set-var(txn.key) path,field(4,/) if { path_beg /v1/agents/ }"]
@@ -74,7 +97,7 @@ def render_config(port: int, backends: list[Backend], admin_socket: str, host: s
               f"    stick store-response res.hdr({REPLY_ID_HEADER}) if {{ res.hdr({REPLY_ID_HEADER}) -m beg resp_ }}")
     return f"""# Written by `semantic pool up`; rewritten at each start.
 global
-    stats socket "{admin_socket}" mode 600 level admin
+    {stats_socket(admin_socket)}
     tune.bufsize 32768
     log stdout format raw local0 info
 defaults
@@ -106,7 +129,8 @@ backend servers
 
 
 class RuntimeAPI:
-    """HAProxy's runtime API on its admin socket: servers join and leave a running router."""
+    """HAProxy's runtime API on its admin socket (a path, or ``HOST:PORT`` over TCP): servers
+    join and leave a running router."""
 
     def __init__(self, admin_socket: str, backend: str = "servers") -> None:
         self._path = admin_socket
@@ -119,9 +143,11 @@ class RuntimeAPI:
             ConfigError: the router cannot be reached, or it refused the command.
         """
         try:
-            with socket.socket(socket.AF_UNIX) as connection:
+            address = tcp_address(self._path)
+            family = socket.AF_UNIX if address is None else socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+            with socket.socket(family) as connection:
                 connection.settimeout(10)
-                connection.connect(self._path)
+                connection.connect(self._path if address is None else address)
                 connection.sendall(line.encode() + b"\n")
                 answer = b"".join(iter(lambda: connection.recv(65536), b"")).decode(errors="replace").strip()
         except OSError as exc:

@@ -2,7 +2,9 @@
 
 ``initdb`` refuses to run as root, so as root the cluster belongs to the ``postgres``
 user (Debian's packages create it) and its commands run through ``runuser``. The
-cluster listens on loopback only and on a unix socket in its own directory, and asks
+cluster listens on loopback (or on the one address it is given: a database host of a pool
+over several machines, reached from the hosts of its own subnets) and on a unix socket in
+its own directory, and asks
 every connection, local users' too, for the superuser's password (scram-sha-256); a
 cluster made before pools had secrets (``trust``) is closed the same way at its next start.
 """
@@ -76,12 +78,15 @@ def _scram(line: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LocalPostgres:
-    """A cluster in ``root`` (``root/data``, its log and socket beside it) on ``port``; ``password``
-    is the superuser's, set when the cluster is made (a pool keeps it: ``app.pool.secrets``)."""
+    """A cluster in ``root`` (``root/data``, its log and socket beside it) on ``host:port``; ``password``
+    is the superuser's, set when the cluster is made (a pool keeps it: ``app.pool.secrets``).
+    A ``host`` other than loopback also lets in, with the password, the hosts of the subnets
+    that address is on (pg_hba.conf's ``samenet``)."""
 
     root: Path
     port: int
     password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    host: str = "127.0.0.1"
 
     @property
     def data(self) -> Path:
@@ -92,7 +97,7 @@ class LocalPostgres:
         return self.root / "postgres.log"
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg://{SUPERUSER}:{self.password}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+psycopg://{SUPERUSER}:{self.password}@{self.host}:{self.port}/{database}"
 
     def _run(self, *args: str) -> None:
         as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
@@ -110,13 +115,23 @@ class LocalPostgres:
         bindir = _bindir()
         if not (self.data / "PG_VERSION").exists():
             self._initdb(bindir, durable)
-        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root}"
+        if self.host != "127.0.0.1":
+            self._admit_samenet()
+        options = f"-c listen_addresses={self.host} -p {self.port} -k {self.root}"
         if not durable:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(str(bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log_path), "-w",
                   "-o", options, "start")
         if _trusting(self.data / "pg_hba.conf"):
             self._close_trust(bindir)
+
+    def _admit_samenet(self) -> None:
+        """The hosts of this address's subnets may connect over TCP, with the password."""
+        hba = self.data / "pg_hba.conf"
+        line = "host    all             all             samenet                 scram-sha-256\n"
+        if line not in hba.read_text():
+            with hba.open("a") as out:
+                out.write(line)
 
     def _close_trust(self, bindir: Path) -> None:
         """A cluster made before pools had secrets (``initdb -A trust``: every local user got
@@ -159,7 +174,7 @@ class LocalPostgres:
         """A new, empty database; returns its URL."""
         import psycopg
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=SUPERUSER, password=self.password,
+        with psycopg.connect(host=self.host, port=self.port, user=SUPERUSER, password=self.password,
                              dbname="postgres", autocommit=True) as connection:
             connection.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)

@@ -33,17 +33,19 @@ def weed_binary() -> str:
 
 @dataclass(frozen=True, slots=True)
 class LocalS3:
-    """``weed mini`` in ``root`` on ports ``base`` .. ``base + 9``, accepting only requests signed
-    with ``access_key``/``secret_key`` (random unless given: a pool keeps its own, ``app.pool.secrets``)."""
+    """``weed mini`` in ``root`` on ports ``base`` .. ``base + 9`` of ``ip`` (loopback unless given:
+    a storage host of a pool over several machines), accepting only requests signed with
+    ``access_key``/``secret_key`` (random unless given: a pool keeps its own, ``app.pool.secrets``)."""
 
     root: Path
     base: int
     access_key: str = field(default_factory=lambda: f"semantic-{secrets.token_hex(8)}")
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    ip: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.base}"
+        return f"http://{self.ip}:{self.base}"
 
     @property
     def block_store(self) -> str:
@@ -58,7 +60,7 @@ class LocalS3:
         ports = {"s3.port": b, "master.port": b + 1, "volume.port": b + 2, "filer.port": b + 3,
                  "admin.port": b + 4, "master.port.grpc": b + 5, "volume.port.grpc": b + 6,
                  "filer.port.grpc": b + 7, "admin.port.grpc": b + 8, "debug.port": b + 9}
-        return [weed_binary(), "mini", f"-dir={self.root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        return [weed_binary(), "mini", f"-dir={self.root}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
                 *(f"-{name}={port}" for name, port in ports.items()), "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", f"-bucket={BUCKET}"]
 

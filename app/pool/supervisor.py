@@ -265,6 +265,84 @@ def pool_join(settings: Settings) -> ServerEntry:
     return entry
 
 
+def _host_path(settings: Settings) -> Path:
+    """The servers ``pool join --router`` started from this home (for ``pool drain --router``)."""
+    return pool_dir(settings) / "host.json"
+
+
+def _host_servers(settings: Settings) -> list[ServerEntry]:
+    try:
+        return [ServerEntry(**s) for s in json.loads(_host_path(settings).read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _write_host_servers(settings: Settings, servers: list[ServerEntry]) -> None:
+    _host_path(settings).parent.mkdir(parents=True, exist_ok=True)
+    partial = _host_path(settings).with_suffix(".tmp")
+    partial.write_text(json.dumps([asdict(s) for s in servers], indent=2))
+    partial.replace(_host_path(settings))
+
+
+def _address(value: str, what: str) -> tuple[str, int]:
+    host, colon, port = value.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def pool_join_router(settings: Settings, router: str, address: str) -> ServerEntry:
+    """Join the pool whose router's runtime API is at ``router`` (``HOST:PORT``, over TCP) from
+    this machine: the server at ``address`` (how the router reaches it) is added to the router;
+    if none answers there, one is started first (``semantic serve --host 0.0.0.0`` on that
+    port, this home and environment: the pool's database, tier and keys, its ``server_id``),
+    and it runs on after ``join`` returns."""
+    host, port = _address(address, "--address")
+    url = f"http://{host}:{port}"
+    health = _healthy(url)
+    if health is None:
+        if not settings.database_url or not settings.block_store:
+            raise ConfigError("a server joining a pool needs the pool's database and shared tier: "
+                              "set SEMANTIC_DATABASE_URL and SEMANTIC_BLOCK_STORE (docs/pool.md)")
+        server_id = settings.effective_server_id
+        logs = settings.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"serve-{server_id}.log"
+        env = {**os.environ, "SEMANTIC_HOME": str(settings.home), "SEMANTIC_HOST": "0.0.0.0",
+               "SEMANTIC_PORT": str(port), "SEMANTIC_SERVER_ID": server_id, "SEMANTIC_WORKER": "0"}
+        process = _spawn([sys.executable, "-m", "app", "serve"], env, log_path)
+        print(f"server    {server_id} starting on 0.0.0.0:{port} (log {log_path})", flush=True)
+        try:
+            _wait_ready(url, process, f"server {server_id}", log_path)
+        except BaseException:
+            _stop([process])
+            raise
+        entry = ServerEntry(server_id, url, process.pid, str(settings.home))
+        _write_host_servers(settings, [*(s for s in _host_servers(settings) if s.id != server_id), entry])
+    elif health.get("status") != "ok":
+        raise ConfigError(f"the server at {url} is not ready ({health.get('status')})")
+    else:
+        entry = ServerEntry(str(health["server_id"]), url, 0, "")
+    RuntimeAPI(router).add_server(Backend(entry.id, host, port))
+    return entry
+
+
+def pool_drain_router(settings: Settings, server_id: str, router: str) -> bool:
+    """Take a server out of the router whose runtime API is at ``router`` (``HOST:PORT``): it gets
+    no new request; if ``pool join --router`` started it from this home, it is then stopped as
+    SIGTERM stops a server (flushed, its agents released). Returns whether it was stopped here
+    (else stopping it is its operator's: systemctl stop, or SIGTERM)."""
+    RuntimeAPI(router).set_state(server_id, "maint")
+    mine = [s for s in _host_servers(settings) if s.id == server_id and _alive(s.pid)]
+    if not mine:
+        return False
+    _stop_pids([s.pid for s in mine])
+    if any(_alive(s.pid) for s in mine):
+        raise ConfigError(f"server {server_id} did not stop within {STOP_TIMEOUT_S:.0f} s")
+    _write_host_servers(settings, [s for s in _host_servers(settings) if s.id != server_id])
+    return True
+
+
 def pool_drain(settings: Settings, server_id: str) -> None:
     """Take a server out: the router sends it nothing new (its agents go elsewhere at their
     next turn), then it stops as SIGTERM stops a server: the requests it runs finish, its

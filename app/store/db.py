@@ -67,8 +67,13 @@ def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any)
     url = database_url(url)
     if is_postgres_url(url):
         timeout_ms = int(busy_timeout_s * 1000)
+        # A database cut off by the network (a partition: its packets dropped, no reset) fails a
+        # query on an open connection after ``busy_timeout_s`` as it fails a new one: without
+        # tcp_user_timeout the kernel retransmits for ~15 minutes, and every request (health
+        # checks too) waits that long instead of answering 503 (tests/e2e/test_pool_hosts.py).
         return create_engine(url, pool_pre_ping=True, connect_args={
-            "connect_timeout": max(1, round(busy_timeout_s)),
+            "connect_timeout": max(1, round(busy_timeout_s)), "tcp_user_timeout": timeout_ms,
+            "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 5, "keepalives_count": 3,
             "options": f"-c lock_timeout={timeout_ms} -c idle_in_transaction_session_timeout=600000"},
             **kwargs)
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
