@@ -28,14 +28,23 @@ def body(session: str, stream: bool, content: str = LONG, max_tokens: int = 8) -
 
 
 def leave_after(server: ServerProcess, session: str, stream: bool, seconds: float) -> None:
-    """Send a request and hang up after ``seconds`` (no response by then)."""
-    with pytest.raises(httpx.ReadTimeout):
-        with httpx.Client(timeout=httpx.Timeout(seconds, connect=5)) as client:
-            response = client.post(f"{server.url}/v1/messages", json=body(session, stream),
-                                   headers={"x-session-id": session})
-            if stream:  # the headers may come first (message_start): read until the timeout
-                for _ in response.iter_bytes():
-                    pass
+    """Send a request and hang up after ``seconds``, before its answer: a stream's first
+    events (message_start, pings, the prefill's progress comments) may come by then, no text."""
+    with httpx.Client(timeout=httpx.Timeout(seconds, connect=5)) as client:
+        if not stream:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(f"{server.url}/v1/messages", json=body(session, stream), headers={"x-session-id": session})
+            return
+        deadline = time.monotonic() + seconds
+        with client.stream("POST", f"{server.url}/v1/messages", json=body(session, stream),
+                           headers={"x-session-id": session}) as response:
+            try:
+                for line in response.iter_lines():
+                    assert "text_delta" not in line, "the answer began: the prefill was not long enough"
+                    if time.monotonic() >= deadline:
+                        break  # hang up
+            except httpx.ReadTimeout:
+                pass
 
 
 def rows(server: ServerProcess, session: str) -> list[tuple]:

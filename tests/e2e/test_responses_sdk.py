@@ -108,7 +108,7 @@ def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, server: S
     cases = [({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input.0.type"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
               "input.0.content.0"),
-             ({"input": QUESTION, "text": {"format": {"type": "json_object"}}}, "text.format.type"),
+             ({"input": QUESTION, "top_logprobs": 3}, "top_logprobs"),
              ({"input": QUESTION, "background": True}, "background"),
              ({"input": QUESTION, "tools": WEATHER, "tool_choice": {"type": "function", "name": "nope"}},
               "tool_choice.name"),
