@@ -106,7 +106,10 @@ def test_checkpoints_are_lossless_on_disk_and_a_damaged_one_is_a_miss(family: st
     data[-8] ^= 0xFF
     record.write_bytes(bytes(data))
     again = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
-    # (The shared checkpoint after its first block, a file of its own, still serves that block.)
+    # Nothing of the damaged record is used. The shared checkpoint after its first block, a
+    # file of its own, may still serve that block, or be gone already: the discarded
+    # conversation left its blocks unreferenced, and the writer thread drops them (a race
+    # the test does not pin; CI saw both).
     lease = again.lease("a", "a-c", as_prompt(tokens + [5]))
-    assert (lease.n_reused, lease.report.reason) == (256, "shared")
+    assert (lease.n_reused, lease.report.reason) in ((256, "shared"), (0, "miss")), lease.report
     again.close()
