@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator
 
-from app.agents.identity import AgentKey, openai_agent
+from app.api.chat import OPENAI
 from app.api.generation import Dialect
 from app.api.sse import frame, keep_alive
 from app.protocol import completions, openai
 from app.protocol.turn import ParsedTurn
 from app.types import GenerationEvent, Heartbeat
-
-
-def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | None:
-    return openai_agent(headers, parsed.session_id)
 
 
 def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
@@ -23,7 +19,7 @@ def _stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationE
 
 COMPLETIONS = Dialect(
     parse=completions.parse_request,
-    named_agent=_named_agent,
+    named_agent=OPENAI.named_agent,  # the chat API's identity rule (session_id, X-Session-ID)
     new_id=completions.new_completion_id,
     render_message=completions.render_message,
     reply_messages=lambda message_id, parsed, text: [{"role": "assistant", "content": text}],

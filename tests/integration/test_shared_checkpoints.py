@@ -70,9 +70,10 @@ def setup(family: str, tmp_path: Path) -> tuple[Any, CacheLayout, Any, list[int]
     return model, layout, caches, first, second
 
 
-def resume(caches: Any, model: Any, layout: CacheLayout, tokens: list[int], expect: int) -> None:
+def resume(caches: Any, model: Any, layout: CacheLayout, tokens: list[int], expect: int) -> int:
     """Agent b's new conversation reuses ``expect`` tokens of the shared start, and its
-    logits are a cold prefill's; without the checkpoint's state they are not."""
+    logits are a cold prefill's; without the checkpoint's state they are not. Returns the
+    tokens its lease reused."""
     lease = caches.lease("b", "b-1", as_prompt(tokens))
     assert (lease.n_reused, lease.report.reason) == (expect, "shared")
     assert lease.plan is not None and [p.n_tokens for p in lease.plan.taken] == [expect]
@@ -84,6 +85,7 @@ def resume(caches: Any, model: Any, layout: CacheLayout, tokens: list[int], expe
     emptied = layout.assemble(layout.attention(start), None)  # the same KV, no recurrent state
     without_state = prefill(model, emptied, tokens[expect:], expect, None)
     assert not mx.allclose(without_state, reference, atol=1e-4)  # the state matters: this test can fail
+    return lease.n_reused
 
 
 def state_files(tmp_path: Path) -> list[Path]:
@@ -93,7 +95,7 @@ def state_files(tmp_path: Path) -> list[Path]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_another_agent_resumes_a_shared_system_prompt_at_its_last_whole_block(family: str, tmp_path: Path) -> None:
     model, layout, caches, _, second = setup(family, tmp_path)
-    resume(caches, model, layout, second, 3 * BLOCK_TOKENS)
+    assert resume(caches, model, layout, second, 3 * BLOCK_TOKENS) == 3 * BLOCK_TOKENS
     caches.close()
 
 
