@@ -123,8 +123,8 @@ def test_a_tier_that_is_down_or_lies_costs_a_miss(tmp_path: Path, s3_url: str) -
 
 def test_a_record_rewritten_in_the_tier_with_its_checksum_recomputed_is_refused(tmp_path: Path, s3_url: str) -> None:
     """The record (tokens, text, the tail's KV) is checked against the index's checksum, as
-    blocks are: a record object rewritten whole, its own checksum recomputed, is not used
-    (the conversation's full blocks, which verify, still are)."""
+    blocks are: a record object rewritten whole, its own checksum recomputed, is not used,
+    and the damaged cache is forgotten."""
     n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=5)
 
     (record_path, stored), = query(tmp_path / "pool.db", "SELECT record_path, record_checksum FROM caches")
@@ -138,7 +138,12 @@ def test_a_record_rewritten_in_the_tier_with_its_checksum_recomputed_is_refused(
 
     b = server(tmp_path, "b", n_layers, tier)  # restores from the tier: nothing of a's on its disk
     lease = b.lease("a", "c", as_prompt(tokens))
-    assert lease.report.reason == "shared" and lease.n_reused <= 512  # the blocks verify; the record is not used
+    # Nothing of the record is used. The conversation's full blocks, which verify, may still
+    # serve as a shared prefix, or be gone already: the discarded cache left them unreferenced
+    # and the writer thread drops them (a race the test does not pin; CI saw both).
+    assert (lease.report.reason, lease.n_reused <= 512) in (("shared", True), ("miss", True)), lease.report
+    assert b.flush(30)
+    assert query(tmp_path / "pool.db", "SELECT count(*) FROM caches") == [(0,)]  # the damaged cache is forgotten
     b.close()
 
 
