@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -124,13 +125,23 @@ class Runner(threading.Thread):
         return job
 
     def call(self, fn: Callable[[CacheManager], Any], timeout_s: float = 120) -> Any:
-        """Run ``fn(cache_manager)`` on the engine thread and return its result."""
+        """Run ``fn(cache_manager)`` on the engine thread and return its result.
+
+        Raises:
+            EngineUnavailable: the engine is not running, or did not take the call within
+                ``timeout_s`` (then it never runs: the call is cancelled).
+        """
         if not self.is_alive():
             raise EngineUnavailable("the engine is not running")
         call = Call(fn)
         self._calls.put(call)
         self._wake.set()
-        return call.result.result(timeout_s)
+        try:
+            return call.result.result(timeout_s)
+        except FutureTimeout:
+            if call.result.cancel():
+                raise EngineUnavailable(f"the engine did not take the call within {timeout_s:g} s") from None
+            return call.result.result()  # it is running: its result is moments away
 
     def stop(self) -> None:
         """Finish what is admitted and queued, then stop."""
@@ -258,6 +269,8 @@ class Runner(threading.Thread):
                 return
             if call is None:
                 self._stopping = True
+                continue
+            if not call.result.set_running_or_notify_cancel():  # its caller gave up waiting
                 continue
             try:
                 result = call.fn(self.caches)
