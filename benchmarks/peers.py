@@ -361,17 +361,20 @@ def plot(name: str, conversation: dict, servers: dict[str, dict], directory: Pat
     labels = conversation["labels"]
     fig, (turns_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     for key, result in servers.items():
-        turns_ax.plot(range(len(labels)), [t["ttft_s"] for t in result["turns"]], "o-", label=NAMES[key])
+        first = turns_ax.plot(range(len(labels)), [t["ttft_s"] for t in result["turns"]], "o-",
+                              label=f"{NAMES[key]}, first token")
+        turns_ax.plot(range(len(labels)), [t["total_s"] for t in result["turns"]], "x--", color=first[0].get_color(),
+                      alpha=0.6, label=f"{NAMES[key]}, whole turn")
     for i, label in enumerate(labels):
         if label.startswith("after"):
             turns_ax.axvline(i - 0.5, color="gray", linestyle=":")
     turns_ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
     turns_ax.set_yscale("log")
-    turns_ax.set_ylabel("time to first token (s)")
+    turns_ax.set_ylabel("seconds from the request")
     where = f"{Path(conversation['model']).name}, {conversation['device']}" if "model" in conversation \
         else "SmolLM2-135M, 2-core CPU"
     turns_ax.set_title(f"Agent conversation to {conversation['max_context']} tokens, {where}")
-    turns_ax.legend()
+    turns_ax.legend(fontsize=7)
     memory_ax.bar([NAMES[k] for k in servers], [r["peak_rss_mb"] for r in servers.values()])
     memory_ax.set_ylabel("peak RSS (MiB)")
     memory_ax.tick_params(axis="x", labelsize=8)
