@@ -14,7 +14,6 @@ from typing import Mapping
 
 from app.catalog import hf_cache
 from app.catalog.embedded import EMBEDDED, locate_gguf
-from app.catalog.gguf_import import import_gguf
 from app.errors import ConfigError, NotFound
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,8 @@ def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Pa
         raise NotFound(f"model {name!r} is not installed in {models_dir} and is not embedded")
     scratch = models_dir / ".scratch"
     scratch.mkdir(parents=True, exist_ok=True)
+    from app.catalog.gguf_import import import_gguf  # (here: gguf is slow to import, and only an import needs it)
+
     try:
         source = locate_gguf(model, scratch)
         log.info("importing embedded model %s from %s", name, source)
