@@ -118,6 +118,19 @@ class S3Tier:
             partial.unlink(missing_ok=True)
         return True
 
+    def holds(self, key: str) -> bool:
+        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
+        does not answer."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
     def listing(self) -> Iterator[tuple[str, datetime]]:
         """Every object under the prefix: (key below the prefix, when it was last written)."""
         pages = self._client.get_paginator("list_objects_v2").paginate(
