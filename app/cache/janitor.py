@@ -8,16 +8,17 @@ and the damaged files it quarantined; the janitor cleans those on its own host, 
 - quarantined files older than ``quarantine_retention_s`` are deleted (kept until then for
   inspection: ``files.quarantine`` dates them when it moves them);
 - cache files that no index row names, nor is a copy of one a row names
-  (``upkeep.orphan_files``), unused for the grace period, are deleted;
+  (``upkeep.orphan_files``), unused for the grace period, are deleted, each rechecked under
+  the store's write lock (``upkeep.delete_unreferenced``: a file a row came to name stays);
 - with a shared tier, while the cache files exceed ``budget_bytes``: the least recently used
-  copies (files no row names by this path: what this server fetched, not what it wrote)
-  that the tier holds (a HEAD each, just before) are deleted. A file the tier does not hold
-  is kept whatever the budget, and this server's own files are the worker's (expire, evict:
-  rows first). A conversation of this server that needs a deleted copy fetches it again.
+  files the tier holds (a HEAD each, just before), unused for the grace period, are
+  deleted: this host's disk is then a cache of the tier. A file the tier does not hold (not
+  uploaded yet, or lost) is kept whatever the budget. Whoever needs a deleted file gets it
+  again: a restore fetches it (``CacheFiles.local``), the persister writes a block again
+  when its file is gone (``CacheFiles.write_block``), the uploader skips a block that went
+  (the tier holds it).
 
-Every deletion is rechecked under the store's write lock (``upkeep.delete_unreferenced``):
-a file a row came to name meanwhile stays. Each sweep is recorded in ``job_runs`` as
-``janitor`` (the server's id in its result).
+Each sweep is recorded in ``job_runs`` as ``janitor`` (the server's id in its result).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from app.cache import files
 from app.cache.upkeep import GRACE_S, delete_unreferenced, orphan_files
-from app.store import cache_index
 from app.store.history import utcnow
 from app.store.jobs import record_run
 
@@ -52,12 +52,13 @@ class JanitorPolicy:
 
     interval_s: float
     quarantine_retention_s: float
-    budget_bytes: int  # the cache files this host keeps; beyond it, copies the tier holds go
-    grace_s: float = GRACE_S  # a file written or read this recently is never taken
+    budget_bytes: int  # the cache files this host keeps; beyond it, those the tier holds go
 
 
 @dataclass(frozen=True, slots=True)
-class _LocalFile:
+class LocalFile:
+    """A cache file on this host's disk, and when it was last written or read."""
+
     path: Path
     nbytes: int
     last_used: float
@@ -76,32 +77,29 @@ def expire_quarantine(root: Path, retention_s: float, now_s: float) -> list[Path
     return removed
 
 
-def _local_files(root: Path) -> list[_LocalFile]:
+def _local_files(root: Path) -> list[LocalFile]:
     """Every cache file under ``root`` (quarantine aside), least recently used first."""
     found = []
     for path in files.cache_files(root):
         try:
-            found.append(_LocalFile(path, path.stat().st_size, files.last_used(path)))
+            found.append(LocalFile(path, path.stat().st_size, files.last_used(path)))
         except FileNotFoundError:
             continue
     return sorted(found, key=lambda f: f.last_used)
 
 
-def copies_over_budget(session: Session, root: Path, tier: S3Tier, budget_bytes: int,
-                       now_s: float, grace_s: float = GRACE_S) -> list[Path]:
-    """The copies under ``root`` to delete, least recently used first, until the cache files
-    fit ``budget_bytes``: files no row names by their own path, unused for ``grace_s``, that
-    the tier holds (asked one by one, only as far as needed)."""
+def over_budget(root: Path, tier: S3Tier, budget_bytes: int, now_s: float) -> list[LocalFile]:
+    """The cache files under ``root`` to delete, least recently used first, until they fit
+    ``budget_bytes``: those unused for the grace period (``GRACE_S``: a file written or read
+    this recently may be in use) that the tier holds (asked one by one,
+    only as far as needed; a tier that does not answer holds nothing)."""
     local = _local_files(root)
     used = sum(f.nbytes for f in local)
-    if used <= budget_bytes:
-        return []
-    known = cache_index.known_paths(session)
     doomed = []
     for candidate in local:
         if used <= budget_bytes:
             break
-        if str(candidate.path) in known or now_s - candidate.last_used <= grace_s:
+        if now_s - candidate.last_used <= GRACE_S:
             continue
         try:
             held = tier.holds(candidate.path.relative_to(root).as_posix())
@@ -109,9 +107,21 @@ def copies_over_budget(session: Session, root: Path, tier: S3Tier, budget_bytes:
             log.warning("janitor: the shared tier did not answer (%s); no copy deleted", exc)
             break
         if held:
-            doomed.append(candidate.path)
+            doomed.append(candidate)
             used -= candidate.nbytes
     return doomed
+
+
+def _unlink(doomed: list[LocalFile]) -> tuple[int, int]:
+    """Delete files; returns (files deleted, bytes freed)."""
+    n, freed = 0, 0
+    for local in doomed:
+        try:
+            local.path.unlink()
+        except FileNotFoundError:
+            continue
+        n, freed = n + 1, freed + local.nbytes
+    return n, freed
 
 
 def sweep(sessions: sessionmaker[Session], root: Path, tier: S3Tier | None, policy: JanitorPolicy,
@@ -123,10 +133,8 @@ def sweep(sessions: sessionmaker[Session], root: Path, tier: S3Tier | None, poli
         orphans = orphan_files(session, root, now_s)
     n_orphans, orphan_bytes = delete_unreferenced(sessions, orphans)
     n_copies, copy_bytes = 0, 0
-    if tier is not None:
-        with sessions() as session:
-            copies = copies_over_budget(session, root, tier, policy.budget_bytes, now_s, policy.grace_s)
-        n_copies, copy_bytes = delete_unreferenced(sessions, copies)
+    if tier is not None:  # no lock needed: what the tier holds, a reader fetches again
+        n_copies, copy_bytes = _unlink(over_budget(root, tier, policy.budget_bytes, now_s))
     return {"quarantined_deleted": len(quarantined), "orphans_deleted": n_orphans, "copies_deleted": n_copies,
             "bytes_freed": orphan_bytes + copy_bytes}
 

@@ -227,7 +227,10 @@ class Uploader(threading.Thread):
             try:
                 for key, path in upload.blocks:
                     if not self._known(key):
-                        self._tier.put(key, path, once=True)
+                        try:
+                            self._tier.put(key, path, once=True)
+                        except FileNotFoundError:  # gone since: the janitor saw the tier hold it, or its row went
+                            continue
                         self._remember(key)
                 self._tier.put(*upload.record)  # last: a record in the tier means its blocks are there
             except Exception as exc:  # the tier is down or refused: the next turn uploads again

@@ -19,6 +19,7 @@ from support.dbcheck import query
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward
 from test_shared_tier import aws_credentials, s3_url, server  # noqa: F401  (fixtures)
 
+from app.cache import files
 from app.cache.janitor import JOB_NAME
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
@@ -93,9 +94,13 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
     _age([quarantine / "old.safetensors"], time.time() - 8 * 86400)
     a_files = sorted((tmp_path / "a" / "blocks").rglob("*.safetensors"))
     _age(a_files, HOUR_AGO)
+    stray = tmp_path / "a" / "blocks" / "fp-pool" / "conversations" / "left-by-a-crash.safetensors"
+    stray.write_bytes(a_files[0].read_bytes())  # a file no row names, within a's budget
+    _age([stray], HOUR_AGO)
 
-    janitors = [start_janitor(Settings(home=tmp_path / name, janitor_interval_s=1, local_disk_budget_bytes=1,
-                                       server_id=name), sessions, tier) for name in ("a", "b")]
+    # b keeps 1 byte of cache files, a the default budget (disk_budget_bytes, 20 GiB).
+    janitors = [start_janitor(Settings(home=tmp_path / name, janitor_interval_s=1, local_disk_budget_bytes=budget,
+                                       server_id=name), sessions, tier) for name, budget in (("a", 0), ("b", 1))]
     try:
         _wait_for_sweeps(tmp_path / "pool.db", {"a", "b"})
     finally:
@@ -103,10 +108,10 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
             assert janitor is not None
             janitor.stop()
 
-    left = sorted(b_root.rglob("*.safetensors"))
-    assert left == [lost_copy], left  # d's copies (no row), c's copies the tier holds (over budget)
+    left = sorted(files.cache_files(b_root))  # the quarantine aside
+    assert left == [lost_copy], left  # d's copies (no row); c's, over budget, those the tier holds
     assert sorted(quarantine.iterdir()) == [quarantine / "new.safetensors"]
-    # a's own files, those the rows name, are the worker's: the budget takes none of them.
+    # a's files are named by rows and within its budget: they stay; the one no row names goes.
     assert sorted((tmp_path / "a" / "blocks").rglob("*.safetensors")) == a_files
     assert str(record_c) in map(str, a_files)
 
@@ -118,3 +123,23 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
     lease = b.lease("a", "c", as_prompt(kept + more))
     assert (lease.n_reused, lease.report.reason) == (600, "extend")
     b.close()
+
+
+def test_a_block_file_gone_before_its_upload_does_not_hold_back_the_record(tmp_path: Path,
+                                                                         s3_url: str) -> None:  # noqa: F811
+    """The janitor may delete a block file the tier holds while an upload naming it waits (a
+    fork's upload names the blocks it shares): the uploader skips that block and still puts
+    the record (before: the upload failed whole and the record stayed out of the tier)."""
+    from app.cache.shared_tier import Upload, Uploader
+
+    tier = S3Tier(s3_url.replace("/pool?", "/gone-block-test?"))
+    uploader = Uploader(tier)
+    uploader.start()
+    record = tmp_path / "record"
+    record.write_bytes(b"tokens")
+    uploader.submit(Upload((("fp/aa/block.safetensors", tmp_path / "deleted"),),
+                           ("fp/conversations/r.safetensors", record)))
+    assert uploader.flush(30)
+    assert uploader.n_failed == 0
+    assert {key for key, _ in tier.listing()} == {"fp/conversations/r.safetensors"}
+    uploader.stop()
