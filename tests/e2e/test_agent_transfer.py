@@ -78,8 +78,11 @@ def test_an_exported_agent_is_warm_on_another_server_and_answers_the_same(
     stayed = _turn(here, "baker", NEXT)
     assert moved["usage"]["cache_read_input_tokens"] == stayed["usage"]["cache_read_input_tokens"] > 300
     assert moved["content"] == stayed["content"]
-    outcomes = query(other.db_path, "SELECT reuse_reason FROM requests WHERE agent_id = 'baker'")
-    assert outcomes == [("extend",)]
+    rows = "SELECT id, reuse_reason FROM requests WHERE agent_id = 'baker' ORDER BY created_at"
+    source, landed = query(server.db_path, rows), query(other.db_path, rows)
+    assert len(landed) == len(source) > 1
+    assert landed[:-1] == source[:-1]  # the agent's request rows travelled with it, their ids kept
+    assert landed[-1][1] == "extend"  # and its next turn there reused the moved cache
 
 
 def test_import_refuses_a_taken_id_and_takes_another(other: ServerProcess, exported: Path) -> None:
