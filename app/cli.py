@@ -160,7 +160,8 @@ def cmd_agents_export(settings: Settings, args: argparse.Namespace) -> int:
     n_messages = sum(len(c["messages"]) for c in manifest["conversations"])
     n_tokens = sum(cache["n_tokens"] for c in manifest["conversations"] for cache in c["caches"])
     print(f"exported agent {args.agent_id!r}: {len(manifest['conversations'])} conversation(s), {n_messages} "
-          f"messages, {n_tokens} cached tokens in {len(manifest['files'])} files", file=sys.stderr)
+          f"messages, {n_tokens} cached tokens in {len(manifest['files'])} files, {len(manifest['requests'])} "
+          f"request rows, {len(manifest['responses'])} stored responses", file=sys.stderr)
     return 0
 
 
@@ -174,7 +175,10 @@ def cmd_agents_import(settings: Settings, args: argparse.Namespace) -> int:
     with (sys.stdin.buffer if args.file == "-" else open(args.file, "rb")) as source:
         result = import_agent(sessions, settings.blocks_dir, source, args.new_id, tier)
     print(f"imported agent {result.agent_id!r}: {result.n_conversations} conversation(s), {result.n_messages} "
-          f"messages, {result.n_cached_tokens} cached tokens ({result.n_blocks_new} new block files)")
+          f"messages, {result.n_cached_tokens} cached tokens ({result.n_blocks_new} new block files), "
+          f"{result.n_requests} request rows, {result.n_responses} stored responses"
+          + (f" ({result.n_log_skipped} rows left out: their ids are this store's already)"
+             if result.n_log_skipped else ""))
     return 0
 
 

@@ -26,6 +26,10 @@ from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from app.cache.janitor import Janitor
+    from app.cache.shared_tier import S3Tier
     from app.engine.engine import Engine
     from app.catalog.registry import Catalog
 
@@ -103,6 +107,7 @@ def _serve(settings: Settings) -> None:
     engine.start_loading()
     threading.Thread(target=_report_loaded, args=(engine, settings), name="semantic-load-watch", daemon=True).start()
     worker = start_worker(settings) if settings.worker else None
+    janitor = start_janitor(settings, sessions, tier)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # graceful: what runs is finished
     ctrl_c = CtrlC(engine)
     ctrl_c.install()  # cancels what runs; a second Ctrl-C exits at once
@@ -116,10 +121,26 @@ def _serve(settings: Settings) -> None:
         server.close()
         if worker is not None:
             stop_worker(worker)
+        if janitor is not None:
+            janitor.stop()
         engine.stop()
     engine.wait_loaded(0)  # raises EngineUnavailable if loading is what stopped the server
     if ctrl_c.seen:
         raise KeyboardInterrupt  # the command's exit status says so (130)
+
+
+def start_janitor(settings: Settings, sessions: sessionmaker[Session], tier: S3Tier | None) -> Janitor | None:
+    """This server's janitor over its blocks directory (``app/cache/janitor.py``), started;
+    None when ``janitor_interval_s`` is 0."""
+    from app.cache.janitor import Janitor, JanitorPolicy
+
+    if not settings.janitor_interval_s:
+        return None
+    policy = JanitorPolicy(settings.janitor_interval_s, settings.quarantine_retention_days * 24 * 3600.0,
+                           settings.local_disk_budget_bytes or settings.disk_budget_bytes)
+    janitor = Janitor(sessions, settings.blocks_dir, tier, policy, settings.effective_server_id)
+    janitor.start()
+    return janitor
 
 
 def process_age_s() -> float:

@@ -162,6 +162,17 @@ class Settings:
         "More block directories the worker's compact cleans besides this home's (glob patterns, comma-separated): "
         "in a pool, the servers' homes on this machine, whose copies of each other's files nothing else deletes "
         "(`pool up` sets it)."))
+    janitor_interval_s: int = setting(600, (
+        "Seconds between the server's janitor sweeps of its own blocks directory (quarantined files past "
+        "quarantine_retention_days, files no row names, and in a pool the least recently used files the shared tier "
+        "holds beyond local_disk_budget_bytes); 0 = no janitor."))
+    quarantine_retention_days: int = setting(7, (
+        "Days a damaged cache file stays under blocks/quarantine/ for inspection before the server's janitor "
+        "deletes it."))
+    local_disk_budget_bytes: int = setting(0, (
+        "In a pool with a shared tier: bytes of cache files this server keeps on its own disk; beyond it the "
+        "janitor deletes the least recently used files the tier holds (fetched copies, and its own once uploaded). "
+        "0 = disk_budget_bytes."))
     worker: bool = setting(True, (
         "`semantic serve` runs the Huey worker (expire, evict, compact, prune) as its child; false when the worker "
         "is supervised on its own (`semantic worker`)."))
@@ -308,6 +319,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "idle_timeout_s": (1, 24 * 3600),
     "max_connections": (4, 1 << 16),
     "log_retention_days": (1, 36500),
+    "janitor_interval_s": (0, 7 * 24 * 3600),
+    "quarantine_retention_days": (1, 36500),
+    "local_disk_budget_bytes": (0, 1 << 60),
 }
 
 

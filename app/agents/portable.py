@@ -9,8 +9,12 @@ the cache files themselves (``blocks/<hash>.safetensors``, ``records/<n>.safeten
 those names (nothing is extracted as the archive says), verifies every file (its
 sha256, its own checksum, a block's id, tokens and model), and writes nothing to the
 database unless all of it verifies; then the agent, its history and its cache index
-go in one transaction. Requests and stored Responses API objects stay behind: they
-are the source server's log, not the agent.
+go in one transaction, with its request rows and stored Responses API objects
+(``agent_log.py``: a client's ``previous_response_id`` continues where the agent lands).
+
+In a pool, export reads the cache files a server of the pool wrote from the shared tier when
+this host's disk lacks them, fetched into a temporary directory (never into this home's
+``blocks/``, which no server may be using), and import copies its files to the tier.
 
 Whoever writes an archive can forge its KV data with every checksum recomputed: what
 an archive holds serves the imported agent and no other (``import_agent``).
@@ -37,6 +41,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import __version__
+from app.agents.agent_log import export_log, import_log
 from app.agents.identity import ORIGINS
 from app.cache import durable
 from app.cache import files as cache_files
@@ -80,6 +85,9 @@ class Imported:
     n_messages: int
     n_cached_tokens: int  # over the conversations' caches
     n_blocks_new: int  # block files this home did not hold yet
+    n_requests: int = 0  # request rows imported
+    n_responses: int = 0  # stored Responses API objects imported
+    n_log_skipped: int = 0  # request rows and responses whose ids this store held already
 
 
 def _time(value: datetime | None) -> str | None:
@@ -93,12 +101,19 @@ def _sha256(data: bytes) -> str:
 def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out: IO[bytes],
                  tier: S3Tier | None = None) -> dict[str, Any]:
     """Write the agent's archive to ``out``; returns its manifest. Cache files missing on
-    this disk come from the shared tier if there is one; a cache whose files are gone is
-    left out (its conversation travels cold).
+    this disk come from the shared tier if there is one (fetched into a temporary directory
+    removed before this returns, not into ``root``); a cache whose files are gone is left
+    out (its conversation travels cold).
 
     Raises:
         NotFound: no such agent.
     """
+    with tempfile.TemporaryDirectory(prefix="semantic-export-") as spool:
+        return _export(sessions, root, agent_id, out, tier, Path(spool))
+
+
+def _export(sessions: sessionmaker[Session], root: Path, agent_id: str, out: IO[bytes], tier: S3Tier | None,
+            spool: Path) -> dict[str, Any]:
     files: dict[str, bytes] = {}
     with sessions() as session:
         agent = session.get(Agent, agent_id)
@@ -110,7 +125,8 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
             messages = agents_store.history(session, agent_id, conversation.id)
             caches = []
             for fingerprint, entry in cache_index.conversation_caches(session, conversation.id):
-                described = _export_cache(CacheFiles(root, fingerprint, tier), entry, files)
+                fetched = CacheFiles(spool, fingerprint, tier) if tier is not None else None
+                described = _export_cache(CacheFiles(root, fingerprint), fetched, entry, files)
                 if described is not None:
                     caches.append({"fingerprint": fingerprint, **described})
             conversations.append({
@@ -118,7 +134,7 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
                 "snapshot": conversation.snapshot, "thread": conversation.thread,
                 "created_at": _time(conversation.created_at), "last_access_at": _time(conversation.last_access_at),
                 "messages": [{"position": m.position, "role": m.role, "content": m.content, "digest": m.digest,
-                              "created_at": _time(m.created_at),
+                              "created_at": _time(m.created_at), "request_id": m.request_id,
                               "n_tokens": None}  # no longer stored; version 1 readers expect the key
                              for m in messages],
                 "caches": caches})
@@ -129,6 +145,7 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
                       "ttl_seconds": agent.ttl_seconds, "hot_ttl_seconds": agent.hot_ttl_seconds,
                       "status": agent.status, "metadata": agent.metadata_json or {}},
             "conversations": conversations,
+            **export_log(session, agent_id),
             "files": {name: _sha256(data) for name, data in files.items()},
         }
     with tarfile.open(fileobj=out, mode="w|") as archive:
@@ -138,11 +155,22 @@ def export_agent(sessions: sessionmaker[Session], root: Path, agent_id: str, out
     return manifest
 
 
-def _export_cache(layout: CacheFiles, entry: cache_index.CacheEntry,
+def _export_cache(home: CacheFiles, fetched: CacheFiles | None, entry: cache_index.CacheEntry,
                   files: dict[str, bytes]) -> dict[str, Any] | None:
+    """Add a cache's files to ``files`` (this home's copy of each, else the one ``fetched``
+    holds, copied from the shared tier); returns its description (None: a file is gone)."""
+    stored = [entry.record_path, *(row.path for row in entry.blocks)]
+    missing = [path for path in stored if not home.local(path, fetch=False).exists()]
+    if missing and fetched is not None:
+        fetched.fetch_missing(missing)
+
+    def read(path: str) -> bytes:
+        local = home.local(path, fetch=False)
+        return (local if local.exists() or fetched is None else fetched.local(path)).read_bytes()
+
     try:
-        record = layout.local(entry.record_path).read_bytes()
-        blocks = {row.hash: layout.local(row.path).read_bytes() for row in entry.blocks}
+        record = read(entry.record_path)
+        blocks = {row.hash: read(row.path) for row in entry.blocks}
     except FileNotFoundError:
         return None
     name = f"records/{len([n for n in files if n.startswith('records/')])}.safetensors"
@@ -208,6 +236,8 @@ def _import(sessions: sessionmaker[Session], root: Path, manifest: dict[str, Any
             if session.get(Agent, agent_id) is not None:
                 raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
             n_messages, n_tokens = _insert(session, agent, agent_id, plan)
+            log_rows = import_log(session, manifest, agent_id, {str(c["id"]): new for c, new, _ in plan})
+            _link_requests(session, plan, log_rows.requests)
     except BaseException as exc:
         for path in written:
             path.unlink(missing_ok=True)
@@ -219,7 +249,8 @@ def _import(sessions: sessionmaker[Session], root: Path, manifest: dict[str, Any
         raise
     if tier is not None:
         _upload(tier, root, plan)
-    return Imported(agent_id, len(plan), n_messages, n_tokens, staging.n_new)
+    return Imported(agent_id, len(plan), n_messages, n_tokens, staging.n_new, len(log_rows.requests),
+                    log_rows.n_responses, log_rows.n_skipped)
 
 
 def _read_archive(source: IO[bytes], spool: Path) -> tuple[dict[str, Any], dict[str, Path]]:
@@ -414,6 +445,17 @@ def _insert(session: Session, agent: dict[str, Any], agent_id: str, plan: _Plan)
                                    int(cache["n_tokens"]), str(record), rows, now, record_checksum=record_checksum)
             n_tokens += int(cache["n_tokens"])
     return n_messages, n_tokens
+
+
+def _link_requests(session: Session, plan: _Plan, requests: frozenset[str]) -> None:
+    """Point each imported message to the request that wrote it, if that request was imported."""
+    for conversation, conversation_id, _ in plan:
+        linked = {int(m["position"]): m.get("request_id") for m in conversation["messages"]
+                  if m.get("request_id") in requests}
+        if linked:
+            for message in session.scalars(select(Message).where(Message.conversation_id == conversation_id,
+                                                                 Message.position.in_(linked))):
+                message.request_id = linked[message.position]
 
 
 def _parse(value: Any) -> datetime:

@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,6 +228,7 @@ def quarantine(path: Path, root: Path) -> Path | None:
     target = root / QUARANTINE / path.name
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(path, target)
+    os.utime(target)  # its time is when it was quarantined: the janitor keeps it for the retention from then
     log.warning("quarantined damaged cache file %s -> %s", path, target)
     return target
 
@@ -282,6 +284,28 @@ def _checkpoints(arrays: Arrays, meta: dict[str, str],
         out.append((int(at), {k.removeprefix(prefix): v for k, v in arrays.items() if k.startswith(prefix)},
                     [[str(d) for d in layer] for layer in dtypes]))
     return tuple(out)
+
+
+def mark_used(path: Path) -> None:
+    """Note that a cache file was just read (its access time, set explicitly: mounts with
+    ``noatime`` or ``relatime`` do not), so the janitor deletes the least recently used first."""
+    try:
+        os.utime(path, (time.time(), path.stat().st_mtime))
+    except OSError:  # gone or read-only: nothing to note
+        pass
+
+
+def last_used(path: Path) -> float:
+    """When a cache file was last written or read (``mark_used``), in seconds since the epoch.
+    Raises FileNotFoundError if it is gone."""
+    status = path.stat()
+    return max(status.st_mtime, status.st_atime)
+
+
+def quarantined_files(root: Path) -> Iterator[Path]:
+    """The damaged files moved aside under ``root`` (``quarantine``)."""
+    folder = root / QUARANTINE
+    return (path for path in folder.iterdir() if path.is_file()) if folder.is_dir() else iter(())
 
 
 def temporary_files(root: Path) -> Iterator[Path]:
@@ -396,6 +420,7 @@ class CacheFiles:
         """
         local = self.local(path)
         arrays, meta = read(local, checksum)
+        mark_used(local)
         if meta.get("fingerprint") != self.fingerprint or meta.get("hash") != block or \
                 meta.get("n_tokens") != str(n_tokens):
             raise ValueError(f"checkpoint file {local} belongs to another model, block or position")
@@ -470,6 +495,7 @@ class CacheFiles:
         """
         path = self.local(path)
         arrays, meta = read(path, checksum)
+        mark_used(path)
         try:
             check_block(meta, self.fingerprint, block)
         except ValueError:
@@ -484,7 +510,9 @@ class CacheFiles:
             One of UNUSABLE (a file is missing or damaged, or the files disagree), or
             FileUnavailable.
         """
-        arrays, meta = read(self.local(entry.record_path), entry.record_checksum)
+        record_path = self.local(entry.record_path)
+        arrays, meta = read(record_path, entry.record_checksum)
+        mark_used(record_path)
         record = CacheRecord(tuple(int(t) for t in arrays["tokens"]), meta["text"],
                              tuple(int(e) for e in arrays["ends"]))
         chain = tuple(json.loads(meta["chain"]))

@@ -118,6 +118,19 @@ class S3Tier:
             partial.unlink(missing_ok=True)
         return True
 
+    def holds(self, key: str) -> bool:
+        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
+        does not answer."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
     def listing(self) -> Iterator[tuple[str, datetime]]:
         """Every object under the prefix: (key below the prefix, when it was last written)."""
         pages = self._client.get_paginator("list_objects_v2").paginate(
@@ -214,7 +227,10 @@ class Uploader(threading.Thread):
             try:
                 for key, path in upload.blocks:
                     if not self._known(key):
-                        self._tier.put(key, path, once=True)
+                        try:
+                            self._tier.put(key, path, once=True)
+                        except FileNotFoundError:  # gone since: the janitor saw the tier hold it, or its row went
+                            continue
                         self._remember(key)
                 self._tier.put(*upload.record)  # last: a record in the tier means its blocks are there
             except Exception as exc:  # the tier is down or refused: the next turn uploads again

@@ -89,10 +89,10 @@ def run_evict(sessions: sessionmaker[Session], budget_bytes: int) -> dict[str, A
 
 
 def _older_than_grace(path: Path, now_s: float) -> bool:
-    """Whether ``path`` was last written over the grace period ago (False if it is gone:
-    files vanish during a scan, and that must not abort the job)."""
+    """Whether ``path`` was last written or read (``files.last_used``) over the grace period
+    ago (False if it is gone: files vanish during a scan, and that must not abort the job)."""
     try:
-        return now_s - path.stat().st_mtime > GRACE_S
+        return now_s - files.last_used(path) > GRACE_S
     except FileNotFoundError:
         return False
 
@@ -107,7 +107,7 @@ def remove_stale_temp_files(root: Path, now_s: float) -> list[str]:
     return removed
 
 
-def _orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
+def orphan_files(session: Session, root: Path, now_s: float) -> list[Path]:
     """Cache files under ``root`` older than the grace period that are neither a file a row
     names nor a copy of one: in a pool, rows name the writing server's paths, and another
     server keeps copies under the same key (``files.tier_key``) below its own root."""
@@ -166,7 +166,7 @@ def run_compact(engine: Engine, sessions: sessionmaker[Session], blocks_dir: Pat
     temp = [removed for root in roots for removed in remove_stale_temp_files(root, now_s)]
     with sessions() as session:  # reads only: no write lock is taken
         unreferenced = cache_index.unreferenced_blocks(session, before)
-        orphans = [orphan for root in roots for orphan in _orphan_files(session, root, now_s)]
+        orphans = [orphan for root in roots for orphan in orphan_files(session, root, now_s)]
         checked, damaged_blocks, damaged_records = _damaged_sample(session, blocks_dir, sample)
     with write_locked(sessions) as session:
         dropped = cache_index.drop_blocks(session, unreferenced, before)

@@ -78,8 +78,11 @@ def test_an_exported_agent_is_warm_on_another_server_and_answers_the_same(
     stayed = _turn(here, "baker", NEXT)
     assert moved["usage"]["cache_read_input_tokens"] == stayed["usage"]["cache_read_input_tokens"] > 300
     assert moved["content"] == stayed["content"]
-    outcomes = query(other.db_path, "SELECT reuse_reason FROM requests WHERE agent_id = 'baker'")
-    assert outcomes == [("extend",)]
+    rows = "SELECT id, reuse_reason FROM requests WHERE agent_id = 'baker' ORDER BY created_at"
+    source, landed = query(server.db_path, rows), query(other.db_path, rows)
+    assert len(landed) == len(source) > 1
+    assert landed[:-1] == source[:-1]  # the agent's request rows travelled with it, their ids kept
+    assert landed[-1][1] == "extend"  # and its next turn there reused the moved cache
 
 
 def test_import_refuses_a_taken_id_and_takes_another(other: ServerProcess, exported: Path) -> None:
@@ -304,3 +307,30 @@ def test_an_archive_with_a_foreign_origin_is_refused(tmp_path: Path, exported: P
     result = semantic(home, "agents", "import", str(_pack(tmp_path / "origin.tar", manifest, members)))
     assert result.returncode == 2 and "origin '../../etc' is not one of" in result.stderr, result.stderr
     assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]
+
+
+def test_a_moved_responses_agent_continues_by_previous_response_id(
+        server: ServerProcess, other: ServerProcess, tmp_path: Path) -> None:
+    """The stored Responses objects travel with their agent: on the server it moved to, a
+    client's next turn names its last response and continues it, warm (before: 404, the
+    response stayed behind)."""
+    here = httpx.Client(base_url=server.url, timeout=120)
+    first = here.post("/v1/responses", json={"model": "gpt-5", "input": f"{SYSTEM} What bread sells best?",
+                                             "max_output_tokens": 8, "temperature": 0})
+    assert first.status_code == 200, first.text
+    response_id = first.json()["id"]
+    (agent_id,), = query(server.db_path, f"SELECT agent_id FROM responses WHERE id = '{response_id}'")
+    archive = tmp_path / "responses-agent.tar"
+    assert semantic(server.home, "agents", "export", agent_id, "-o", str(archive)).returncode == 0
+    result = semantic(other.home, "agents", "import", str(archive))
+    assert result.returncode == 0, result.stderr
+    assert "1 stored responses" in result.stdout
+
+    there = httpx.Client(base_url=other.url, timeout=120)
+    assert there.get(f"/v1/responses/{response_id}").json()["id"] == response_id
+    second = there.post("/v1/responses", json={"model": "gpt-5", "input": "And cakes?", "max_output_tokens": 8,
+                                               "temperature": 0, "previous_response_id": response_id})
+    assert second.status_code == 200, second.text
+    assert second.json()["usage"]["input_tokens_details"]["cached_tokens"] > 256  # the moved cache
+    (continued,), = query(other.db_path, f"SELECT agent_id FROM responses WHERE id = '{second.json()['id']}'")
+    assert continued == agent_id

@@ -83,7 +83,7 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
 def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path, store_url: str) -> None:
     """A dangling link is a file rglob lists and stat() cannot find, as one deleted
     between the listing and the stat."""
-    from app.cache.upkeep import _orphan_files, remove_stale_temp_files
+    from app.cache.upkeep import orphan_files, remove_stale_temp_files
 
     sessions = _store(store_url)
     root = tmp_path / "blocks"
@@ -92,7 +92,7 @@ def test_files_that_vanish_during_a_scan_do_not_abort_it(tmp_path: Path, store_u
     (root / "gone.safetensors").symlink_to(root / "nowhere")
     assert remove_stale_temp_files(root, now_s=1e12) == []
     with sessions() as session:
-        assert _orphan_files(session, root, now_s=1e12) == []
+        assert orphan_files(session, root, now_s=1e12) == []
 
 
 def test_prune_keeps_history_and_recent_rows(tmp_path: Path, store_url: str) -> None:
