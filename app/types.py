@@ -25,6 +25,11 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "cancelled"]
 # another conversation stored for the same prefix; ``miss``: nothing reusable; ``off``:
 # reuse disabled, or a request with no conversation to store.
 ReuseReason = Literal["extend", "exact", "diverge", "sibling", "shared", "miss", "off"]
+# Where a turn's reused prefix was read from (docs/api.md, ``x-semantic-cache``): ``memory``
+# (it stayed there since the turn that stored it), ``disk`` (read from this home's files since:
+# on demand, or by the prefetch after a restart), ``tier`` (fetched from a pool's shared tier
+# since), ``none`` (nothing reused).
+CacheSource = Literal["memory", "disk", "tier", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,7 @@ class Started:
     n_prompt_tokens: int
     n_cached_tokens: int  # read from a cache
     n_cache_written: int  # prompt tokens this turn adds to the conversation's cache
+    reuse: ReuseReport | None = None  # the lease's report (its provenance): known before prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +211,11 @@ class ReuseReport:
     stored: str | None = None  # the stored text around ``offset``
     new: str | None = None  # the prompt around ``offset``
     part: str | None = None  # the piece of the prompt ``offset`` falls in (set by the API)
+    # Provenance: where the reused prefix was read from, how many prompt tokens it holds and
+    # the stored KV format it was kept in (the model's caches' format: KV_FORMAT_NAMES).
+    source: CacheSource = "none"
+    n_tokens: int = 0
+    kv_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.agents.identity import AgentKey
 from app.agents.service import AgentService
 from app.api.body import read_json
+from app.api.cache_provenance import provenance
 from app.api.generation import GenerationResource
 from app.errors import InvalidRequest, SemanticError
 from app.protocol import anthropic
@@ -234,7 +235,9 @@ class AgentGenerateResource:
             body["messages"] = history + new["messages"]
             return body
 
-        self._generation.respond(req, resp, full_body, AgentKey(agent_id, "direct"))
+        reuse = self._generation.respond(req, resp, full_body, AgentKey(agent_id, "direct"))
+        if reuse is not None and isinstance(resp.media, dict):  # a stream has the header alone
+            resp.media = {**resp.media, "cache": provenance(reuse)}
 
 
 _BLOCK_TYPES = {"text", "tool_use", "tool_result"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import falcon
@@ -16,6 +17,7 @@ import falcon
 from app.agents.identity import AgentKey
 from app.agents.service import AgentService, ConversationTarget, StoredReply
 from app.api.body import read_json
+from app.api.cache_provenance import CACHE_HEADER, header_value
 from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import SseStream
@@ -24,7 +26,8 @@ from app.pool.haproxy import REPLY_ID_HEADER
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
-from app.types import Finished, GenerationEvent, GenerationRequest, Prompt, RequestOptions, ReuseReport, TextDelta
+from app.types import (Finished, GenerationEvent, GenerationRequest, Prompt, RequestOptions, ReuseReport, Started,
+                       TextDelta)
 
 if TYPE_CHECKING:
     from app.engine.surface import EngineSurface, GenerationJob
@@ -114,21 +117,44 @@ class GenerationResource:
         self.respond(req, resp, lambda: read_json(req))
 
     def respond(self, req: falcon.Request, resp: falcon.Response, body: Callable[[], Any],
-                agent: AgentKey | Callable[[], AgentKey | None] | None = None) -> None:
+                agent: AgentKey | Callable[[], AgentKey | None] | None = None) -> ReuseReport | None:
         """Serve one generation whose request body ``body()`` returns; ``agent`` (or what it
         returns once ``body()`` ran) overrides identity resolution (the direct API names it
-        in the URL, a Responses API request continues a stored response's agent)."""
+        in the URL, a Responses API request continues a stored response's agent).
+
+        Returns the turn's cache provenance as its ``x-semantic-cache`` header gave it (None:
+        ``source=pending``, a stream whose headers went out before its lease)."""
         turn, job = self._start(req, body, agent)
         resp.set_header(REPLY_ID_HEADER, turn.message_id)  # a pool's router places what continues it
         # waitress tells whether the client hung up (the server keeps reading the socket).
         client_gone = req.env.get("waitress.client_disconnected")
         if turn.parsed.stream:
+            events = job.events(client_gone, heartbeat_s=HEARTBEAT_S)
+            # NOTE: headers go out when this returns. The lease is taken before prefill, so a
+            # stream waits for it (Started), unless the turn waits in the queue for
+            # HEARTBEAT_S first (a Heartbeat): then its header says source=pending.
+            first = self._first_event(turn, job, events)
+            reuse = first.reuse if isinstance(first, (Started, Finished)) else None
+            resp.set_header(CACHE_HEADER, header_value(reuse))
             resp.content_type = self._dialect.stream_media_type
             resp.set_header("cache-control", "no-cache")
-            resp.stream = SseStream(self._stream(turn, job, client_gone), job.cancel)
-            return
+            resp.stream = SseStream(self._stream(turn, job, chain([first], events)), job.cancel)
+            return reuse
         text, finished = self._collect(turn, job, client_gone)
+        resp.set_header(CACHE_HEADER, header_value(finished.reuse))
         resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
+        return finished.reuse
+
+    def _first_event(self, turn: Turn, job: GenerationJob, events: Iterator[GenerationEvent]) -> GenerationEvent:
+        """A stream's first event, before its status line: a failure is still an HTTP error."""
+        try:
+            return next(events)
+        except SemanticError as exc:
+            self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
+            raise
+        except BaseException:
+            job.cancel()
+            raise
 
     def _start(self, req: falcon.Request, body: Callable[[], Any],
                agent: AgentKey | Callable[[], AgentKey | None] | None) -> tuple[Turn, GenerationJob]:
@@ -217,11 +243,11 @@ class GenerationResource:
             raise
         raise AssertionError("engine events ended without Finished")
 
-    def _stream(self, turn: Turn, job: GenerationJob, client_gone: Callable[[], bool] | None) -> Iterator[bytes]:
+    def _stream(self, turn: Turn, job: GenerationJob, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
         parts: list[str] = []
 
         def observed() -> Iterator[GenerationEvent]:
-            for event in job.events(client_gone, heartbeat_s=HEARTBEAT_S):
+            for event in events:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):

@@ -1,6 +1,7 @@
 """GET /status: the operator's page. Plain HTML (no scripts), refreshed every 10 seconds:
-the engine and memory, caches by tier and disk use, agents with their conversations, the
-latest cache misses with their reasons, the worker's job runs."""
+the engine and memory, caches by tier and disk use, agents with their conversations (and
+where each one's latest turn's cache came from), the latest cache misses with their
+reasons, the worker's job runs."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def _cell(value: Any, kind: str = "") -> str:
     return f'<td class="{kind}">{escape(str(value))}</td>' if kind else f"<td>{escape(str(value))}</td>"
 
 
+def _last_turn(last: overview.LastTurnCache | None) -> str:
+    """``disk · extend · 2176 tokens``: the x-semantic-cache header that turn got, in short."""
+    if last is None:
+        return ""
+    return f"{last.source or '?'} · {last.reason} · {last.n_cached} tokens"
+
+
 @dataclass(frozen=True)
 class PageData:
     engine: dict[str, Any]
@@ -79,7 +87,8 @@ def render_page(data: PageData) -> str:
                      _cell("" if agent.hit_rate is None else f"{agent.hit_rate:.1%}", "num")] if i == 0 else \
                 [_cell("")] * 4
             agent_rows.append(first + [_cell(c.id or "-"), _cell(c.n_messages, "num"), _cell(tier, tier),
-                                       _cell(tokens, "num"), _cell(_time(c.last_access_at))])
+                                       _cell(tokens, "num"), _cell(_last_turn(c.last_turn)),
+                                       _cell(_time(c.last_access_at))])
     miss_rows = [[_cell(_time(m.created_at)), _cell(m.agent_id or ""), _cell(m.reason), _cell(m.n_cached, "num"),
                   _cell(m.n_input, "num"), _cell(m.part or ""),
                   f"<td><code>{escape(m.stored or '')}</code></td>", f"<td><code>{escape(m.new or '')}</code></td>"]
@@ -95,7 +104,7 @@ def render_page(data: PageData) -> str:
         f'<div class="cards">{card_html}</div>'
         "<h2>Agents and their conversations</h2>"
         + _table(["agent", "origin", "turns", "cache hit rate", "conversation", "messages", "tier", "cached tokens",
-                  "last access (UTC)"], agent_rows, "No agents yet.")
+                  "last turn's cache", "last access (UTC)"], agent_rows, "No agents yet.")
         + "<h2>Latest cache misses</h2>"
         + _table(["time (UTC)", "agent", "reason", "cached", "prompt", "parted in", "stored text there",
                   "new text there"], miss_rows, "No cache misses recorded.")

@@ -36,8 +36,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,7 @@ SHARED_CHECKPOINT_SUFFIX = ".state.safetensors"  # a shared checkpoint, beside i
 CHECKPOINT_PREFIX = "ckpt."  # a record file's recurrent-state checkpoints: ckpt.<i>.<layer>.<array>
 QUARANTINE = "quarantine"
 FETCH_THREADS = 8  # GETs from the shared tier at once, for one conversation
+MAX_FETCHED_KEPT = 4096  # files fetched from the tier remembered until a cache reads them (take_fetched)
 READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at once, for one conversation
 
 Arrays = dict[str, np.ndarray]
@@ -355,6 +358,10 @@ class CacheFiles:
         self.base = root / fingerprint[:16]
         self.fingerprint = fingerprint
         self.tier = tier
+        # Files fetched from the tier that nothing has asked about yet (``take_fetched``), from
+        # any thread (a request thread stages them); the oldest are forgotten past the bound.
+        self._fetched: OrderedDict[Path, None] = OrderedDict()
+        self._fetched_lock = threading.Lock()
 
     def key(self, path: Path) -> str:
         """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
@@ -370,9 +377,23 @@ class CacheFiles:
             try:
                 if self.tier.fetch(self.key(local), local):
                     log.info("restored %s from the shared tier", self.key(local))
+                    with self._fetched_lock:
+                        self._fetched[local] = None
+                        while len(self._fetched) > MAX_FETCHED_KEPT:
+                            self._fetched.popitem(last=False)
             except Exception as exc:  # the tier is down: the file is missing, a miss
                 log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
         return local
+
+    def take_fetched(self, stored: Iterable[str | Path]) -> bool:
+        """Whether any of these files came from the shared tier since they were last asked
+        about (a cache's provenance: ``tier`` rather than ``disk``); each is forgotten once asked."""
+        paths = [self.local(path, fetch=False) for path in stored]
+        with self._fetched_lock:
+            found = [path for path in paths if path in self._fetched]
+            for path in found:
+                del self._fetched[path]
+        return bool(found)
 
     def fetch_missing(self, stored: Iterable[str | Path]) -> None:
         """Copy from the shared tier those of these files that are not here, side by side

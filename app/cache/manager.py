@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from app.cache.blocks import (BLOCK_TOKENS, KVBlock, cache_nbytes, copy_prefix, join_blocks, overwrite_with_stored,
                               quantize_span, requantize_start, slice_block, to_working_cache)
@@ -39,7 +39,7 @@ from app.cache.pool import BlockPool
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
 from app.store.history import utcnow
-from app.types import CacheStats, ForkPoint, Prompt, ReuseReport
+from app.types import CacheSource, CacheStats, ForkPoint, Prompt, ReuseReason, ReuseReport
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -124,6 +124,11 @@ class CacheManager:
         # Hybrid models: shared checkpoints by the id of the block they follow (``checkpoints.py``).
         self._shared_points: OrderedDict[str, Checkpoint] = OrderedDict()
         self._hot: dict[str, ConversationCache] = {}
+        # Provenance (ReuseReport.source) of what came into memory since a lease last used it:
+        # conversations (``_load``) and shared blocks (``_load_shared_block``) read from disk or
+        # a pool's tier; whatever is not named here stayed in memory since a turn stored it.
+        self._read_from: dict[str, CacheSource] = {}
+        self._blocks_read: dict[str, CacheSource] = {}
         # Per agent, its conversations with a cache (memory or disk), least recently used
         # first; beyond ``max_conversations`` the oldest one's cache is deleted.
         self._conversations: dict[str, OrderedDict[str, None]] = {}
@@ -172,9 +177,9 @@ class CacheManager:
         """The longest reusable prefix for ``prompt`` in ``conversation_id`` of ``agent_id``.
         ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
         if not self.enabled or agent_id is None or conversation_id is None:
-            return self.cold(None, None, ReuseReport("off"))
+            return self.cold(None, None, self._report("off"))
         if self._owner is not None and not self._own(agent_id):
-            return self.cold(agent_id, conversation_id, ReuseReport("miss"))
+            return self.cold(agent_id, conversation_id, self._report("miss"))
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
         n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
@@ -190,13 +195,24 @@ class CacheManager:
         divergence = self._divergence(best, prompt) if best else {}
         if best is not None and n_text >= n_shared and n_text > 0:
             reason = best.match.reason if own else "sibling"
-            report = ReuseReport(reason, best.cache.record.ends[n_text - 1],
-                                 **(divergence if reason not in ("extend", "exact") else {}))
+            source = self._read_from.pop(best.cache.conversation_id, "memory")
+            report = self._report(reason, source, n_text, best.cache.record.ends[n_text - 1],
+                                  **(divergence if reason not in ("extend", "exact") else {}))
             return self._from_source(best.cache, conversation_id, n_text, report, use_working_copy=own)
         if n_shared > 0:
+            reads = {self._blocks_read.pop(block, "memory") for block in shared}
+            source = next((s for s in ("tier", "disk") if s in reads), "memory")
             return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
-                                     ReuseReport("shared", prompt.ends[n_shared - 1], **divergence), point)
-        return self.cold(agent_id, conversation_id, ReuseReport("miss", 0, **divergence))
+                                     self._report("shared", source, n_shared, prompt.ends[n_shared - 1],
+                                                  **divergence), point)
+        return self.cold(agent_id, conversation_id, self._report("miss", **divergence))
+
+    def _report(self, reason: ReuseReason, source: CacheSource = "none", n_tokens: int = 0, n_chars: int = 0,
+                **divergence: Any) -> ReuseReport:
+        """How the lease ended, with its provenance: where the ``n_tokens`` reused came from
+        and the format they were stored in."""
+        return ReuseReport(reason, n_chars, source=source, n_tokens=n_tokens, kv_format=self.kv_format.name,
+                           **divergence)
 
     def _resumable(self, cache: ConversationCache, n_tokens: int, whole_blocks: bool) -> int:
         """Hybrid models: how many of a stored cache's first ``n_tokens`` a lease may reuse:
@@ -397,6 +413,7 @@ class CacheManager:
             return False
         self._blocks[block] = data
         self._pool.add_block(block, data.nbytes)
+        self._blocks_read[block] = "tier" if self._files.take_fetched([found[0]]) else "disk"
         return True
 
     # -- commit ----------------------------------------------------------------------------
@@ -650,6 +667,7 @@ class CacheManager:
     def _set_hot(self, cache: ConversationCache) -> None:
         previous = self._hot.get(cache.conversation_id)
         self._hot[cache.conversation_id] = cache
+        self._read_from.pop(cache.conversation_id, None)  # what a turn stores is memory's (``_load`` says otherwise)
         self._pool.assign(cache.conversation_id, cache.chain, cache.private_bytes, previous.chain if previous else ())
 
     def _keep_working_copy(self, conversation_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
@@ -682,9 +700,11 @@ class CacheManager:
     def _free_arrays(self, blocks: list[str]) -> None:
         for block in blocks:
             self._blocks.pop(block, None)
+            self._blocks_read.pop(block, None)
 
     def _release(self, conversation_id: str) -> None:
         cache = self._hot.pop(conversation_id)
+        self._read_from.pop(conversation_id, None)
         self._working.pop(conversation_id, None)
         self._hot_until.pop(conversation_id, None)
         self._pool.remove_owner(conversation_id, cache.chain)
@@ -726,6 +746,8 @@ class CacheManager:
             self._blocks.setdefault(block, data)
             self._pool.add_block(block, data.nbytes)
         self._set_hot(cache)
+        fetched = self._files.take_fetched([entry.record_path, *(block.path for block in entry.blocks)])
+        self._read_from[conversation_id] = "tier" if fetched else "disk"
         log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
         return cache
 

@@ -314,7 +314,7 @@ class Runner(threading.Thread):
                              whole_blocks=request.whole_blocks)
         clock = TurnClock(arrived=job.arrived, taken=taken, leased=time.perf_counter(), staged_s=request.staged_s)
         sequence = Sequence.begin(job, lease, loaded, clock)
-        job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written))
+        job.put(Started(sequence.n_prompt, lease.n_reused, sequence.n_written, lease.report))
         return sequence
 
     def _new_batch(self, loaded: LoadedModel) -> DecodeBatch:

@@ -161,7 +161,7 @@ def finish_request(session: Session, request_id: str, finished: Finished, now: d
     row.total_ms = finished.total_s * 1000
     row.finished_at = now
     if reuse is not None:
-        row.reuse_reason, row.n_reused_chars = reuse.reason, reuse.n_chars
+        row.reuse_reason, row.n_reused_chars, row.cache_source = reuse.reason, reuse.n_chars, reuse.source
         row.diverge_offset, row.diverge_part = reuse.offset, reuse.part
         row.diverge_stored, row.diverge_new = _text(reuse.stored), _text(reuse.new)
 

@@ -100,6 +100,9 @@ class Request(Base):
     diverge_part: Mapped[str | None] = mapped_column(String(64))
     diverge_stored: Mapped[str | None]
     diverge_new: Mapped[str | None]
+    # Where the reused prefix was read from (app.types.CacheSource: memory / disk / tier / none;
+    # the x-semantic-cache header's source). NULL when no generation ran, and before 0011.
+    cache_source: Mapped[str | None] = mapped_column(String(16))
     # Times from the request's arrival: to the first token (0 when none came), in its three
     # parts (they add up to ttft_ms: arrival until the engine took it, its cache brought into
     # memory, the prompt computed until the first token; NULL in rows from before 0009), to the end.

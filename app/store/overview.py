@@ -10,7 +10,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from app.store import cache_index
-from app.store.models import Agent, Conversation, Message
+from app.store.models import Agent, Conversation, Message, Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,16 @@ class ConversationRow:
     cached_tokens: int  # on disk (warm); the page adds what is in memory
     tier: str  # warm / cold (cache_index.tier_of, none in memory: the page knows which are hot); none: no cache
     last_access_at: datetime
+    last_turn: LastTurnCache | None = None  # where its latest turn's cache came from (None: no turn ran)
+
+
+@dataclass(frozen=True, slots=True)
+class LastTurnCache:
+    """A conversation's latest turn's cache provenance (the ``x-semantic-cache`` header it got)."""
+
+    source: str | None  # app.types.CacheSource (None: a row from before migration 0011)
+    reason: str  # app.types.ReuseReason
+    n_cached: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +68,28 @@ def agents(session: Session, limit: int = 50) -> list[AgentRow]:
     for conversation_id, _, n_tokens, tier in cache_index.agents_caches(session, ids):
         tokens[conversation_id] = max(n_tokens, tokens.get(conversation_id, 0))
         tiers.setdefault(conversation_id, []).append(tier)
+    last_turns = _last_turns(session, ids)
     conversations: dict[str, list[ConversationRow]] = {}
     for c in session.scalars(select(Conversation).where(Conversation.agent_id.in_(ids))
                              .order_by(Conversation.last_access_at.desc())):
         tier = cache_index.tier_of(False, tiers[c.id]) if c.id in tiers else "none"
         conversations.setdefault(c.agent_id, []).append(
-            ConversationRow(c.id, counts.get(c.id, 0), tokens.get(c.id, 0), tier, c.last_access_at))
+            ConversationRow(c.id, counts.get(c.id, 0), tokens.get(c.id, 0), tier, c.last_access_at,
+                            last_turns.get(c.id)))
     return [AgentRow(a.id, a.origin, a.last_access_at, hits.get(a.id, (0, None))[0], hits.get(a.id, (0, None))[1],
                      tuple(conversations.get(a.id, ()))) for a in rows]
+
+
+def _last_turns(session: Session, agent_ids: list[str]) -> dict[str, LastTurnCache]:
+    """The cache provenance of each conversation's latest turn that ran, by conversation."""
+    latest = (select(Request.conversation_id, func.max(Request.created_at).label("at"))
+              .where(Request.agent_id.in_(agent_ids), Request.reuse_reason.is_not(None))
+              .group_by(Request.conversation_id).subquery())
+    rows = session.execute(select(Request.conversation_id, Request.cache_source, Request.reuse_reason,
+                                  Request.n_cached_tokens)
+                           .join(latest, (Request.conversation_id == latest.c.conversation_id)
+                                 & (Request.created_at == latest.c.at)))
+    return {c: LastTurnCache(source, reason, n or 0) for c, source, reason, n in rows if c is not None}
 
 
 def recent_misses(session: Session, limit: int = 20) -> list[MissRow]:

@@ -27,8 +27,8 @@ from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, Overload
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.types import (CacheStats, ChatMessage, Finished, ForkPoint, GenerationRequest, Prompt, SamplingParams, Started,
-                       TextDelta, TokenLogprob)
+from app.types import (CacheStats, ChatMessage, Finished, ForkPoint, GenerationRequest, Heartbeat, Prompt, ReuseReport,
+                       SamplingParams, Started, TextDelta, TokenLogprob)
 from support.dbcheck import query
 
 CONTEXT = 64
@@ -39,15 +39,19 @@ class FakeJob:
     request: GenerationRequest
     cancelled: bool = False
     parts: tuple[float, float, float] = (0.002, 0.003, 0.005)  # queue, restore, prefill (seconds)
+    reuse: ReuseReport | None = None  # its lease's report (provenance)
+    queued: bool = False  # it waits in the queue past a heartbeat before its lease
 
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
-        yield Started(n, 0, n)
+        if self.queued:
+            yield Heartbeat()
+        yield Started(n, 0, n, self.reuse)
         n_top = self.request.sampling.logprobs
         logprobs = () if n_top is None else fake_logprobs(("Hello", " there", "."), n_top)
         yield TextDelta("Hello there.", logprobs)
         queue_s, restore_s, prefill_s = self.parts
-        yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01,
+        yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01, reuse=self.reuse,
                        queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s, logprobs=logprobs)
 
     def cancel(self) -> None:
@@ -77,6 +81,8 @@ class FakeEngine:
         self.parts = (0.002, 0.003, 0.005)  # the queue, restore and prefill seconds its jobs report
         self.hot: dict[str, dict[str, int]] = {}  # agent -> conversation -> tokens in memory
         self.prefills: tuple[PrefillProgress, ...] = ()
+        self.reuse: ReuseReport | None = None  # what its jobs' leases report
+        self.queued = False  # its jobs wait in the queue past a heartbeat
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -106,7 +112,7 @@ class FakeEngine:
             raise self.refuse
         self.submitted.append(request)
         self.submitted_at.append(time.perf_counter())
-        return FakeJob(request, parts=self.parts)
+        return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued)
 
     def model_names(self) -> dict[str, str]:
         return {self.model.fingerprint: self.model.name}
@@ -478,3 +484,20 @@ def test_a_direct_turn_may_start_a_new_conversation_and_caches_name_their_model(
     engine.hot = {"mixed": {agent["conversations"][0]["id"]: 12}}
     caches = client.simulate_get("/v1/agents/mixed").json["conversations"][0]["caches"]
     assert caches[0] == {"model_fingerprint": "fp-fake", "model": "fake", "cached_tokens": 12, "tier": "hot"}
+
+
+def test_the_cache_header_comes_from_the_lease_and_a_queued_stream_says_pending(
+        app: tuple[falcon.testing.TestClient, FakeEngine, Path]) -> None:
+    client, engine, db = app
+    engine.reuse = ReuseReport("extend", 40, source="disk", n_tokens=12, kv_format="q8")
+    expected = "source=disk; reason=extend; tokens=12; format=q8"
+    for path, body in (("/v1/messages", MESSAGES), ("/v1/chat/completions", CHAT)):
+        for stream in (False, True):
+            response = client.simulate_post(path, json={**body, "stream": stream})
+            assert response.status_code == 200 and response.headers["x-semantic-cache"] == expected, (path, stream)
+    assert query(db, "SELECT DISTINCT cache_source FROM requests") == [("disk",)]
+    # A stream still queued after a heartbeat sends its head without waiting for the lease.
+    engine.queued = True
+    streamed = client.simulate_post("/v1/messages", json={**MESSAGES, "stream": True})
+    assert streamed.headers["x-semantic-cache"] == "source=pending"
+    assert "message_stop" in streamed.text

@@ -42,7 +42,10 @@ def run(engine: Engine, sampling: SamplingParams, prompt: Prompt | None = None) 
 def test_events_start_stream_and_finish(engine: Engine) -> None:
     events, text, finished = run(engine, GREEDY)
     prompt = engine.render(QUESTION)
-    assert events[0] == Started(prompt.n_tokens, 0, 0)
+    # The lease's report comes before prefill (the x-semantic-cache header of a stream), the
+    # same as at the end: no agent, no reuse.
+    assert events[0] == Started(prompt.n_tokens, 0, 0, finished.reuse)
+    assert finished.reuse is not None and (finished.reuse.source, finished.reuse.reason) == ("none", "off")
     assert sum(isinstance(e, TextDelta) for e in events) > 3
     assert text.strip()
     assert finished.n_prompt_tokens == prompt.n_tokens

@@ -65,7 +65,9 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
     lease = a.lease("a", "c", as_prompt(first))
     forward(model, lease.cache, first)
     a.commit(lease, CacheRecord(*_record_fields(first)), lease.cache)
-    expected = forward(model, a.lease("a", "c", as_prompt(first + more)).cache, more)
+    again = a.lease("a", "c", as_prompt(first + more))
+    assert (again.report.source, again.report.n_tokens) == ("memory", 600)  # the writer's own: still in memory
+    expected = forward(model, again.cache, more)
     assert a.flush(60)  # written, indexed and uploaded
     a.close()
 
@@ -78,6 +80,8 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
     assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
     lease = b.lease("a", "c", as_prompt(first + more))
     assert (lease.n_reused, lease.report.reason) == (600, "extend")
+    # Its provenance: fetched from the tier (staged by the request thread), in the manager's format.
+    assert (lease.report.source, lease.report.n_tokens, lease.report.kv_format) == ("tier", 600, b.kv_format.name)
     assert mx.array_equal(forward(model, lease.cache, more), expected)
     b.close()
 
