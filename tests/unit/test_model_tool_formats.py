@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.protocol import anthropic, openai, responses, responses_output, tool_format
+from app.protocol import anthropic, openai, responses, responses_output, structured, tool_format
 from app.protocol.reply import ReplyParser, Thinking
 from app.types import Finished, RequestOptions, Started, TextDelta, ToolCall, ToolSyntax
+from support.grammar_check import allows, allows_start
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -212,6 +213,50 @@ def test_responses_function_call_whole_and_streamed() -> None:
     done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
     assert [i["type"] for i in done] == ["function_call"] and done[0]["name"] == "get_weather"
     assert json.loads(done[0]["arguments"]) == CALL.arguments
+
+
+
+@pytest.mark.parametrize("protocol", ["anthropic", "openai", "responses"])
+def test_a_forced_call_in_the_xml_format_is_held_to_the_tools_parameters(protocol: str) -> None:
+    """Qwen3-Coder's format: the grammar takes the call as the template writes it, its values
+    to their types, from the forced start the prompt holds; the parser reads what it takes."""
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"anthropic": {"model": "m", "max_tokens": 64, "messages": question, "tool_choice": {
+                "type": "tool", "name": "get_weather"}, "tools": [
+                {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]},
+            "openai": {"model": "m", "max_tokens": 64, "messages": question, "tools": [WEATHER],
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "responses": {"model": "m", "input": "Weather in Paris?", "max_output_tokens": 64,
+                          "tools": [{"type": "function", **WEATHER["function"]}], "tool_choice": "required"}}[protocol]
+    parsed = {"anthropic": anthropic, "openai": openai, "responses": responses}[protocol].parse_request(body, OPTIONS)
+    constraint = parsed.sampling.constraint
+    assert constraint is not None and constraint.prefix == parsed.reply_prefix
+    call = REPLIES["qwen3_coder"]
+    assert allows_start(constraint.grammar, parsed.reply_prefix) and allows(constraint.grammar, call)
+    assert allows(constraint.grammar, call.replace("<parameter=days>\n3\n</parameter>\n", ""))  # optional
+    for wrong in (call.replace("<parameter=city>\nParis\n</parameter>\n", ""),  # required
+                  call.replace("\n3\n", "\nthree\n"),  # an integer
+                  call.replace("Paris", "Par\nis"),  # one line
+                  call.replace("Paris", "x" * (structured.MAX_VALUE_CHARS + 1)),
+                  call.replace("get_weather", "get_time")):
+        assert not allows(constraint.grammar, wrong), wrong
+    parser = ReplyParser(thinking=False, tools=True, prefix=parsed.reply_prefix, syntax=SYNTAX, specs=(WEATHER,))
+    assert [*parser.feed(call[len(parsed.reply_prefix):]), *parser.finish()] == [CALL]
+
+
+def test_a_forced_call_in_an_own_format_without_a_grammar_forces_only_its_start() -> None:
+    gemma = syntax_of("gemma4")
+    assert structured.forced_call([("get_weather", WEATHER["function"]["parameters"])], "get_weather",
+                                  "<|tool_call>", gemma) is None
+    no_head = syntax_of("qwen3_coder")  # the template did not show where the name goes
+    assert structured.forced_call([("get_weather", {})], None, "<tool_call>", no_head) is None
+    enum = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "where": {"type": "object"}},
+            "required": ["unit", "where"]}
+    grammar = structured.forced_call([("get_weather", enum)], "get_weather", "", SYNTAX).grammar
+    assert allows(grammar, "<tool_call>\n<function=get_weather>\n<parameter=unit>\nC\n</parameter>\n"
+                           '<parameter=where>\n{"city": "Paris"}\n</parameter>\n</function>\n</tool_call>')
+    assert not allows(grammar, "<tool_call>\n<function=get_weather>\n<parameter=unit>\nK\n</parameter>\n"
+                               '<parameter=where>\n{"city": "Paris"}\n</parameter>\n</function>\n</tool_call>')
 
 
 def test_identity_does_not_depend_on_the_format() -> None:
