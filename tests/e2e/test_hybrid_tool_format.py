@@ -13,13 +13,14 @@ Each later turn reuses at least the previous prompt but its last token (where it
 left a checkpoint; the prompts here are 300 to 400 tokens, so that is over 90% of the
 previous prompt and reply). The reply itself is computed again: the reuse stops where the
 cached tokens part from the prompt's own tokenization (app/cache/matcher.py), and random
-weights write even a call held by the grammar token by token as the tokenizer would not
-split the text (a trained model writes the tokenizer's own split, and reuses its reply's
+weights write even a call held by the grammar in pieces the tokenizer would not split the
+text into (``>`` then a newline and spaces as one token, where the tokenizer splits
+otherwise: seen with ``logprobs``; a trained model writes the tokenizer's own split, and reuses its reply's
 checkpoint too; tests/integration/test_checkpoints.py covers that split).
 
-A forced call in a model's own format is held to the called tool's parameters by a grammar
-(``app/protocol/own_call_grammar.py``), so even random weights write a call that comes back
-parsed; the next turn's history replays it as the client got it.
+A forced call in this format is held to the called tool's parameters by a grammar
+(``structured.OWN_FORMATS``, app/protocol/structured.py), so even random weights write a call
+that comes back parsed; the next turn's history replays it as the client got it.
 """
 
 from __future__ import annotations
