@@ -20,9 +20,8 @@ before.
 
 A forced call in a model's own format is held too where its parser's format is known here
 (``OWN_FORMATS``: Qwen3-Coder's and Qwen3.5's XML calls, ``qwen3_coder``): the call as the
-model's template writes it, each parameter's value to its type (a string to one line of at
-most ``MAX_VALUE_CHARS`` characters without ``<``). Other own formats force only the call's
-start, as before.
+model's template writes it, each parameter's value to its type (a string: any text up to the
+element's end). Other own formats force only the call's start, as before.
 """
 
 from __future__ import annotations
@@ -127,23 +126,25 @@ def forced_call(offered: Sequence[Tool], name: str | None, prefix: str,
 
 
 # A model's own call formats a forced call is held to: parser module -> its rules' builder.
-MAX_VALUE_CHARS = 64  # a string parameter's value in the XML format: one line, at most this long
 _NUMBER = {"integer": r"/-?[0-9]{1,12}/", "number": r"/-?[0-9]{1,12}(\.[0-9]{1,8})?/", "boolean": '"true" | "false"'}
-_TEXT = f"/[^<\\n]{{1,{MAX_VALUE_CHARS}}}/"
+_PARAMETER_END = "\n</parameter>\n"
+# Text: anything, over lines, up to where the element ends (which it cannot hold).
+_TEXT_RULE = f"text[stop={_literal(_PARAMETER_END[:-1])}]: /(?s:.*)/"
 
 
 def _xml_value(schema: Any) -> str:
     """A lark rule body for one parameter's value as Qwen3-Coder's template writes it: a
-    number or boolean as text, an object or array as compact JSON, anything else as text."""
+    number, boolean or ``enum`` member as text, an object or array as compact JSON, anything
+    else as text."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     enum = schema.get("enum") if isinstance(schema, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) and v and not set(v) & {"<", "\n"} for v in enum):
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and _PARAMETER_END[:-1] not in v for v in enum):
         return " | ".join(_literal(v) for v in enum)
     if kind in _NUMBER:
         return _NUMBER[kind]
     if kind in ("object", "array"):
-        return _json_rule(schema, lenient=True) or _TEXT
-    return _TEXT
+        return _json_rule(schema, lenient=True) or "text"
+    return "text"
 
 
 def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence[str] | None) -> list[str] | None:
@@ -166,12 +167,12 @@ def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence
             if set(key) & {"<", ">", "\n"}:
                 return None
             rules.append(f"p{i}_{j}: {_literal(f'<parameter={key}>' + chr(10))} ({_xml_value(spec)}) "
-                         f"{_literal(chr(10) + '</parameter>' + chr(10))}")
+                         f"{_literal(_PARAMETER_END)}")
             items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
         head = _literal(f"{syntax.call_head}{name}>\n")
         rules.append(f"call{i}: {head} {' '.join(items)} {_literal('</function>' + chr(10) + syntax.call_end)}")
         alternatives.append(f"call{i}")
-    return [f"call: {' | '.join(alternatives)}", *rules] if alternatives else None
+    return [f"call: {' | '.join(alternatives)}", *rules, _TEXT_RULE] if alternatives else None
 
 
 OWN_FORMATS = {"qwen3_coder": _xml_call_rules}

@@ -9,14 +9,13 @@ reuses the previous prompt up to its last checkpoint (the recurrent state restor
 conversation's checkpoints), and turn 3's greedy reply is a fresh server's for the same
 request. ``f32`` KV keeps warm and cold bit-identical, so the texts must match exactly.
 
-Each later turn reuses at least the previous prompt but its last token (where its prefill
-left a checkpoint; the prompts here are 300 to 400 tokens, so that is over 90% of the
-previous prompt and reply). The reply itself is computed again: the reuse stops where the
-cached tokens part from the prompt's own tokenization (app/cache/matcher.py), and random
-weights write even a call held by the grammar in pieces the tokenizer would not split the
-text into (``>`` then a newline and spaces as one token, where the tokenizer splits
-otherwise: seen with ``logprobs``; a trained model writes the tokenizer's own split, and reuses its reply's
-checkpoint too; tests/integration/test_checkpoints.py covers that split).
+Turn 2 reuses at least the first prompt but its last token (where its prefill left a
+checkpoint). The call itself is computed again when the weights wrote it in pieces the
+tokenizer would not split its text into, as random weights held by a grammar do ('Par' +
+'is' for 'Paris', seen with logprobs): the reuse stops where the cached tokens part from
+the prompt's own tokenization (app/cache/matcher.py; a trained model writes the
+tokenizer's own split). Turn 3 reuses at least 95% of turn 2's prompt and reply (here all
+of them: the checkpoint at the reply's end).
 
 A forced call in this format is held to the called tool's parameters by a grammar
 (``structured.OWN_FORMATS``, app/protocol/structured.py), so even random weights write a call
@@ -40,15 +39,19 @@ from support.tool_templates import with_template
 F32 = {"SEMANTIC_KV_FORMAT": "f32"}
 SYSTEM = "You are a travel assistant. " + " ".join(
     f"Rule {i}: check the weather before suggesting anything outdoors." for i in range(12))
-WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CITIES = ["Paris", "London", "Tokyo"]
+# Values the grammar bounds (random weights never end free text): a city of the list, days as digits.
+WEATHER = {"name": "get_weather", "description": "The weather in a city, for the next days.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES},
+                                                             "days": {"type": "integer"}}, "required": ["city"]}}
 TOOLS = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                            "parameters": WEATHER["input_schema"]}}]
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 RESULT = "Sunny, 21 C"
 NEXT = {"role": "user", "content": "Should I pack an umbrella for tomorrow?"}
 GREEDY = {"temperature": 0}
-CALL_TOKENS = 128  # a forced call: its parameter's value is at most 64 characters
+CALL_TOKENS = 64  # enough for a forced call
+MIN_REUSE = 0.95
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def test_openai_a_forced_call_its_result_and_a_new_question_reuse_and_answer_as_
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
-    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    assert arguments["city"] in CITIES and isinstance(arguments.get("days", 0), int), arguments
 
     # The call as the client got it, its result, as a client replays them.
     history = [QUESTION, {"role": "assistant", "content": choice.message.content,
@@ -110,7 +113,8 @@ def test_openai_a_forced_call_its_result_and_a_new_question_reuse_and_answer_as_
 
     history += [{"role": "assistant", "content": reply.content}, NEXT]
     third = _chat(warm, history, "traveller-openai")
-    assert _cached(third) >= second.usage.prompt_tokens - 1, (second.usage, third.usage)
+    assert _cached(third) >= MIN_REUSE * (second.usage.prompt_tokens + second.usage.completion_tokens), (
+        second.usage, third.usage)
     cold = _chat(fresh, history, "traveller-openai")
     assert _cached(cold) == 0 and cold.usage.prompt_tokens == third.usage.prompt_tokens
     assert third.choices[0].message.content == cold.choices[0].message.content
@@ -134,7 +138,7 @@ def test_anthropic_a_forced_call_its_result_and_a_new_question_reuse_and_answer_
                       tool_choice={"type": "tool", "name": "get_weather"})
     assert first.stop_reason == "tool_use", first
     (call,) = [b for b in first.content if b.type == "tool_use"]
-    assert call.name == "get_weather" and set(call.input) == {"city"}
+    assert call.name == "get_weather" and call.input["city"] in CITIES, call.input
 
     history = [QUESTION, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": RESULT}]}]
@@ -144,7 +148,8 @@ def test_anthropic_a_forced_call_its_result_and_a_new_question_reuse_and_answer_
 
     history += [{"role": "assistant", "content": second.content[0].text}, NEXT]
     third = _messages(warm, history, "traveller-anthropic")
-    assert third.usage.cache_read_input_tokens >= _prompt(second) - 1, (second.usage, third.usage)
+    assert third.usage.cache_read_input_tokens >= MIN_REUSE * (_prompt(second) + second.usage.output_tokens), (
+        second.usage, third.usage)
     cold = _messages(fresh, history, "traveller-anthropic")
     assert cold.usage.cache_read_input_tokens == 0 and _prompt(cold) == _prompt(third)
     assert [b.model_dump() for b in third.content] == [b.model_dump() for b in cold.content]

@@ -234,10 +234,10 @@ def test_a_forced_call_in_the_xml_format_is_held_to_the_tools_parameters(protoco
     call = REPLIES["qwen3_coder"]
     assert allows_start(constraint.grammar, parsed.reply_prefix) and allows(constraint.grammar, call)
     assert allows(constraint.grammar, call.replace("<parameter=days>\n3\n</parameter>\n", ""))  # optional
+    assert allows(constraint.grammar, call.replace("Paris", "Paris <FR>,\n  or near it"))  # text: any
     for wrong in (call.replace("<parameter=city>\nParis\n</parameter>\n", ""),  # required
                   call.replace("\n3\n", "\nthree\n"),  # an integer
-                  call.replace("Paris", "Par\nis"),  # one line
-                  call.replace("Paris", "x" * (structured.MAX_VALUE_CHARS + 1)),
+                  call.replace("Paris", "Paris\n</parameter>\nor"),  # the element's end ends it
                   call.replace("get_weather", "get_time")):
         assert not allows(constraint.grammar, wrong), wrong
     parser = ReplyParser(thinking=False, tools=True, prefix=parsed.reply_prefix, syntax=SYNTAX, specs=(WEATHER,))
