@@ -20,8 +20,10 @@ before.
 
 A forced call in a model's own format is held too where its parser's format is known here
 (``OWN_FORMATS``: Qwen3-Coder's and Qwen3.5's XML calls, ``qwen3_coder``): the call as the
-model's template writes it, each parameter's value to its type (a string: any text up to the
-element's end). Other own formats force only the call's start, as before.
+model's template writes it, each parameter's value to its type, when every parameter's type
+bounds its text (numbers, booleans, ``enum`` members, JSON objects and arrays: not free
+text, which the grammar cannot end). Other calls and own formats force only the call's
+start, as before.
 """
 
 from __future__ import annotations
@@ -128,29 +130,29 @@ def forced_call(offered: Sequence[Tool], name: str | None, prefix: str,
 # A model's own call formats a forced call is held to: parser module -> its rules' builder.
 _NUMBER = {"integer": r"/-?[0-9]{1,12}/", "number": r"/-?[0-9]{1,12}(\.[0-9]{1,8})?/", "boolean": '"true" | "false"'}
 _PARAMETER_END = "\n</parameter>\n"
-# Text: anything, over lines, up to where the element ends (which it cannot hold).
-_TEXT_RULE = f"text[stop={_literal(_PARAMETER_END[:-1])}]: /(?s:.*)/"
 
 
-def _xml_value(schema: Any) -> str:
+def _xml_value(schema: Any) -> str | None:
     """A lark rule body for one parameter's value as Qwen3-Coder's template writes it: a
-    number, boolean or ``enum`` member as text, an object or array as compact JSON, anything
-    else as text."""
+    number, boolean or ``enum`` member as text, an object or array as compact JSON. None
+    for free text: it may hold anything up to the element's end, which llguidance's greedy
+    lexer cannot tell from the end itself (a value over lines, or one line starting ``</``)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     enum = schema.get("enum") if isinstance(schema, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) and _PARAMETER_END[:-1] not in v for v in enum):
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
         return " | ".join(_literal(v) for v in enum)
     if kind in _NUMBER:
         return _NUMBER[kind]
     if kind in ("object", "array"):
-        return _json_rule(schema, lenient=True) or "text"
-    return "text"
+        return _json_rule(schema, lenient=True)
+    return None
 
 
 def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence[str] | None) -> list[str] | None:
     """Rules for one call in Qwen3-Coder's XML format (``<function=NAME>`` then a
     ``<parameter=KEY>`` element per argument, required ones always, in the schema's order);
-    None where the template's call head is unknown or a name cannot be written in it.
+    None where the template's call head is unknown, a name cannot be written in it or a
+    parameter takes free text (``_xml_value``).
 
     A call's text starts with ``tool_format.forced_start``'s (the head, the name, and the
     ``name_tail`` the template writes after it: ``>\n`` and the ``<`` of what follows)."""
@@ -164,15 +166,15 @@ def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence
         required = set(schema.get("required") or ()) if isinstance(schema, dict) else set()
         items = []
         for j, (key, spec) in enumerate((properties if isinstance(properties, dict) else {}).items()):
-            if set(key) & {"<", ">", "\n"}:
+            value = _xml_value(spec)
+            if value is None or set(key) & {"<", ">", "\n"}:
                 return None
-            rules.append(f"p{i}_{j}: {_literal(f'<parameter={key}>' + chr(10))} ({_xml_value(spec)}) "
-                         f"{_literal(_PARAMETER_END)}")
+            rules.append(f"p{i}_{j}: {_literal(f'<parameter={key}>' + chr(10))} ({value}) {_literal(_PARAMETER_END)}")
             items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
         head = _literal(f"{syntax.call_head}{name}>\n")
         rules.append(f"call{i}: {head} {' '.join(items)} {_literal('</function>' + chr(10) + syntax.call_end)}")
         alternatives.append(f"call{i}")
-    return [f"call: {' | '.join(alternatives)}", *rules, _TEXT_RULE] if alternatives else None
+    return [f"call: {' | '.join(alternatives)}", *rules] if alternatives else None
 
 
 OWN_FORMATS = {"qwen3_coder": _xml_call_rules}

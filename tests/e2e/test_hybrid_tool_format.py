@@ -40,7 +40,8 @@ F32 = {"SEMANTIC_KV_FORMAT": "f32"}
 SYSTEM = "You are a travel assistant. " + " ".join(
     f"Rule {i}: check the weather before suggesting anything outdoors." for i in range(12))
 CITIES = ["Paris", "London", "Tokyo"]
-# Values the grammar bounds (random weights never end free text): a city of the list, days as digits.
+# Values whose type bounds their text, which the grammar holds (free text it does not): a city of
+# the list, days as digits.
 WEATHER = {"name": "get_weather", "description": "The weather in a city, for the next days.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES},
                                                              "days": {"type": "integer"}}, "required": ["city"]}}
