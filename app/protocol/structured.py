@@ -118,7 +118,7 @@ def forced_call(offered: Sequence[Tool], name: str | None, prefix: str,
     """A forced call held to the called tool's input schema (``name`` None: any offered
     tool's), in the generic format (``syntax`` None) or in the model's own; ``prefix``: its
     start, which the prompt holds (``tool_format.forced_start``). None when no grammar fits
-    (an own format not in ``OWN_FORMATS``)."""
+    (an own format not in ``OWN_FORMATS``, a parameter it cannot hold)."""
     names = None if name is None else [name]
     rules = _call_rules(offered, names) if syntax is None else _own_call_rules(syntax, offered, names)
     if rules is None:
@@ -127,7 +127,6 @@ def forced_call(offered: Sequence[Tool], name: str | None, prefix: str,
     return None if _compiles(grammar) else OutputConstraint(grammar, prefix, "tool_choice")
 
 
-# A model's own call formats a forced call is held to: parser module -> its rules' builder.
 _NUMBER = {"integer": r"/-?[0-9]{1,12}/", "number": r"/-?[0-9]{1,12}(\.[0-9]{1,8})?/", "boolean": '"true" | "false"'}
 _PARAMETER_END = "\n</parameter>\n"
 
@@ -177,6 +176,7 @@ def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence
     return [f"call: {' | '.join(alternatives)}", *rules] if alternatives else None
 
 
+# A model's own call formats a forced call is held to: parser module -> its rules' builder.
 OWN_FORMATS = {"qwen3_coder": _xml_call_rules}
 
 
