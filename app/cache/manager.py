@@ -35,7 +35,7 @@ from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, Fil
 from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
-from app.cache.pool import BlockPool
+from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
 from app.store.history import utcnow
@@ -93,9 +93,10 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
-# Hybrid models: shared checkpoints held in memory (the most recently used; the rest are
-# read from disk, verified, when a lease needs them).
-SHARED_CHECKPOINTS_IN_MEMORY = 4
+# Hybrid models: shared checkpoints held in memory, the most recently used, take at most
+# this share of the pool's budget (``budget_bytes``, beside it) and the latest one used
+# always stays; the rest are read from disk, verified, when a lease needs them.
+SHARED_CHECKPOINTS_SHARE = 1 / 16
 
 # Conversations used this recently come back into memory after a restart (``prefetch``).
 PREFETCH_WINDOW = timedelta(hours=1)
@@ -122,7 +123,7 @@ class CacheManager:
         self._pool = BlockPool(budget_bytes)
         self._blocks: dict[str, KVBlock] = {}
         # Hybrid models: shared checkpoints by the id of the block they follow (``checkpoints.py``).
-        self._shared_points: OrderedDict[str, Checkpoint] = OrderedDict()
+        self._shared_points: RecentWithin[Checkpoint] = RecentWithin(int(budget_bytes * SHARED_CHECKPOINTS_SHARE))
         self._hot: dict[str, ConversationCache] = {}
         # Provenance (ReuseReport.source) of what came into memory since a lease last used it:
         # conversations (``_load``) and shared blocks (``_load_shared_block``) read from disk or
@@ -394,12 +395,9 @@ class CacheManager:
         return point
 
     def _keep_shared_checkpoint(self, block: str, point: Checkpoint) -> None:
-        """Hold a shared checkpoint in memory, the most recently used of at most
-        ``SHARED_CHECKPOINTS_IN_MEMORY``."""
-        self._shared_points[block] = point
-        self._shared_points.move_to_end(block)
-        while len(self._shared_points) > SHARED_CHECKPOINTS_IN_MEMORY:
-            self._shared_points.popitem(last=False)
+        """Hold a shared checkpoint in memory, the most recently used (within
+        ``SHARED_CHECKPOINTS_SHARE`` of the budget)."""
+        self._shared_points.keep(block, point)
 
     def _load_shared_block(self, block: str) -> bool:
         """Bring a block some conversation stored on disk into memory (free), if it verifies."""

@@ -6,13 +6,16 @@ chains and hold private bytes of their own (a partial tail block, a float
 working copy). A block no owner references stays cached, in an LRU of free
 blocks, so a later request with the same prefix can still share it; under
 budget pressure free blocks go first, then the least recently used owners.
+
+``RecentWithin`` keeps the most recently used values of another kind (a hybrid model's
+shared checkpoints) within a byte bound of their own.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Generic, Iterable, Protocol, TypeVar
 
 
 @dataclass
@@ -97,3 +100,41 @@ class BlockPool:
             if self._refs[block] == 0:
                 del self._refs[block]
                 self._free[block] = None
+
+
+class Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+V = TypeVar("V", bound=Sized)
+
+
+class RecentWithin(Generic[V]):
+    """The most recently used values by key, dropping the least recently used while their
+    bytes exceed ``budget_bytes``; the latest value kept stays, whatever its size (a lease
+    about to use it must not read it again)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._values: OrderedDict[str, V] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: str) -> V | None:
+        return self._values.get(key)
+
+    def keep(self, key: str, value: V) -> list[str]:
+        """Hold ``value`` as the most recently used. Returns the keys dropped to stay within
+        the bound, least recently used first."""
+        old = self._values.pop(key, None)
+        self.nbytes += value.nbytes - (old.nbytes if old is not None else 0)
+        self._values[key] = value
+        dropped = []
+        while self.nbytes > self.budget_bytes and len(self._values) > 1:
+            gone, first = self._values.popitem(last=False)
+            self.nbytes -= first.nbytes
+            dropped.append(gone)
+        return dropped

@@ -7,7 +7,8 @@ names the field (``messages.0.content: Field required``).
 Structured outputs: ``output_format`` (and ``output_config.format``) ``json_schema`` hold
 the reply to the schema (``app.protocol.structured``; a prefilled final assistant message
 is the start of it), and a forced tool call (``tool_choice`` any / tool) is held to the
-tool's ``input_schema`` in the generic tool format. Fields this server cannot honour and
+tool's ``input_schema`` in the generic tool format (and in a model's own format where
+``structured.OWN_FORMATS`` knows it). Fields this server cannot honour and
 that would change the answer (``mcp_servers``, ``container``) are a 400 naming the field.
 """
 
@@ -343,12 +344,12 @@ def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
 
 def _constraint(parsed: MessagesBody, output: tuple[str, dict[str, Any]] | None, choice: ToolChoice, forced: str,
                 prefill: str, syntax: ToolSyntax | None) -> OutputConstraint | None:
-    """What holds the reply: a forced call to its tool's ``input_schema`` (the generic format),
-    else the output format (a reply that may call one of the tools instead)."""
+    """What holds the reply: a forced call to its tool's ``input_schema`` (the generic format, or
+    a model's own that ``structured.OWN_FORMATS`` knows), else the output format (a reply that may call one of the tools instead)."""
     offered = [(t.name, t.input_schema) for t in parsed.tools or []] if choice.type != "none" else []
     if forced:
         name = choice.name if choice.type == "tool" else None
-        return structured.forced_call(offered, name, forced) if syntax is None else None
+        return structured.forced_call(offered, name, forced, syntax)
     if output is None:
         return None
     where, schema = output

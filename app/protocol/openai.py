@@ -18,7 +18,7 @@ Output options: ``response_format`` ``json_object`` / ``json_schema`` hold the r
 (``app.protocol.structured``: a grammar the engine masks tokens with, and the schema in the
 system prompt); with tools offered the reply is that JSON or one tool call. A forced call
 (``tool_choice`` required or named) is held to the tool's parameters schema in the generic
-format. ``seed`` makes sampling reproducible (and ``top_k``, a common extension, is
+format, and in a model's own format where ``structured.OWN_FORMATS`` knows it. ``seed`` makes sampling reproducible (and ``top_k``, a common extension, is
 honoured); ``logprobs`` / ``top_logprobs`` return each
 token's log-probability (``choices[0].logprobs.content``, streamed too). Fields this server
 cannot honour and that would change the answer (``logit_bias``, ``frequency_penalty``,
@@ -301,7 +301,7 @@ def _tool_setup(parsed: ChatBody, syntax: ToolSyntax | None) -> tuple[str, str, 
         return tools.render_tools_system(offered), "", _format_constraint(parsed, syntax, schemas)
     forced = tool_format.forced_start(syntax, name)
     return tools.render_tools_system(offered), forced, \
-        structured.forced_call(schemas, name, forced) if syntax is None else None
+        structured.forced_call(schemas, name, forced, syntax)
 
 
 def _format_schema(parsed: ChatBody) -> tuple[bool, dict[str, Any] | None]:

@@ -413,7 +413,8 @@ def _tool_setup(body: ResponsesBody, stable: bool, syntax: ToolSyntax | None
                 ) -> tuple[str, str, dict[str, OfferedTool], tuple[dict[str, Any], ...], OutputConstraint | None]:
     """(the tools in the generic format's system prompt section, the forced start of the reply,
     the tools by flat name, the tools as chat templates take them, what holds the reply: a
-    forced call's schema in the generic format, or ``text.format``).
+    forced call's schema (the generic format, or a model's own that ``structured.OWN_FORMATS``
+    knows), or ``text.format``).
 
     Raises:
         InvalidRequest: a tool choice naming a tool that is not offered, or a hosted tool.
@@ -444,7 +445,7 @@ def _tool_setup(body: ResponsesBody, stable: bool, syntax: ToolSyntax | None
     elif choice == "required" or (isinstance(choice, AllowedTools) and choice.mode == "required"):
         forced = tool_format.forced_start(syntax, None)
     if forced:
-        constraint = structured.forced_call(schemas, name, forced) if syntax is None else None
+        constraint = structured.forced_call(schemas, name, forced, syntax)
     else:
         constraint = _format_constraint(body, syntax, schemas)
     section = tools.render_tools_system([{"name": flat_name(t.name, t.namespace), "description": description,

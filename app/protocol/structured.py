@@ -17,6 +17,13 @@ tool call (``with_tools``). A forced call in that format (``forced_call``) is he
 called tool's ``input_schema``, leniently: a keyword the grammar cannot express is left
 out of the mask, and a schema it cannot read at all leaves the call unconstrained, as
 before.
+
+A forced call in a model's own format is held too where its parser's format is known here
+(``OWN_FORMATS``: Qwen3-Coder's and Qwen3.5's XML calls, ``qwen3_coder``): the call as the
+model's template writes it, each parameter's value to its type, when every parameter's type
+bounds its text (numbers, booleans, ``enum`` members, JSON objects and arrays: not free
+text, which the grammar cannot end). Other calls and own formats force only the call's
+start, as before.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import llguidance
 
 from app.errors import InvalidRequest
 from app.protocol import tools
-from app.types import OutputConstraint
+from app.types import OutputConstraint, ToolSyntax
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # "JSON mode": any JSON object
@@ -106,13 +113,76 @@ def response_format(schema: dict[str, Any] | None, where: str, prefix: str = "",
     return OutputConstraint(grammar, prefix, where)
 
 
-def forced_call(offered: Sequence[Tool], name: str | None, prefix: str) -> OutputConstraint | None:
-    """A forced call in the generic format (``prefix``: its start, which the prompt holds, as
-    ``tools.forced_prefix`` writes it) held to the called tool's input schema (``name``
-    None: any offered tool's); None when no grammar fits."""
+def forced_call(offered: Sequence[Tool], name: str | None, prefix: str,
+                syntax: ToolSyntax | None = None) -> OutputConstraint | None:
+    """A forced call held to the called tool's input schema (``name`` None: any offered
+    tool's), in the generic format (``syntax`` None) or in the model's own; ``prefix``: its
+    start, which the prompt holds (``tool_format.forced_start``). None when no grammar fits
+    (an own format not in ``OWN_FORMATS``, a parameter it cannot hold)."""
     names = None if name is None else [name]
-    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(["start: call", *_call_rules(offered, names)]))
+    rules = _call_rules(offered, names) if syntax is None else _own_call_rules(syntax, offered, names)
+    if rules is None:
+        return None
+    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(["start: call", *rules]))
     return None if _compiles(grammar) else OutputConstraint(grammar, prefix, "tool_choice")
+
+
+_NUMBER = {"integer": r"/-?[0-9]{1,12}/", "number": r"/-?[0-9]{1,12}(\.[0-9]{1,8})?/", "boolean": '"true" | "false"'}
+_PARAMETER_END = "\n</parameter>\n"
+
+
+def _xml_value(schema: Any) -> str | None:
+    """A lark rule body for one parameter's value as Qwen3-Coder's template writes it: a
+    number, boolean or ``enum`` member as text, an object or array as compact JSON. None
+    for free text: it may hold anything up to the element's end, which llguidance's greedy
+    lexer cannot tell from the end itself (a value over lines, or one line starting ``</``)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and "\n" not in v for v in enum):
+        return " | ".join(_literal(v) for v in enum)
+    if kind in _NUMBER:
+        return _NUMBER[kind]
+    if kind in ("object", "array"):
+        return _json_rule(schema, lenient=True)
+    return None
+
+
+def _xml_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence[str] | None) -> list[str] | None:
+    """Rules for one call in Qwen3-Coder's XML format (``<function=NAME>`` then a
+    ``<parameter=KEY>`` element per argument, required ones always, in the schema's order);
+    None where the template's call head is unknown, a name cannot be written in it or a
+    parameter takes free text (``_xml_value``).
+
+    A call's text starts with ``tool_format.forced_start``'s (the head, the name, and the
+    ``name_tail`` the template writes after it: ``>\n`` and the ``<`` of what follows)."""
+    if syntax.call_head is None or not ">\n<".startswith(syntax.name_tail):
+        return None
+    rules, alternatives = [], []
+    for i, (name, schema) in enumerate(offered):
+        if names is not None and name not in names:
+            continue
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        required = set(schema.get("required") or ()) if isinstance(schema, dict) else set()
+        items = []
+        for j, (key, spec) in enumerate((properties if isinstance(properties, dict) else {}).items()):
+            value = _xml_value(spec)
+            if value is None or set(key) & {"<", ">", "\n"}:
+                return None
+            rules.append(f"p{i}_{j}: {_literal(f'<parameter={key}>' + chr(10))} ({value}) {_literal(_PARAMETER_END)}")
+            items.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+        head = _literal(f"{syntax.call_head}{name}>\n")
+        rules.append(f"call{i}: {head} {' '.join(items)} {_literal('</function>' + chr(10) + syntax.call_end)}")
+        alternatives.append(f"call{i}")
+    return [f"call: {' | '.join(alternatives)}", *rules] if alternatives else None
+
+
+# A model's own call formats a forced call is held to: parser module -> its rules' builder.
+OWN_FORMATS = {"qwen3_coder": _xml_call_rules}
+
+
+def _own_call_rules(syntax: ToolSyntax, offered: Sequence[Tool], names: Sequence[str] | None) -> list[str] | None:
+    build = OWN_FORMATS.get(syntax.parser)
+    return build(syntax, offered, names) if build is not None else None
 
 
 def instructions(schema: dict[str, Any] | None) -> str:

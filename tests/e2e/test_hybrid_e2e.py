@@ -2,7 +2,9 @@
 attention layers) served by a real ``semantic serve``: every later turn of an agent reuses
 its previous turns (the recurrent state from the checkpoints in the conversation's record,
 app/cache/checkpoints.py), after a SIGKILL too, with the same greedy text as a fresh server
-prefilling the whole conversation; and an exported agent keeps its checkpoints on import.
+prefilling the whole conversation; an exported agent keeps its checkpoints on import; and
+another agent with the same system prompt resumes from the first one's shared checkpoint at
+a block boundary (app/cache/manager.py), with a fresh server's text.
 
 The model is tiny and random (tests/support/families.py); ``f32`` KV keeps warm and cold
 bit-identical, so the texts must match exactly.
@@ -18,8 +20,9 @@ from typing import Iterator
 import httpx
 import pytest
 
+from app.cache.blocks import BLOCK_TOKENS
 from conftest import ServerProcess, start_server, stop_server
-from support.dbcheck import wait_persisted
+from support.dbcheck import query, wait_persisted
 from support.families import save
 from test_cli import semantic
 
@@ -127,3 +130,32 @@ def test_an_exported_hybrid_agent_keeps_its_checkpoints_on_import(
     assert _reuse(there) >= MIN_REUSE, there["usage"]
     assert there["usage"]["cache_read_input_tokens"] == here["usage"]["cache_read_input_tokens"]
     assert there["content"] == here["content"]
+
+
+def _first_turn(server: ServerProcess, session: str, question: str) -> dict:
+    """A new conversation of agent ``session`` (named by ``X-Session-ID``) with ``SYSTEM``."""
+    response = httpx.post(f"{server.url}/v1/messages", timeout=120, headers={"X-Session-ID": session}, json={
+        "model": "default", "max_tokens": 12, "temperature": 0, "system": SYSTEM,
+        "messages": [{"role": "user", "content": question}]})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_another_agent_resumes_the_shared_system_prompt_at_a_block_boundary_as_a_fresh_server_answers(
+        tmp_path: Path, hybrid_dir: Path, fresh: ServerProcess) -> None:
+    server = start_server(tmp_path / "home", hybrid_dir, F32)
+    try:
+        _first_turn(server, "planner", QUESTIONS[0])
+        reviewer = _first_turn(server, "reviewer", QUESTIONS[1])
+    finally:
+        stop_server(server)
+    rows = query(server.db_path, "SELECT agent_id, reuse_reason, n_cached_tokens, n_input_tokens FROM requests "
+                 "ORDER BY created_at")
+    assert [row[:2] for row in rows] == [("planner", "miss"), ("reviewer", "shared")]
+    n_cached, n_input = rows[1][2:]
+    # The shared start is the system prompt (over 3 blocks): the reviewer resumes at the last
+    # whole block of it, where the planner's prefill left a shared checkpoint.
+    assert n_cached == reviewer["usage"]["cache_read_input_tokens"] == 3 * BLOCK_TOKENS < n_input, rows
+    expected = _first_turn(fresh, "reviewer", QUESTIONS[1])
+    assert expected["usage"]["cache_read_input_tokens"] == 0
+    assert reviewer["content"] == expected["content"]

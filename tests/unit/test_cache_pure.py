@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from app.cache.hashing import block_hash, chain_hashes
 from app.cache.matcher import common_prefix_length, match_prompt
-from app.cache.pool import BlockPool
+from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, fork_cut
 from app.types import ForkPoint, Prompt
 from support.pool_check import check_pool, holds
@@ -146,6 +148,25 @@ def test_pool_lru_order_and_budget() -> None:
     assert pool.evict_free() == []  # every block is referenced
     assert pool.lru_owners(keep="C") == ["B", "A"]
 
+
+
+@dataclass(frozen=True)
+class Sized:
+    nbytes: int
+
+
+def test_recent_values_stay_within_their_bytes_the_latest_whatever_its_size() -> None:
+    """Shared checkpoints in memory (hybrid models): bounded by bytes, not by count."""
+    recent: RecentWithin[Sized] = RecentWithin(budget_bytes=100)
+    assert recent.keep("a", Sized(40)) == [] and recent.keep("b", Sized(40)) == []
+    assert recent.get("a") == Sized(40)
+    assert recent.keep("a", Sized(40)) == []  # used again: now the most recent
+    assert recent.keep("c", Sized(40)) == ["b"]  # the least recently used goes
+    assert (len(recent), recent.nbytes) == (2, 80) and recent.get("b") is None
+    assert recent.keep("d", Sized(10)) == [] and recent.nbytes == 90  # small ones fit beside
+    assert recent.keep("huge", Sized(500)) == ["a", "c", "d"]  # alone over the bound: kept alone
+    assert (len(recent), recent.nbytes, recent.get("huge")) == (1, 500, Sized(500))
+    assert recent.keep("huge", Sized(20)) == [] and recent.nbytes == 20  # replaced: its bytes recounted
 
 def test_reference_counts_never_go_negative() -> None:
     pool = BlockPool(budget_bytes=10)

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.protocol import anthropic, openai, responses, responses_output, tool_format
+from app.protocol import anthropic, openai, responses, responses_output, structured, tool_format
 from app.protocol.reply import ReplyParser, Thinking
 from app.types import Finished, RequestOptions, Started, TextDelta, ToolCall, ToolSyntax
+from support.grammar_check import allows, allows_start
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -213,6 +214,60 @@ def test_responses_function_call_whole_and_streamed() -> None:
     assert [i["type"] for i in done] == ["function_call"] and done[0]["name"] == "get_weather"
     assert json.loads(done[0]["arguments"]) == CALL.arguments
 
+
+
+BOUNDED = {"type": "function", "function": {  # every value's text bounded by its type
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "days": {"type": "integer"}}, "required": ["city"]}}}
+
+
+def _forced(protocol: str, tool: dict[str, Any]) -> Any:
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"anthropic": {"model": "m", "max_tokens": 64, "messages": question, "tool_choice": {
+                "type": "tool", "name": "get_weather"}, "tools": [
+                {"name": "get_weather", "input_schema": tool["function"]["parameters"]}]},
+            "openai": {"model": "m", "max_tokens": 64, "messages": question, "tools": [tool],
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "responses": {"model": "m", "input": "Weather in Paris?", "max_output_tokens": 64,
+                          "tools": [{"type": "function", **tool["function"]}], "tool_choice": "required"}}[protocol]
+    return {"anthropic": anthropic, "openai": openai, "responses": responses}[protocol].parse_request(body, OPTIONS)
+
+
+@pytest.mark.parametrize("protocol", ["anthropic", "openai", "responses"])
+def test_a_forced_call_in_the_xml_format_is_held_to_the_tools_parameters(protocol: str) -> None:
+    """Qwen3-Coder's format: the grammar takes the call as the template writes it, its values
+    to their types, from the forced start the prompt holds; the parser reads what it takes."""
+    parsed = _forced(protocol, BOUNDED)
+    constraint = parsed.sampling.constraint
+    assert constraint is not None and constraint.prefix == parsed.reply_prefix
+    call = REPLIES["qwen3_coder"]
+    assert allows_start(constraint.grammar, parsed.reply_prefix) and allows(constraint.grammar, call)
+    assert allows(constraint.grammar, call.replace("<parameter=days>\n3\n</parameter>\n", ""))  # optional
+    for wrong in (call.replace("<parameter=city>\nParis\n</parameter>\n", ""),  # required
+                  call.replace("\n3\n", "\nthree\n"),  # an integer
+                  call.replace("Paris", "Lima"),  # not in the enum
+                  call.replace("get_weather", "get_time")):
+        assert not allows(constraint.grammar, wrong), wrong
+    parser = ReplyParser(thinking=False, tools=True, prefix=parsed.reply_prefix, syntax=SYNTAX, specs=(BOUNDED,))
+    assert [*parser.feed(call[len(parsed.reply_prefix):]), *parser.finish()] == [CALL]
+    # Free text cannot be told from the element's end by the grammar: only the start is forced.
+    assert _forced(protocol, WEATHER).sampling.constraint is None
+
+
+def test_a_forced_call_in_an_own_format_without_a_grammar_forces_only_its_start() -> None:
+    bounded = BOUNDED["function"]["parameters"]
+    assert structured.forced_call([("get_weather", bounded)], "get_weather", "<|tool_call>",
+                                  syntax_of("gemma4")) is None
+    no_head = syntax_of("qwen3_coder")  # the template did not show where the name goes
+    assert structured.forced_call([("get_weather", bounded)], None, "<tool_call>", no_head) is None
+    nested = {"type": "object", "properties": {"ok": {"type": "boolean"}, "where": {"type": "object"}},
+              "required": ["ok", "where"]}
+    grammar = structured.forced_call([("get_weather", nested)], "get_weather", "", SYNTAX).grammar
+    assert allows(grammar, "<tool_call>\n<function=get_weather>\n<parameter=ok>\ntrue\n</parameter>\n"
+                           '<parameter=where>\n{"city": "Paris"}\n</parameter>\n</function>\n</tool_call>')
+    assert not allows(grammar, "<tool_call>\n<function=get_weather>\n<parameter=ok>\nyes\n</parameter>\n"
+                               '<parameter=where>\n{"city": "Paris"}\n</parameter>\n</function>\n</tool_call>')
 
 def test_identity_does_not_depend_on_the_format() -> None:
     """A conversation is the same one (same digests) whichever model's format rendered it."""
