@@ -17,6 +17,7 @@ from app.cache import checkpoints
 from app.cache.formats import KV_FORMATS
 from app.cache.checkpoints import CacheLayout
 from app.cache.records import CacheRecord
+from app.types import ForkPoint
 from support.families import HYBRID, build
 from test_cache_round_trips import as_prompt, manager
 
@@ -113,3 +114,33 @@ def test_checkpoints_are_lossless_on_disk_and_a_damaged_one_is_a_miss(family: st
     lease = again.lease("a", "a-c", as_prompt(tokens + [5]))
     assert (lease.n_reused, lease.report.reason) in ((256, "shared"), (0, "miss")), lease.report
     again.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_a_fork_inside_a_turn_resumes_at_the_checkpoint_before_its_cut(family: str, tmp_path: Path) -> None:
+    """A fork's copy of a hybrid conversation up to a point keeps the checkpoints at or
+    before its cut, and the forked agent's next turn resumes at the latest of them with a
+    cold prefill's logits; after a restart too."""
+    model = build(HYBRID[family])
+    layout = CacheLayout.of(model)
+    rng = np.random.default_rng(4)
+    first = rng.integers(100, TOKENS, 700).tolist()
+    caches = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    store(caches, model, first)
+    assert [p.n_tokens for p in caches._hot["a-c"].checkpoints] == [256, 512, 700]
+    text = as_prompt(first).text
+    point = ForkPoint(kept=(text[:600],), dropped=text[600:610])  # the fork leaves out tokens 600 on
+    assert caches.fork("a-c", "b", "b-c", point).wait(60)
+    assert [p.n_tokens for p in caches._hot["a-c"].checkpoints] == [256, 512, 700]  # the source is whole
+    assert caches.flush(30)
+    caches.close()
+
+    more = rng.integers(100, TOKENS, 40).tolist()
+    reloaded = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    lease = reloaded.lease("b", "b-c", as_prompt(first[:600] + more))
+    assert (lease.n_reused, lease.report.reason) == (512, "extend"), lease.report
+    warm = prefill(model, lease.cache, (first[:600] + more)[512:], 512, None)
+    cold_cache = model.make_cache()
+    cold = prefill(model, cold_cache, first[:600] + more, 0, None)
+    assert mx.array_equal(warm, cold), family
+    reloaded.close()
