@@ -4,7 +4,8 @@ its previous turns (the recurrent state from the checkpoints in the conversation
 app/cache/checkpoints.py), after a SIGKILL too, with the same greedy text as a fresh server
 prefilling the whole conversation; an exported agent keeps its checkpoints on import; and
 another agent with the same system prompt resumes from the first one's shared checkpoint at
-a block boundary (app/cache/manager.py), with a fresh server's text.
+a block boundary (app/cache/manager.py), with a fresh server's text; and in a pool, an
+agent whose server is killed goes on warm on the other one, from the shared tier.
 
 The model is tiny and random (tests/support/families.py); ``f32`` KV keeps warm and cold
 bit-identical, so the texts must match exactly.
@@ -159,3 +160,35 @@ def test_another_agent_resumes_the_shared_system_prompt_at_a_block_boundary_as_a
     expected = _first_turn(fresh, "reviewer", QUESTIONS[1])
     assert expected["usage"]["cache_read_input_tokens"] == 0
     assert reviewer["content"] == expected["content"]
+
+
+def test_a_hybrid_agent_whose_server_dies_moves_to_another_server_of_a_pool_warm_from_the_tier(
+        tmp_path: Path, hybrid_dir: Path, fresh: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`semantic pool up` (PostgreSQL, S3, HAProxy, two servers) on the hybrid model: after
+    its server is killed, an agent's next turn is served by the other server, which reads
+    the conversation's blocks and recurrent-state checkpoints from the shared tier, reuses
+    at least 90% of the previous prompt and answers as a fresh server prefilling it all."""
+    from test_pool import SYSTEM as POOL_SYSTEM
+    from test_pool import prompt_tokens, running_pool, wait_uploaded
+    from test_pool import turn as pool_turn
+
+    with running_pool(tmp_path, hybrid_dir, monkeypatch, 2, config='kv_format = "f32"\n') as (_home, state, _pool):
+        router, history, servers = state["router"], [], set()
+        for question in QUESTIONS[:3]:
+            history.append({"role": "user", "content": question})
+            server, reply, usage = pool_turn(router, "hybrid-agent", history)
+            history.append({"role": "assistant", "content": reply})
+            servers.add(server)
+        (held,) = servers
+        before = prompt_tokens(usage)  # the last prompt before the kill
+        wait_uploaded(state, "hybrid-agent", before - 1)
+        os.kill(next(s["pid"] for s in state["servers"] if s["id"] == held), signal.SIGKILL)
+        history.append(AFTER_RESTART)
+        server, reply, usage = pool_turn(router, "hybrid-agent", history)
+        assert server != held
+        assert usage["cache_read_input_tokens"] >= 0.9 * before, usage  # restored from the shared tier
+
+    cold = httpx.post(f"{fresh.url}/v1/messages", timeout=120, json={
+        "model": "default", "max_tokens": 8, "temperature": 0, "system": POOL_SYSTEM, "messages": history})
+    assert cold.status_code == 200 and cold.json()["usage"]["cache_read_input_tokens"] == 0, cold.text
+    assert reply == cold.json()["content"][0]["text"]
