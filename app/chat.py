@@ -20,7 +20,7 @@ import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, TextIO
+from typing import Any, Generator, Iterator, TextIO
 
 HELP = ("/new [ID]  start a new agent (a new conversation)\n"
         "/agents    the server's agents, most recently used first\n"
@@ -95,7 +95,8 @@ class ChatClient:
             raise ChatError(_error_text(status, answer))
         return list(answer["data"])
 
-    def turn(self, agent_id: str, text: str, max_tokens: int, temperature: float | None) -> Iterator[str | TurnStats]:
+    def turn(self, agent_id: str, text: str, max_tokens: int,
+             temperature: float | None) -> Generator[str | TurnStats, None, None]:
         """Stream one turn: the reply's text pieces, then its ``TurnStats``."""
         body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                                 "stream": True, **({"temperature": temperature} if temperature is not None else {})}
@@ -104,8 +105,7 @@ class ChatClient:
         stats = TurnStats()
         with response:
             if response.status != 200:
-                data = response.read()
-                raise ChatError(_error_text(response.status, _loads(data)))
+                raise ChatError(_error_text(response.status, _loads(response.read())))
             for event, data in _events(response):
                 if event == "message_start":
                     usage = data["message"]["usage"]

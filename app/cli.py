@@ -303,10 +303,10 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
             kv = f"KV refused: {exc}"
         print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\t{kv}\t"
               f"{_size(_weights_bytes(model.path))}")
-    for name, model in EMBEDDED.items():
+    for name, embedded in EMBEDDED.items():
         if name not in installed:
-            package = "package installed" if not model.missing_packages else f"semantic models install {name}"
-            print(f"{name}\tnot imported\tembedded, from {model.packages[0]} ({package})\t{model.description}")
+            package = "package installed" if not embedded.missing_packages else f"semantic models install {name}"
+            print(f"{name}\tnot imported\tembedded, from {embedded.packages[0]} ({package})\t{embedded.description}")
     for alias, target in settings.model_aliases.items():
         print(f"{alias}\talias\t{target}")
     return 0

@@ -54,7 +54,7 @@ class GuardedServer(TcpWSGIServer):
     def maintenance(self, now: float) -> None:
         super().maintenance(now)
         cutoff = now - self.head_timeout_s
-        late = [c for c in self._stalled() if c.head_since < cutoff]
+        late = [c for c in self._stalled() if (c.head_since or now) < cutoff]
         for channel in late:
             channel.will_close = True
         if late:
@@ -75,10 +75,10 @@ class GuardedServer(TcpWSGIServer):
         stalled = self._stalled()
         if not stalled:
             return False
-        oldest = min(stalled, key=lambda c: c.head_since)
+        oldest = min(stalled, key=lambda c: c.head_since or time.time())
         oldest.will_close = True
         log.debug("at the connection limit (%d): closing a connection that owes its request head since %.1f s",
-                  self.adj.connection_limit, time.time() - oldest.head_since)
+                  self.adj.connection_limit, time.time() - (oldest.head_since or time.time()))
         return True
 
 

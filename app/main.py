@@ -40,7 +40,7 @@ _LOADED_AT = time.monotonic()
 def create_app(deps: Deps) -> falcon.App:
     """The WSGI application. Tests build it with their own dependencies."""
     settings = deps.settings
-    app = falcon.App(middleware=[
+    app = falcon.App(middleware=[  # type: ignore[arg-type]  # falcon's types want one middleware kind
         RequestContextMiddleware(settings.effective_server_id),
         LocalOnlyMiddleware(settings.host, settings.allowed_origins, settings.allowed_hosts),
         AuthMiddleware(settings.api_key),

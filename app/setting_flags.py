@@ -25,8 +25,8 @@ def flag_of(name: str) -> str:
 
 
 def _default_text(item: Field[Any]) -> str:
-    if item.default_factory is not MISSING:  # type: ignore[misc]
-        value = item.default_factory()  # type: ignore[misc]
+    if item.default_factory is not MISSING:
+        value = item.default_factory()
         if isinstance(value, Path):
             return "~/" + str(value.relative_to(Path.home())) if value.is_relative_to(Path.home()) else str(value)
         return "none" if not value else str(value)

@@ -34,7 +34,8 @@ def setting(default: Any, doc: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Every setting of Semantic, with its default. Reference: docs/configuration.md (tests/unit/test_docs.py keeps it in step)."""
+    """Every setting of Semantic, with its default. Reference: docs/configuration.md
+    (tests/unit/test_docs.py keeps it in step)."""
 
     home: Path = setting(lambda: Path.home() / ".semantic", "Where the database, the models and the cache files live.")
     host: str = setting("127.0.0.1", "Bind address (localhost only by default); any other address needs api_key, or "

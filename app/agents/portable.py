@@ -365,7 +365,8 @@ class _Staging:
             try:
                 cache_files.check_block(block_meta, fingerprint, block_id)
             except ValueError:
-                raise InvalidRequest(f"archive: block {block_id} belongs to another model or block", "archive") from None
+                raise InvalidRequest(f"archive: block {block_id} belongs to another model or block",
+                                     "archive") from None
             row = self._home_block(layout, rows[-1].hash if rows else None, span, arrays) \
                 if len(rows) == n_home else None
             n_home += row is not None

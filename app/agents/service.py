@@ -11,6 +11,7 @@ turn's history is retried first.
 
 from __future__ import annotations
 
+import builtins
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Sequence, TypeVar
@@ -115,7 +116,7 @@ class AgentService:
             ids = agents_store.list_ids(session, limit, offset)
             return [v for v in (agents_store.view(session, i) for i in ids) if v is not None]
 
-    def history(self, agent_id: str, latest_only: bool = False) -> list[dict[str, Any]]:
+    def history(self, agent_id: str, latest_only: bool = False) -> builtins.list[dict[str, Any]]:
         """The agent's messages: every conversation's, or only its most recently used one's."""
         self.get(agent_id)
         with self._sessions() as session:

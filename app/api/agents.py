@@ -76,7 +76,7 @@ def render_agent(agent: AgentView, hot: Mapping[str, int], fingerprint: str,
                  names: Mapping[str, str] | None = None) -> dict[str, Any]:
     """An agent's status; ``hot`` maps its conversations in memory to their cached tokens,
     ``names`` model fingerprints to model names."""
-    conversations = []
+    conversations: list[dict[str, Any]] = []
     for conversation in agent.conversations:
         caches = _caches(conversation.caches, hot.get(conversation.id), fingerprint, names or {})
         hit = conversation.last_hit

@@ -70,7 +70,7 @@ def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticErr
 def handle_http(req: falcon.Request, resp: falcon.Response, exc: falcon.HTTPError, _params: Any) -> None:
     status = int(exc.status_code)
     message = exc.description or exc.title or "error"
-    for name, value in (exc.headers or {}).items():
+    for name, value in dict(exc.headers or {}).items():
         resp.set_header(name, value)
     _respond(req, resp, status, message)
 

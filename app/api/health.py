@@ -126,7 +126,7 @@ def model_entries(settings: Settings, engine: EngineSurface) -> dict[str, tuple[
     for name, path in catalog.paths.items():
         if path.exists():
             created.setdefault(name, path.stat().st_mtime)
-    entries = {name: (when, None) for name, when in created.items()}
+    entries: dict[str, tuple[float, str | None]] = {name: (when, None) for name, when in created.items()}
     entries.update({alias: (created.get(target, 0.0), target) for alias, target in catalog.aliases.items()})
     return dict(sorted(entries.items()))
 

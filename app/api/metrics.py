@@ -3,7 +3,7 @@ Semantic's own series, its build, and the standard process and Python ones."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import falcon
 from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
@@ -71,16 +71,23 @@ class Metrics:
                               ("prefill", "the prompt's new tokens computed, until the first token")))
         self.decode_rate = Histogram("semantic_decode_tokens_per_second", "Decode speed per request",
                                      buckets=RATE_BUCKETS, registry=r)
-        for name, doc, read in (
+        def cache_value(read: Callable[[Any], float]) -> Callable[[], float]:
+            def value() -> float:
+                cache = engine.status().cache
+                return float(read(cache)) if cache else 0.0
+            return value
+
+        cache_gauges: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
             ("semantic_cache_pool_bytes", "KV bytes in memory: 4-bit blocks and the float working copy",
              lambda s: s.pool_bytes),
             ("semantic_cache_pool_budget_bytes", "Memory pool budget", lambda s: s.budget_bytes),
             ("semantic_cache_hot_conversations", "Conversations whose cache is in memory",
              lambda s: s.hot_conversations),
-            ("semantic_cache_evictions", "Conversations spilled from memory to disk since start", lambda s: s.n_spilled),
-        ):
-            Gauge(name, doc, registry=r).set_function(
-                lambda read=read: float(read(engine.status().cache)) if engine.status().cache else 0.0)
+            ("semantic_cache_evictions", "Conversations spilled from memory to disk since start",
+             lambda s: s.n_spilled),
+        )
+        for name, doc, read in cache_gauges:
+            Gauge(name, doc, registry=r).set_function(cache_value(read))
         Gauge("semantic_queue_depth", "Requests waiting for the engine", registry=r).set_function(
             lambda: float(engine.status().queue_depth))
         Gauge("semantic_model_swaps", "Models swapped in for requests since start", registry=r).set_function(

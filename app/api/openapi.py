@@ -117,7 +117,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         streams=True),
     ("GET", "/v1/agents/{agent_id}/history"): Operation("The agent's stored messages"),
     ("POST", "/api/chat"): Operation(
-        "Ollama chat: the next assistant message", Body(OllamaChatBody), streams=True, stream_type="application/x-ndjson",
+        "Ollama chat: the next assistant message", Body(OllamaChatBody), streams=True,
+        stream_type="application/x-ndjson",
         description="Streams NDJSON unless `stream` is false (Ollama's default is to stream). `session_id` or "
                     "`X-Session-ID` name the agent; without them the conversation is recognised by its messages."),
     ("POST", "/api/generate"): Operation(
@@ -156,13 +157,13 @@ def build_document(app: falcon.App, api_key_required: bool) -> dict[str, Any]:
     for method, template in served:
         path, names = _openapi_path(template)
         paths.setdefault(path, {})[method.lower()] = _operation(method, template, names, refs, api_key_required)
-    auth = [{"apiKey": []}, {"bearer": []}] if api_key_required else []
+    auth: list[dict[str, list[str]]] = [{"apiKey": []}, {"bearer": []}] if api_key_required else []
     return {
         "openapi": "3.1.0",
         "info": {"title": "Semantic", "version": __version__,
                  "description": "A local LLM inference server with persistent per-agent KV caches: the Anthropic "
-                                "Messages API, OpenAI Chat Completions and Responses, the Ollama API, and a stateful agents "
-                                "API."},
+                                "Messages API, OpenAI Chat Completions and Responses, the Ollama API, and a "
+                                "stateful agents API."},
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": {
             "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key",

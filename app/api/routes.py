@@ -50,7 +50,8 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     app.add_route("/v1/messages/count_tokens", CountTokensResource(deps.engine, deps.settings.request_options))
     metrics = Metrics(deps.engine, lambda: jobs.run_counts(deps.sessions))
     app.add_route("/metrics", MetricsResource(metrics))
-    for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI), ("/v1/completions", COMPLETIONS)):
+    for path, dialect in (("/v1/messages", ANTHROPIC), ("/v1/chat/completions", OPENAI),
+                          ("/v1/completions", COMPLETIONS)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))
     responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
     app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))
@@ -65,7 +66,8 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     direct = GenerationResource(ANTHROPIC, deps.settings, deps.engine, deps.agents, metrics)  # protocol "direct"
     app.add_route("/v1/agents", AgentsResource(deps.agents, deps.engine))
     app.add_route("/v1/agents/{agent_id}", AgentResource(deps.agents, deps.engine))
-    app.add_route("/v1/agents/{agent_id}/generate", AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))
+    app.add_route("/v1/agents/{agent_id}/generate",
+                  AgentGenerateResource(deps.agents, direct, deps.settings.default_max_tokens))
     app.add_route("/v1/agents/{agent_id}/history", AgentHistoryResource(deps.agents))
     app.add_route("/v1/agents/{agent_id}/fork", AgentForkResource(deps.agents, deps.engine))
     document = ApiDocument(app, bool(deps.settings.api_key))  # every route above, and these two

@@ -209,11 +209,12 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
     (per-channel keys: ``start`` on a group boundary, the newest keys left float16)."""
     if kv_format.channel_keys and start % TIME_GROUP:
         raise ValueError(f"per-channel key groups start at multiples of {TIME_GROUP}, not {start}")
-    layers = []
+    layers: list[tuple[mx.array, ...]] = []
     for layer in cache:
         keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
         if not kv_format.quantized:
-            layers.append((keys.astype(kv_format.float_dtype), layer.values[..., start:end, :].astype(kv_format.float_dtype)))
+            values = layer.values[..., start:end, :]
+            layers.append((keys.astype(kv_format.float_dtype), values.astype(kv_format.float_dtype)))
             continue
         values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits,
                            kv_format.group_size)
@@ -233,11 +234,11 @@ def _dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx
     if not kv_format.quantized:
         return data[0].astype(dtype), data[1].astype(dtype)
     if kv_format.channel_keys:
-        grouped = _dequantize(*data[:3], kv_format.key_bits, TIME_GROUP, dtype).swapaxes(-1, -2)
+        grouped = _dequantize(data[0], data[1], data[2], kv_format.key_bits, TIME_GROUP, dtype).swapaxes(-1, -2)
         keys = mx.concatenate([grouped, data[3].astype(dtype)], axis=2)
     else:
-        keys = _dequantize(*data[:3], kv_format.key_bits, kv_format.group_size, dtype)
-    values = _dequantize(*data[-3:], kv_format.value_bits, kv_format.group_size, dtype)
+        keys = _dequantize(data[0], data[1], data[2], kv_format.key_bits, kv_format.group_size, dtype)
+    values = _dequantize(data[-3], data[-2], data[-1], kv_format.value_bits, kv_format.group_size, dtype)
     return _rotate(keys, kv_format.rotate_keys), _rotate(values, kv_format.rotate_values)
 
 
@@ -327,7 +328,8 @@ def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
     left as it was: writes to either never reach the other)."""
     if n_tokens == 0:
         return [KVCache() for _ in cache]
-    return working_cache(len(cache), lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
+    return working_cache(len(cache),
+                         lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
                          n_tokens)
 
 

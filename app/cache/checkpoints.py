@@ -123,7 +123,7 @@ class CacheLayout:
                 return next(kv)
             entry = ArraysCache(int(kind.split(":")[1]))
             if checkpoint is not None:
-                entry.cache = list(next(states))
+                entry.cache = list(next(states))  # type: ignore[arg-type, call-overload]  # arrays, not None
             return entry
 
         out = []
@@ -173,7 +173,8 @@ class Checkpoint:
     def to_numpy(self, prefix: str) -> tuple[dict[str, np.ndarray], list[list[str]]]:
         """Name -> numpy array (``prefix`` + layer.array), and each array's MLX dtype (a
         bfloat16 array is stored as its bits, uint16: numpy has no bfloat16)."""
-        arrays, dtypes = {}, []
+        arrays: dict[str, np.ndarray] = {}
+        dtypes: list[list[str]] = []
         for i, state in enumerate(self.states):
             dtypes.append([])
             for j, array in enumerate(state):

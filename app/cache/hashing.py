@@ -34,7 +34,7 @@ def private_fingerprint(fingerprint: str, salt: str) -> str:
     return scoped_fingerprint(fingerprint, f"private:{salt}")
 
 
-def block_hash(fingerprint: str, parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+def block_hash(fingerprint: str, parent: str | None, tokens: Sequence[int]) -> BlockHash:
     digest = hashlib.sha256()
     digest.update(fingerprint.encode())
     digest.update((parent or "root").encode())

@@ -288,7 +288,7 @@ class CacheManager:
                 continue
 
     @staticmethod
-    def _divergence(source: _Source, prompt: Prompt) -> dict[str, object]:
+    def _divergence(source: _Source, prompt: Prompt) -> dict[str, Any]:
         at = source.common
         if at >= len(prompt.text) and at >= len(source.cache.record.text):
             return {}
@@ -334,7 +334,7 @@ class CacheManager:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
         if not prompt.ends:
             return []
-        usable = []
+        usable: list[str] = []
         for block in chain_hashes(self.fingerprint, prompt.token_ids, BLOCK_TOKENS):
             if block not in self._blocks and not self._load_shared_block(block):
                 break
@@ -441,7 +441,7 @@ class CacheManager:
             return None
         begin = requantize_start(list(lease.blocks), lease.n_reused, self.kv_format)
         kept = min(begin // BLOCK_TOKENS, len(lease.chain))
-        chain = list(lease.chain[:kept])
+        chain: list[str] = list(lease.chain[:kept])
         start = kept * BLOCK_TOKENS
         pending = [slice_block(join_blocks(list(lease.blocks[kept:])), 0, begin - start)] if begin > start else []
         computed = quantize_span(cache, begin, record.n_tokens, self.kv_format)
@@ -457,14 +457,14 @@ class CacheManager:
             if block not in self._blocks:
                 self._blocks[block] = slice_block(fresh, offset, offset + BLOCK_TOKENS)
                 self._pool.add_block(block, self._blocks[block].nbytes)
-            chain.append(block)
+            chain.append(str(block))
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints,
                                    lease.salt)
         shared = self._shareable(lease, chain)
-        for block, point in shared.items():
-            self._keep_shared_checkpoint(block, point)
+        for block_id, point in shared.items():
+            self._keep_shared_checkpoint(block_id, point)
         self._set_hot(stored)
         self._keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},

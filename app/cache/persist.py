@@ -14,9 +14,10 @@ import logging
 import queue
 import threading
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -50,7 +51,7 @@ class Snapshot:
     cache: ConversationCache
     blocks: dict[str, KVBlock]
     epoch: int | None = None
-    shared: dict[str, StorableCheckpoint] = field(default_factory=dict)
+    shared: Mapping[str, StorableCheckpoint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,13 @@ class Persister(threading.Thread):
         record_path, record_checksum = self._files.write_record(cache)
         for _ in range(WRITE_ATTEMPTS):
             known = with_retries(lambda: self._block_checksums(cache.chain), INDEX_ATTEMPTS)
-            written = [self._files.write_block(block, snapshot.blocks[block], known.get(block)) for block in cache.chain]
+            written = [self._files.write_block(block, snapshot.blocks[block], known.get(block))
+                       for block in cache.chain]
             shared = self._write_shared(snapshot.shared)
             # Another writer (the worker, a second process) may hold the database: wait it out
             # as a finished turn's history does, rather than lose the cache's rows.
             indexed, previous = with_retries(
-                lambda: self._index(cache, record_path, record_checksum, written, snapshot.epoch, shared),
+                partial(self._index, cache, record_path, record_checksum, written, snapshot.epoch, shared),
                 INDEX_ATTEMPTS)
             if indexed is None:  # another server owns the agent now: its cache is the one that counts
                 record_path.unlink(missing_ok=True)
@@ -169,7 +171,7 @@ class Persister(threading.Thread):
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
-    def _write_shared(self, points: dict[str, StorableCheckpoint]) -> list[cache_index.SharedCheckpoint]:
+    def _write_shared(self, points: Mapping[str, StorableCheckpoint]) -> list[cache_index.SharedCheckpoint]:
         """Write the shared checkpoints not on disk yet (as the index knows them); returns the
         rows to index."""
         if not points:
@@ -189,7 +191,8 @@ class Persister(threading.Thread):
 
     def _index(self, cache: ConversationCache, record_path: Path, record_checksum: str,
                written: list[tuple[Path, str]], epoch: int | None,
-               shared: Sequence[cache_index.SharedCheckpoint] = ()) -> tuple[bool | None, cache_index.CacheEntry | None]:
+               shared: Sequence[cache_index.SharedCheckpoint] = (),
+               ) -> tuple[bool | None, cache_index.CacheEntry | None]:
         """Index the written files in one transaction: (False, None) if a block file was
         deleted meanwhile, (None, None) if this server
         no longer owns the agent (pool mode), else (True, the entry it replaced)."""

@@ -37,13 +37,13 @@ def delete_unreferenced(sessions: sessionmaker[Session], paths: Iterable[str | P
     block file the server took back after a job dropped its row is never deleted, and
     a row never points to a file this deleted.
     """
-    paths = [str(p) for p in paths]
-    if not paths:
+    named = [str(p) for p in paths]
+    if not named:
         return 0, 0
     n, freed = 0, 0
     with write_locked(sessions) as session:
-        referenced = cache_index.referenced_paths(session, paths)
-        for path in map(Path, (p for p in paths if p not in referenced)):
+        referenced = cache_index.referenced_paths(session, named)
+        for path in map(Path, (p for p in named if p not in referenced)):
             try:
                 size = path.stat().st_size
                 path.unlink()

@@ -11,6 +11,7 @@ GGUF expects. Pure: no MLX, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, processors
@@ -107,7 +108,7 @@ def _added_tokens(vocab: GgufVocab) -> list[AddedToken]:
 def _build_byte_level(vocab: GgufVocab) -> Tokenizer:
     if vocab.merges is None:
         raise InvalidModelFile("byte-level BPE vocabulary has no tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [(left, right) for left, right in (m.split(" ", 1) for m in vocab.merges)]
     token_ids = {t: i for i, t in enumerate(vocab.tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=token_ids, merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _byte_level_pre_tokenizer(vocab.pre)
@@ -154,7 +155,7 @@ def build_tokenizer(vocab: GgufVocab) -> Tokenizer:
     tokenizer.add_tokens(_added_tokens(vocab))
     if vocab.add_bos and vocab.bos_id is not None:
         bos = vocab.tokens[vocab.bos_id]
-        bos_processor = processors.TemplateProcessing(
+        bos_processor: Any = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab.bos_id)]
         )
         if vocab.model == "gpt2":

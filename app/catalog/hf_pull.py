@@ -50,7 +50,7 @@ def pull(repo_id: str, cache_dir: Path | None = None) -> CachedModel:
 
 def _reason(exc: BaseException) -> str:
     """The first line of ``exc`` and of its causes, innermost last (what the user can act on)."""
-    parts = []
+    parts: list[str] = []
     while exc is not None and len(parts) < 3:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         parts.append(text)

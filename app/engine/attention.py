@@ -84,7 +84,7 @@ def attention(plain: Attention) -> Attention:
         batch, heads, n_queries, dim = queries.shape
         kv_heads, n_keys = keys.shape[1], keys.shape[2]
         if n_queries == 1 or sinks is not None or hasattr(cache, "bits") or heads % kv_heads \
-                or queries.dtype != mx.float32:  # the patch is process-wide: another model of the family may not be float32
+                or queries.dtype != mx.float32:  # the patch is process-wide: another model may not be float32
             return plain(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         per_kv = heads // kv_heads
         # The query heads sharing a key/value head are rows of one matmul: the cache is never broadcast.
@@ -121,7 +121,7 @@ def install(model: nn.Module) -> bool:
             continue
         installed = True
         if not wraps(current, "numpy_softmax_attention"):
-            setattr(family, "scaled_dot_product_attention", attention(current))
+            setattr(family, "scaled_dot_product_attention", attention(current))  # noqa: B010  (family: Module | None)
     if installed:
         log.info("attention softmax in NumPy on %d threads (the CPU backend's exp is scalar)", THREADS)
     return installed

@@ -12,7 +12,8 @@ padding is masked, so each sequence attends to its own tokens only.
 
 A sequence that may speculate (no logits processors, a cache that trims exactly:
 ``speculation.py``; greedy, or sampling, verified by exact speculative sampling) and
-decodes alone leaves the ``GenerationBatch`` for a ``speculation.Lane``: it drafts from its own conversation and may get several
+decodes alone leaves the ``GenerationBatch`` for a ``speculation.Lane``: it drafts from its own conversation and
+may get several
 tokens a step. When another sequence joins, the lane goes back into the batch
 (one token a step each); when the batch is down to that sequence again, it
 leaves again. Either way the state moved is the same: the cache of the tokens
@@ -103,7 +104,7 @@ class DecodeBatch:
         """Put ``uid`` in the ``GenerationBatch``: ``token`` is fed now (not handed out)."""
         with mx.stream(generation_stream):
             joining = GenerationBatch(self._model, [uid], mx.array([token]), _merge_caches([cache]),
-                                      [list(context)], [sampler], greedy_sampler, [tuple(processors)], [NO_STOPS],
+                                      [list(context)], [sampler], greedy_sampler, [list(processors)], [NO_STOPS],
                                       [NO_LIMIT])
             self._batch.extend(joining)
 

@@ -201,6 +201,6 @@ def install(model: nn.Module, min_split: int = MIN_SPLIT_ELEMENTS) -> CoreSplit 
         family = sys.modules[type(attention).__module__] if attention is not None else None
         plain = getattr(family, "scaled_dot_product_attention", None)
         if plain is not None and not wraps(plain, "split_attention"):
-            setattr(family, "scaled_dot_product_attention", cores.attention(plain))
+            setattr(family, "scaled_dot_product_attention", cores.attention(plain))  # noqa: B010
     log.info("batched decode steps split over 2 streams (OpenBLAS: %d threads alone, 1 when split)", cores.blas_threads)
     return cores

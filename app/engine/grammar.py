@@ -96,7 +96,7 @@ class GrammarMask:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._fed:
-            token = int(tokens[-1].item())
+            token = int(tokens[-1].item())  # type: ignore[arg-type]  # an int array: .item() is an int
             if not self.broken and not self._matcher.consume_token(token):
                 self.broken = True
                 log.error("request %s: the grammar refused token %d (%s): the turn ends", self._request_id, token,

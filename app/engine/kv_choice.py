@@ -104,4 +104,5 @@ class KVChoice:
             return "auto (calibrated when the model first loads)"
         how = "auto" if self.chosen_by == "calibration" else "set"
         measured = self.measured
-        return f"{self.format.name} ({how}: {measured.describe() if measured else f'{self.format.bytes_vs_fp16:.1%} of FP16'})"
+        size = measured.describe() if measured else f"{self.format.bytes_vs_fp16:.1%} of FP16"
+        return f"{self.format.name} ({how}: {size})"

@@ -83,7 +83,8 @@ class LoadedModel(ModelSpec):
 
 
 def _param_dtype(model: nn.Module) -> mx.Dtype:
-    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    arrays: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return next(v.dtype for _, v in arrays if mx.issubdtype(v.dtype, mx.floating))
 
 
 def model_fingerprint(path: Path, kv_format: str) -> str:
@@ -287,7 +288,8 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
         kv = kv_choice(path, kv_format)
     except InvalidModelFile as exc:
         raise InvalidModelFile(f"{name}: {exc}") from None
-    return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids), model_fingerprint(path, kv.format.fingerprint),
+    return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids),
+                     model_fingerprint(path, kv.format.fingerprint),
                      TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
                      int(config.get("vocab_size") or len(tokenizer.vocab)), kv, tool_syntax(tokenizer))
 

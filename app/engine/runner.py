@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -178,7 +179,7 @@ class Runner(threading.Thread):
             self._publish()
             if not self.n_active:
                 waiting = self._queue.first()
-                if waiting is not None and self._model_of(waiting) != self.loaded.name:
+                if waiting is not None and self.loaded is not None and self._model_of(waiting) != self.loaded.name:
                     self._swap(self._model_of(waiting))
                     continue
                 if self._stopping and not len(self._queue):
@@ -288,19 +289,19 @@ class Runner(threading.Thread):
         loaded = self.loaded
         assert loaded is not None
 
-        def can_start(job: Job) -> bool:
+        def can_start(candidate: Job) -> bool:
             running = [s.job.request for s in (*self._prefilling, *self._decoding.values())]
-            return self._admission.can_start(job.request, running, loaded)
+            return self._admission.can_start(candidate.request, running, loaded)
 
-        while (job := self._queue.take(can_start, lambda j: self._model_of(j) != loaded.name)) is not None:
-            if job.cancelled:
-                job.put(cancelled_in_queue(job))
+        while (taken := self._queue.take(can_start, lambda j: self._model_of(j) != loaded.name)) is not None:
+            if taken.cancelled:
+                taken.put(cancelled_in_queue(taken))
                 continue
             try:
-                self._prefilling.append(self._start(job))
+                self._prefilling.append(self._start(taken))
             except Exception as exc:  # one bad request must not stop the others
-                log.exception("request %s could not start", job.request.request_id)
-                job.put(Failed(f"generation failed: {exc}"))
+                log.exception("request %s could not start", taken.request.request_id)
+                taken.put(Failed(f"generation failed: {exc}"))
 
     def _model_of(self, job: Job) -> str:
         return job.request.model or self._default
@@ -347,7 +348,8 @@ class Runner(threading.Thread):
             logprobs = self._batch.logprobs.get(uid) if n_top is not None else None
             for i, token in enumerate(tokens):  # a verified draft ends where plain decoding would
                 entry = None
-                if logprobs is not None and len(tokens) == 1 and token not in sequence.stop_ids:
+                if logprobs is not None and n_top is not None and len(tokens) == 1 \
+                        and token not in sequence.stop_ids:
                     entry = token_logprobs(logprobs, token, n_top, sequence.token_bytes)
                 if sequence.accept(token, entry):
                     done.append((uid, len(tokens) - 1 - i))
@@ -356,7 +358,7 @@ class Runner(threading.Thread):
             sequence = self._decoding.pop(uid)
             sequence.n_drafted, sequence.n_accepted = self._batch.drafts(uid)
             self._counters = self._counters.after_drafts(sequence.n_drafted, sequence.n_accepted)
-            self._finish(sequence, lambda: self._batch.remove(uid, n_unused))
+            self._finish(sequence, partial(self._batch.remove, uid, n_unused))
 
     def _prefill_step(self) -> None:
         for sequence in [s for s in self._prefilling if s.job.cancelled]:
@@ -397,8 +399,9 @@ class Runner(threading.Thread):
         if total < LONG_PREFILL_CHUNKS * self._policy.step_tokens:
             return
         if quarter_reached(sequence.n_prefilled - n, sequence.n_prefilled, total) is not None:
+            rate = 1 / (sequence.seconds_per_token or 1e-9)
             log.info("request %s: prefill %d%% (%d of %d new tokens, %.0f tokens/s)", sequence.job.request.request_id,
-                     100 * sequence.n_prefilled // total, sequence.n_prefilled, total, 1 / sequence.seconds_per_token)
+                     100 * sequence.n_prefilled // total, sequence.n_prefilled, total, rate)
 
     def _begin_decoding(self, sequence: Sequence) -> None:
         assert self._batch is not None

@@ -57,7 +57,9 @@ def token_logprobs(logprobs: mx.array, token: int, n_top: int, token_bytes: Toke
         ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
         values = logprobs[ids]
         mx.eval(ids, values)
-        ranked = sorted(zip(ids.tolist(), values.tolist()), key=lambda pair: -pair[1])
+        id_list: list[int] = ids.tolist()  # type: ignore[assignment]  # a vector of ints
+        value_list: list[float] = values.tolist()  # type: ignore[assignment]  # a vector of floats
+        ranked = sorted(zip(id_list, value_list), key=lambda pair: -pair[1])
         top = tuple(_entry(token_bytes, i, v) for i, v in ranked if v != float("-inf"))
-    chosen = _entry(token_bytes, token, float(logprobs[token].item()))
+    chosen = _entry(token_bytes, token, float(logprobs[token].item()))  # type: ignore[arg-type]
     return TokenLogprob(chosen.token, chosen.bytes, chosen.logprob, top)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from app.cache import checkpoints
 from app.cache.manager import Lease
 from app.cache.records import CacheRecord
-from app.engine.channel import Job
+from app.engine.channel import Failed, Job
 from app.engine.grammar import GrammarMask, matcher_for
 from app.engine.model import ModelSpec
 from app.engine.sampled_drafts import Distribution, token_distribution
@@ -121,7 +121,7 @@ class Sequence:
         """Every token in the cache once prefill is done (repetition penalty context)."""
         return [*self.lease.record.tokens, *self.prompt_ids[:-1]]
 
-    def put(self, event: GenerationEvent) -> None:
+    def put(self, event: GenerationEvent | Failed) -> None:
         self.job.put(event)
 
     def _send(self, text: str) -> None:

@@ -101,7 +101,7 @@ class Lane:
         vocab)`` at each position fed: greedily, or by exact speculative sampling."""
         if self.distribution is not None:
             return accept_sampled(np.array(self.distribution(logits.astype(mx.float32))), draft, self.rng)
-        predicted = greedy_tokens(logits).tolist()
+        predicted: list[int] = greedy_tokens(logits).tolist()  # type: ignore[assignment]  # one row of ints
         n = 0
         while n < len(draft) and draft[n] == predicted[n]:
             n += 1

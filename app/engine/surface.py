@@ -54,7 +54,8 @@ class EngineCounters:
         """These counters after one decode step of ``rows`` sequences, which gave ``n_tokens``
         (``rows`` unless some verified drafts)."""
         return replace(self, decode_steps=self.decode_steps + 1, split_steps=self.split_steps + int(split),
-                       decode_tokens=self.decode_tokens + (rows if n_tokens is None else n_tokens), decode_s=self.decode_s + seconds,
+                       decode_tokens=self.decode_tokens + (rows if n_tokens is None else n_tokens),
+                       decode_s=self.decode_s + seconds,
                        steps_by_batch={**self.steps_by_batch, rows: self.steps_by_batch.get(rows, 0) + 1},
                        seconds_by_batch={**self.seconds_by_batch,
                                          rows: self.seconds_by_batch.get(rows, 0.0) + seconds})

@@ -34,8 +34,8 @@ def _decoder_kinds(decoder: dict | None) -> set[str]:
     if not decoder:
         return set()
     if decoder.get("type") == "Sequence":
-        return {d.get("type") for d in decoder.get("decoders", [])}
-    return {decoder.get("type")}
+        return {str(d.get("type")) for d in decoder.get("decoders", [])}
+    return {str(decoder.get("type"))}
 
 
 class TokenBytes:

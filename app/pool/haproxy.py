@@ -93,7 +93,8 @@ def render_config(port: int, backends: list[Backend], admin_socket: str, host: s
              "if { req.body_size lt 16000 }"]
     servers = "\n".join(f"    server {b.server_id} {b.host}:{b.port}" for b in backends)
     sticky = ("    balance roundrobin" if routing == "round-robin" else
-              "    balance leastconn\n    stick-table type string len 300 size 1m expire 7d\n    stick on var(txn.key)\n"
+              "    balance leastconn\n    stick-table type string len 300 size 1m expire 7d\n"
+              "    stick on var(txn.key)\n"
               f"    stick store-response res.hdr({REPLY_ID_HEADER}) if {{ res.hdr({REPLY_ID_HEADER}) -m beg resp_ }}")
     return f"""# Written by `semantic pool up`; rewritten at each start.
 global

@@ -103,7 +103,8 @@ class LocalPostgres:
         as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         done = subprocess.run([*as_owner, *args], capture_output=True, text=True)
         if done.returncode != 0:
-            raise ConfigError(f"{Path(args[0]).name} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+            output = (done.stderr or done.stdout).strip()
+            raise ConfigError(f"{Path(args[0]).name} failed ({done.returncode}): {output}")
 
     def start(self, durable: bool = True) -> None:
         """Create the cluster on first use, then start it. ``durable=False`` (tests)

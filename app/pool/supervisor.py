@@ -160,7 +160,8 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
             print(f"postgres  starting in {cluster.root}", flush=True)
             cluster.start()
             database_url = cluster.url("postgres")
-        print(f"database  {redact(database_url)}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)", flush=True)
+        print(f"database  {redact(database_url)}  (SEMANTIC_DATABASE_URL for `semantic sql` and other tools)",
+              flush=True)
         base = {**os.environ, **pool_environment(settings), "SEMANTIC_DATABASE_URL": database_url}
         base.pop("SEMANTIC_CONFIG", None)
         block_store = settings.block_store
@@ -379,7 +380,8 @@ def _supervise(children: list[subprocess.Popen[bytes]]) -> None:
         for child in children:
             if child.poll() is not None and child.pid not in reported:
                 reported.add(child.pid)
-                print(f"pool      process {child.pid} ({' '.join(map(str, child.args[-2:]))}) exited with "
+                command: list[Any] = list(child.args)  # type: ignore[arg-type]  # a list of arguments here
+                print(f"pool      process {child.pid} ({' '.join(map(str, command[-2:]))}) exited with "
                       f"{child.returncode}", flush=True)
         time.sleep(1)
 

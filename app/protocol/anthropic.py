@@ -345,7 +345,8 @@ def _prefill(messages: list[ChatMessage], last: int, forced: str) -> str:
 def _constraint(parsed: MessagesBody, output: tuple[str, dict[str, Any]] | None, choice: ToolChoice, forced: str,
                 prefill: str, syntax: ToolSyntax | None) -> OutputConstraint | None:
     """What holds the reply: a forced call to its tool's ``input_schema`` (the generic format, or
-    a model's own that ``structured.OWN_FORMATS`` knows), else the output format (a reply that may call one of the tools instead)."""
+    a model's own that ``structured.OWN_FORMATS`` knows), else the output format (a reply that
+    may call one of the tools instead)."""
     offered = [(t.name, t.input_schema) for t in parsed.tools or []] if choice.type != "none" else []
     if forced:
         name = choice.name if choice.type == "tool" else None
@@ -399,7 +400,8 @@ def cache_ttl(body: dict[str, Any]) -> int | None:
             continue
         ttl = control.get("ttl", "5m")
         if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
-            raise InvalidRequest(f"{where}.cache_control.ttl: Input should be '5m' or '1h'", f"{where}.cache_control.ttl")
+            raise InvalidRequest(f"{where}.cache_control.ttl: Input should be '5m' or '1h'",
+                                 f"{where}.cache_control.ttl")
         longest = max(longest or 0, CACHE_TTLS[ttl])
     return longest
 

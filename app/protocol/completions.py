@@ -128,7 +128,8 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
 
 
 def render_chunks(completion_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str | Heartbeat]:
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat],
+                  ) -> Iterator[dict[str, Any] | str | Heartbeat]:
     """Engine events -> ``text_completion`` chunks, then the ``[DONE]`` marker; a heartbeat as it came."""
     created = int(time.time())
 

@@ -16,8 +16,8 @@ accepted and change nothing (``HARMLESS_OPTIONS``); penalties and other samplers
 accepted at their neutral value only (``NEUTRAL_OPTIONS``); anything else is a 400 naming
 the option. Request fields that change the answer and are not supported (``think``,
 ``images``, ``raw``, ``context``, ``suffix``, ``template``, ``logprobs``) are a 400 naming
-the field; ``keep_alive`` is accepted and ignored (the model stays loaded). Extension: ``session_id`` names the agent, as in the
-OpenAI API (also the ``X-Session-ID`` header).
+the field; ``keep_alive`` is accepted and ignored (the model stays loaded). Extension:
+``session_id`` names the agent, as in the OpenAI API (also the ``X-Session-ID`` header).
 
 Durations are nanoseconds: ``load_duration`` is the time the conversation's cache took to
 come back into memory, ``prompt_eval_count`` the prompt tokens computed this turn (those

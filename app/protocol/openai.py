@@ -18,8 +18,8 @@ Output options: ``response_format`` ``json_object`` / ``json_schema`` hold the r
 (``app.protocol.structured``: a grammar the engine masks tokens with, and the schema in the
 system prompt); with tools offered the reply is that JSON or one tool call. A forced call
 (``tool_choice`` required or named) is held to the tool's parameters schema in the generic
-format, and in a model's own format where ``structured.OWN_FORMATS`` knows it. ``seed`` makes sampling reproducible (and ``top_k``, a common extension, is
-honoured); ``logprobs`` / ``top_logprobs`` return each
+format, and in a model's own format where ``structured.OWN_FORMATS`` knows it. ``seed`` makes
+sampling reproducible (and ``top_k``, a common extension, is honoured); ``logprobs`` / ``top_logprobs`` return each
 token's log-probability (``choices[0].logprobs.content``, streamed too). Fields this server
 cannot honour and that would change the answer (``logit_bias``, ``frequency_penalty``,
 ``presence_penalty``, ``min_p``, ``repetition_penalty``, ``functions``, audio output,
@@ -34,7 +34,7 @@ import hashlib
 import json
 import time
 import uuid
-from typing import Annotated, Any, Iterator, Literal, Union
+from typing import Annotated, Any, Iterator, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -289,7 +289,7 @@ def _tool_setup(parsed: ChatBody, syntax: ToolSyntax | None) -> tuple[str, str, 
         return "", "", _format_constraint(parsed, syntax, ())
     offered = [{"name": t.function.name, "description": t.function.description,
                 "input_schema": t.function.parameters} for t in parsed.tools]
-    schemas = [(t["name"], t["input_schema"]) for t in offered]
+    schemas: list[tuple[str, dict[str, Any]]] = [(t.function.name, t.function.parameters) for t in parsed.tools]
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in {t["name"] for t in offered}:
             raise InvalidRequest(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
@@ -313,7 +313,7 @@ def _format_schema(parsed: ChatBody) -> tuple[bool, dict[str, Any] | None]:
 
 
 def _format_constraint(parsed: ChatBody, syntax: ToolSyntax | None,
-                       offered: list[tuple[str, dict[str, Any]]]) -> OutputConstraint | None:
+                       offered: Sequence[tuple[str, dict[str, Any]]]) -> OutputConstraint | None:
     """The response format as a grammar (a reply that may also call one of ``offered``)."""
     wanted, schema = _format_schema(parsed)
     if not wanted:
@@ -447,7 +447,8 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
 
 
 def render_chunks(completion_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[dict[str, Any] | str | Heartbeat]:
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat],
+                  ) -> Iterator[dict[str, Any] | str | Heartbeat]:
     """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker; a
     heartbeat as it came."""
     created = int(time.time())

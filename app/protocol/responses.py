@@ -330,7 +330,7 @@ def _rendered(item: Any, where: str) -> tuple[Side, str]:
         InvalidRequest: an unsupported item or part, or call arguments that are not JSON.
     """
     if isinstance(item, MessageItem):
-        side: Side = "system" if item.role in ("system", "developer") else item.role
+        side: Side = "system" if item.role in ("system", "developer") else item.role  # type: ignore[assignment]
         return side, _text(item.content, f"{where}.content")
     if isinstance(item, (FunctionCallItem, CustomToolCallItem)):
         return "assistant", tools.render_call(flat_name(item.name, item.namespace), _call_arguments(item, where))
@@ -527,7 +527,8 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
               for label, side, text, item in seen[lead:]]
     messages = _chat_messages(pieces, system)
     parts = [("instructions", instructions), *((label, t) for label, _, t, _ in seen[:lead]), ("tools", in_system),
-             ("response_format", format_text), *((label, piece.content) for (label, _, _, _), piece in zip(seen[lead:], pieces))]
+             ("response_format", format_text),
+             *((label, piece.content) for (label, _, _, _), piece in zip(seen[lead:], pieces))]
     sampling = SamplingParams(
         temperature=options.default_temperature if parsed.temperature is None else parsed.temperature,
         top_p=1.0 if parsed.top_p is None else parsed.top_p,

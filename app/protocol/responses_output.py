@@ -83,13 +83,15 @@ def _call(response_id: str, index: int, parsed: ParsedTurn, call: tools.ToolCall
 def reply_items(response_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
     """The output items of a whole reply."""
     segments: list[Any] = []
-    for part in parse_reply(parsed, text):
-        if isinstance(part, tools.ToolCall) or not segments or type(segments[-1]) is not type(part):
+    parts: list[Any] = parse_reply(parsed, text)
+    for part in parts:
+        last: Any = segments[-1] if segments else None
+        if isinstance(part, tools.ToolCall) or type(last) is not type(part):
             segments.append(part)
         elif isinstance(part, Thinking):
-            segments[-1] = Thinking(segments[-1].text + part.text)
+            segments[-1] = Thinking(last.text + part.text)
         else:
-            segments[-1] += part
+            segments[-1] = last + part
     called = any(isinstance(s, tools.ToolCall) for s in segments)
     items: list[dict[str, Any]] = []
     for segment in segments:

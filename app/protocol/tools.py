@@ -36,10 +36,10 @@ def _compact(tool: dict[str, Any]) -> dict[str, Any]:
     paragraph of its description and its parameters' names, types and whether
     they are required (full JSON schemas of real clients run to thousands of tokens)."""
     description = str(tool.get("description", "")).strip().split("\n\n")[0][:DESCRIPTION_CHARS]
-    schema = tool.get("input_schema") if isinstance(tool.get("input_schema"), dict) else {}
+    schema: dict[str, Any] = tool["input_schema"] if isinstance(tool.get("input_schema"), dict) else {}
     required = {r for r in schema.get("required", []) if isinstance(r, str)} \
         if isinstance(schema.get("required"), list) else set()
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    properties: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     parameters = {str(name): f"{spec.get('type', 'any')}{'' if name in required else ' (optional)'}"
                   for name, spec in properties.items() if isinstance(spec, dict)}
     return {"name": tool.get("name"), "description": description, "parameters": parameters}

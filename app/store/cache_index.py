@@ -105,7 +105,7 @@ def agent_caches(session: Session, agent_id: str, fingerprint: str) -> list[tupl
                            .where(Cache.agent_id == agent_id, Cache.model_fingerprint == fingerprint,
                                   Cache.tier != "cold", Cache.record_path.is_not(None))
                            .order_by(Cache.last_access_at.desc()))
-    return [(conversation_id, path) for conversation_id, path in rows]
+    return [(conversation_id, path) for conversation_id, path in rows if path is not None]
 
 
 def recent_caches(session: Session, fingerprint: str, since: datetime, limit: int) -> list[tuple[str, str]]:
@@ -299,7 +299,8 @@ def expired_caches(session: Session, default_ttl_s: int, now: datetime) -> list[
     rows = session.execute(select(Cache, Agent.ttl_seconds, Agent.last_access_at)
                            .join(Agent, Agent.id == Cache.agent_id).where(Cache.tier != "cold")).all()
     return [cache for cache, ttl, agent_access in rows
-            if max(cache.last_access_at, agent_access) + timedelta(seconds=default_ttl_s if ttl is None else ttl) <= now]
+            if max(cache.last_access_at, agent_access)
+            + timedelta(seconds=default_ttl_s if ttl is None else ttl) <= now]
 
 
 def warm_caches_oldest_first(session: Session) -> Iterator[Cache]:
@@ -337,19 +338,20 @@ def known_paths(session: Session) -> set[str]:
     """Every file a block or cache row points to."""
     known = set(session.scalars(select(Block.path).where(Block.path.is_not(None))))
     known |= set(session.scalars(select(Block.checkpoint_path).where(Block.checkpoint_path.is_not(None))))
-    return known | set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
+    known |= set(session.scalars(select(Cache.record_path).where(Cache.record_path.is_not(None))))
+    return {path for path in known if path is not None}
 
 
 def block_files(session: Session) -> list[tuple[str, str, str | None]]:
     """(hash, path, checksum) of every block with a file."""
     return [(h, p, c) for h, p, c in session.execute(
-        select(Block.hash, Block.path, Block.checksum).where(Block.path.is_not(None)))]
+        select(Block.hash, Block.path, Block.checksum).where(Block.path.is_not(None))) if p is not None]
 
 
 def record_files(session: Session) -> list[tuple[int, str]]:
     """(cache id, path) of every record file."""
     return [(i, p) for i, p in session.execute(select(Cache.id, Cache.record_path)
-                                                .where(Cache.record_path.is_not(None)))]
+                                                .where(Cache.record_path.is_not(None))) if p is not None]
 
 
 def caches_needing(session: Session, damaged_blocks: list[tuple[str, str]],

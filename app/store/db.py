@@ -55,7 +55,8 @@ def libpq_dsn(url: str) -> str:
     target = make_url(database_url(url))
     given = {"host": target.host, "port": target.port, "user": target.username, "password": target.password,
              "dbname": target.database, **dict(target.query)}
-    return make_conninfo(**{k: v for k, v in given.items() if v is not None})
+    params: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    return make_conninfo("", **params)
 
 
 def make_engine(url: str, busy_timeout_s: float = BUSY_TIMEOUT_S, **kwargs: Any) -> Engine:

@@ -65,11 +65,11 @@ def run_prune(sessions: sessionmaker[Session], retention_days: int) -> dict[str,
     started = utcnow()
     cutoff = started - timedelta(days=retention_days)
     with write_locked(sessions) as session:
-        runs = session.execute(delete(JobRun).where(JobRun.started_at < cutoff)).rowcount
+        runs = session.execute(delete(JobRun).where(JobRun.started_at < cutoff)).rowcount  # type: ignore[attr-defined]
         kept = union(select(Message.request_id).where(Message.request_id.is_not(None)),
                      select(StoredResponse.request_id).where(StoredResponse.request_id.is_not(None)))
         requests = session.execute(delete(Request).where(Request.created_at < cutoff,
-                                                         Request.id.not_in(kept))).rowcount
+                                                         Request.id.not_in(kept))).rowcount  # type: ignore[attr-defined]
     result = {"job_runs_deleted": runs, "requests_deleted": requests, "retention_days": retention_days}
     record_run(sessions, "prune", started, utcnow(), result)
     return result

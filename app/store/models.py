@@ -91,7 +91,8 @@ class Request(Base):
     n_cached_tokens: Mapped[int | None]  # reused from a cache
     n_output_tokens: Mapped[int | None]
     # How reuse ended (app.types.ReuseReason; NULL when no generation ran) and cache-miss
-    # diagnostics: why less than the whole prompt came from cache, how many characters did, and where the best stored text parted from the prompt:
+    # diagnostics: why less than the whole prompt came from cache, how many characters did,
+    # and where the best stored text parted from the prompt:
     # the character offset, the piece of the prompt it fell in ("system", "tools",
     # "messages.N", "template") and a short excerpt of the stored and the new text there.
     reuse_reason: Mapped[str | None] = mapped_column(String(32))

@@ -62,7 +62,8 @@ def agents(session: Session, limit: int = 50) -> list[AgentRow]:
     hits = {agent: (turns, rate) for agent, turns, rate in session.execute(text(
         "SELECT h.agent_id, t.turns, h.hit_rate FROM agent_cache_hits h JOIN agent_turns t USING (agent_id)"))}
     counts: dict[str, int] = {c: n for c, n in session.execute(
-        select(Message.conversation_id, func.count()).where(Message.agent_id.in_(ids)).group_by(Message.conversation_id))}
+        select(Message.conversation_id, func.count()).where(Message.agent_id.in_(ids))
+        .group_by(Message.conversation_id))}
     tokens: dict[str, int] = {}
     tiers: dict[str, list[str]] = {}
     for conversation_id, _, n_tokens, tier in cache_index.agents_caches(session, ids):
@@ -89,7 +90,7 @@ def _last_turns(session: Session, agent_ids: list[str]) -> dict[str, LastTurnCac
                                   Request.n_cached_tokens)
                            .join(latest, (Request.conversation_id == latest.c.conversation_id)
                                  & (Request.created_at == latest.c.at)))
-    return {c: LastTurnCache(source, reason, n or 0) for c, source, reason, n in rows if c is not None}
+    return {c: LastTurnCache(source, reason or "miss", n or 0) for c, source, reason, n in rows if c is not None}
 
 
 def recent_misses(session: Session, limit: int = 20) -> list[MissRow]:

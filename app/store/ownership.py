@@ -57,4 +57,4 @@ def release_all(sessions: sessionmaker[Session], server_id: str, now: datetime) 
     with write_locked(sessions) as session:
         result = session.execute(update(Owner).where(Owner.server_id == server_id)
                                  .values(server_id=NOBODY, epoch=Owner.epoch + 1, taken_at=now))
-        return int(result.rowcount or 0)
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]  # a DML result has one

@@ -1,7 +1,7 @@
 """initial schema
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-21
 """
 
@@ -112,7 +112,8 @@ def upgrade() -> None:
     sa.Column('position', sa.Integer(), nullable=False),
     sa.Column('block_hash', sa.String(length=64), nullable=False),
     sa.ForeignKeyConstraint(['block_hash'], ['blocks.hash'], name=op.f('fk_cache_blocks_block_hash_blocks')),
-    sa.ForeignKeyConstraint(['cache_id'], ['caches.id'], name=op.f('fk_cache_blocks_cache_id_caches'), ondelete='CASCADE'),
+    sa.ForeignKeyConstraint(['cache_id'], ['caches.id'], name=op.f('fk_cache_blocks_cache_id_caches'),
+                            ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('cache_id', 'position', name=op.f('pk_cache_blocks'))
     )
     with op.batch_alter_table('cache_blocks', schema=None) as batch_op:
@@ -128,7 +129,8 @@ def upgrade() -> None:
     sa.Column('n_tokens', sa.Integer(), nullable=True),
     sa.Column('request_id', sa.String(length=64), nullable=True),
     sa.ForeignKeyConstraint(['agent_id'], ['agents.id'], name=op.f('fk_messages_agent_id_agents'), ondelete='CASCADE'),
-    sa.ForeignKeyConstraint(['request_id'], ['requests.id'], name=op.f('fk_messages_request_id_requests'), ondelete='SET NULL'),
+    sa.ForeignKeyConstraint(['request_id'], ['requests.id'], name=op.f('fk_messages_request_id_requests'),
+                            ondelete='SET NULL'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_messages')),
     sa.UniqueConstraint('agent_id', 'position', name=op.f('uq_messages_agent_id_position'))
     )
