@@ -1,8 +1,9 @@
 """The README's and docs' mechanical claims, checked against the code.
 
 The README stays a front door (under 15 KB); every relative link in it and in
-docs/ resolves (files and #anchors); every `semantic ...` command they show exists
-in the CLI with the options shown; docs/configuration.md lists every setting with
+docs/ resolves (files and #anchors; reference-style links are defined; an external
+one is a whole URL, not fetched); every `semantic ...` command they show exists
+in the CLI with the options shown (long and short); docs/configuration.md lists every setting with
 its variable, default and range; docs/layout.md's layers block is the import graph
 of app/; docs/benchmarks.md shows every plot in benchmarks/results/. (The examples
 themselves run against a real server in tests/e2e/test_readme.py.)
@@ -15,6 +16,7 @@ import ast
 import re
 from dataclasses import MISSING, fields
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -54,11 +56,33 @@ def test_the_readme_is_a_front_door() -> None:
     assert size < 15_000, f"README.md is {size} bytes: move reference material into docs/"
 
 
+REFERENCE = re.compile(r"^\[([^\]]+)\]:\s+(\S+)", re.MULTILINE)  # [label]: target
+REFERENCE_USE = re.compile(r"\]\[([^\]]*)\]")  # [text][label]
+
+
+def _targets(text: str) -> list[str]:
+    """Every link target of a page's prose: inline links and reference-style definitions."""
+    prose = FENCE.sub("", text)
+    return LINK.findall(prose) + [target for _, target in REFERENCE.findall(prose)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_reference_style_link_is_defined(page: Path) -> None:
+    prose = re.sub(r"`[^`]*`", "", FENCE.sub("", page.read_text()))
+    defined = {label.lower() for label, _ in REFERENCE.findall(prose)}
+    for label in REFERENCE_USE.findall(prose):
+        assert label.lower() in defined, f"{page.name}: [{label}] is used but never defined"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_relative_link_resolves(page: Path) -> None:
-    for target in LINK.findall(FENCE.sub("", page.read_text())):
+    for target in _targets(page.read_text()):
         if re.match(r"[a-z]+:", target):
-            continue  # http(s), mailto: not checked here
+            # Not fetched here (no network in CI): it must at least be a whole URL.
+            parsed = urlparse(target)
+            assert parsed.scheme in ("http", "https", "mailto") and (parsed.netloc or parsed.scheme == "mailto"), \
+                f"{page.name}: {target} is not a whole URL"
+            continue
         path, _, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
         assert resolved.exists(), f"{page.name}: {target} does not exist"
@@ -97,7 +121,7 @@ def test_every_semantic_command_shown_exists_with_its_options() -> None:
     assert any(words[:1] == ["sql"] for _, _, words in shown) and any(words[:1] == ["serve"] for _, _, words in shown)
     for page, line, words in shown:
         parser = build_parser()
-        if not words or not re.fullmatch(r"[a-z]+", words[0]):
+        if not words or not re.fullmatch(r"[a-z][a-z-]*", words[0]):
             continue  # prose: "semantic" followed by no command word
         commands = _subcommands(parser)
         assert words[0] in commands, f"{page}: `{line}`: no command `semantic {words[0]}`"
@@ -110,7 +134,7 @@ def test_every_semantic_command_shown_exists_with_its_options() -> None:
         for token in rest:
             if token == "--":  # what follows is another program's (semantic launch)
                 break
-            if token.startswith("--"):
+            if token.startswith("--") or re.fullmatch(r"-[A-Za-z]", token):
                 assert token.split("=")[0] in options, f"{page}: `{line}`: no option {token}"
 
 
