@@ -13,7 +13,7 @@ import pytest
 from app.protocol import ollama
 from app.types import RequestOptions
 from support.dbcheck import query
-from test_app_with_a_fake_engine import make_app
+from support.fake_engine import make_app
 
 
 @pytest.fixture

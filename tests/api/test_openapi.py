@@ -26,7 +26,7 @@ from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
 
 from test_protocol_fuzz import VALID, mutated
-from test_app_with_a_fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
 
 CODEX = json.loads((Path(__file__).parents[1] / "unit" / "data" / "codex_requests.json").read_text())
 

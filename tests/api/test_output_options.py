@@ -17,7 +17,7 @@ import pytest
 
 from support.dbcheck import query
 from support.grammar_check import allows as _allows
-from test_app_with_a_fake_engine import make_app
+from support.fake_engine import make_app
 
 
 @pytest.fixture

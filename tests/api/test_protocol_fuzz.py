@@ -24,7 +24,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
 
-from test_app_with_a_fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
 
 TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {
     "city": {"type": "string"}}}}

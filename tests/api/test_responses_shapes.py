@@ -22,7 +22,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
 
-from test_app_with_a_fake_engine import FakeEngine
+from support.fake_engine import FakeEngine
 
 BASE = {"model": "m", "input": "Hi", "max_output_tokens": 4}
 
