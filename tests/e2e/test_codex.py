@@ -108,4 +108,8 @@ def test_semantic_launch_runs_codex_against_this_homes_server(codex: Path, serve
                for e in events(done.stdout)), done.stdout[-2000:]
     config = (server.home / "clients" / "codex" / "config.toml").read_text()
     assert f'base_url = "{server.url}/v1"' in config and 'wire_api = "responses"' in config
+    assert "supports_websockets = true" in config
     assert query(server.db_path, answered)[0][0] > before
+    (latest,) = query(server.db_path, "SELECT id FROM requests WHERE protocol = 'responses' AND status = 'ok' "
+                      "ORDER BY created_at DESC LIMIT 1")[0]
+    assert re.search(rf"WebSocket \w+: request {latest} agent", server.log())  # over the WebSocket
