@@ -14,8 +14,10 @@ event rendering as HTTP, each event one JSON text message instead of an SSE fram
 in memory on the connection (so it continues with ``store: false``, as Codex sends it): a
 turn sends only its new input. ``generate: false`` is a warm-up: parsed and answered with
 ``response.created`` and ``response.completed`` (no output, nothing run); its id continues
-from its input. Any other message gets an ``error`` event (the HTTP error body with
-``type: "error"`` and the HTTP ``status``); the connection and its latest response stay.
+from its input. ``response.processed`` (newer Codex versions: the client is done with a
+response) is taken without an answer. Any other message gets an ``error`` event (the HTTP
+error body with ``type: "error"`` and the HTTP ``status``); the connection and its latest
+response stay.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from app.api.errors import status_of
 from app.api.generation import GenerationResource
 from app.api.middleware import RequestContextMiddleware
 from app.api.responses import RESPONSES, continued, input_items
+from app.api.sse import SseStream
 from app.errors import InvalidRequest, SemanticError
 from app.http_server import TAKE_SOCKET
 from app.protocol import responses_output
@@ -154,6 +157,8 @@ class _Session:
                 raise InvalidRequest("binary messages are not accepted: send each event as JSON text", "type")
             body = read_json(req)
             kind = body.get("type") if isinstance(body, dict) else None
+            if kind == "response.processed":  # newer Codex: the client is done with a response; no answer
+                return
             if kind != "response.create":
                 raise InvalidRequest(f"unknown message type {kind!r}: this server accepts response.create", "type")
             generate = body.get("generate", True) is not False
@@ -172,6 +177,7 @@ class _Session:
         log.info("WebSocket %s: request %s agent %s", self.name, req.context.request_id, req.context.agent)
         final: dict[str, Any] | None = None
         stream = resp.stream
+        assert isinstance(stream, SseStream)  # a streamed answer (stream: true)
         try:
             for payload in stream:
                 event = json.loads(payload)

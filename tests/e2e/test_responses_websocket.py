@@ -28,8 +28,17 @@ def receive_turn(ws: ClientConnection) -> list[dict[str, Any]]:
             return events
 
 
+def without_keep_alives(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events but the repeated ``response.in_progress`` a prefill sends as it progresses
+    (on either transport, as its timing goes)."""
+    return [e for i, e in enumerate(events) if i < 2 or e["type"] != "response.in_progress"]
+
+
 def sse_events(server: ServerProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=300) as answer:
+    # An agent of its own: prefilled afresh, as the WebSocket's first turn was (a reused 4-bit
+    # cache may tip a greedy choice).
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=300,
+                      headers={"X-Session-ID": "sse-twin"}) as answer:
         assert answer.status_code == 200
         return [json.loads(line[len("data: "):]) for line in answer.iter_lines() if line.startswith("data: ")]
 
@@ -50,6 +59,8 @@ def test_two_turns_on_one_connection_send_only_new_input(server: ServerProcess) 
         done_1 = first[-1]["response"]
         assert first[-1]["type"] in DONE and done_1["previous_response_id"] == warm_id
 
+        # Newer Codex versions acknowledge a response: taken without an answer.
+        ws.send(json.dumps({"type": "response.processed", "response_id": done_1["id"]}))
         # A message of another type, one that is not JSON, an unknown response: error events.
         for bad, status, param in (({"type": "response.cancel"}, 400, "type"), ("not json", 400, "body"),
                                    ({"type": "response.create", **turn, "previous_response_id": "resp_nope",
@@ -71,15 +82,17 @@ def test_two_turns_on_one_connection_send_only_new_input(server: ServerProcess) 
     assert httpx.get(f"{server.url}/v1/responses/{done_1['id']}").status_code == 404  # store: false kept
 
     # The SSE path sends the same events for the same (whole) request.
-    sse = sse_events(server, {**turn, "input": [*SYSTEM, {"role": "user", "content": "What is the capital of France?"}]})
-    assert [e["type"] for e in sse] == [e["type"] for e in first]
-    assert [e.get("delta") for e in sse] == [e.get("delta") for e in first]
+    whole = [*SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    sse = sse_events(server, {**turn, "input": whole})
+    assert [e["type"] for e in without_keep_alives(sse)] == [e["type"] for e in without_keep_alives(first)]
+    assert [e.get("delta") for e in without_keep_alives(sse)] == [e.get("delta") for e in without_keep_alives(first)]
 
     # Both turns were recorded as Responses API requests, in one conversation, and came over the socket.
     rows = query(server.db_path, "SELECT id, conversation_id, n_cached_tokens, reuse_reason FROM requests "
                  "WHERE protocol = 'responses' AND status = 'ok' ORDER BY created_at DESC LIMIT 3")
-    (_, sse_conv, _, _), (second_id, conv_2, cached_2, reason_2), (first_id, conv_1, _, _) = rows
-    assert conv_1 == conv_2 and reason_2 == "extend" and cached_2 == done_2["usage"]["input_tokens_details"]["cached_tokens"]
+    _, (second_id, conv_2, cached_2, reason_2), (first_id, conv_1, _, _) = rows
+    assert conv_1 == conv_2 and reason_2 == "extend"
+    assert cached_2 == done_2["usage"]["input_tokens_details"]["cached_tokens"]
     log = server.log()
     for request_id in (first_id, second_id):
         assert re.search(rf"WebSocket \w+: request {request_id} agent", log), request_id
