@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 from waitress.channel import HTTPChannel
@@ -53,12 +54,26 @@ class HeadDeadlineChannel(HTTPChannel):
         self.head_since: float | None = self.creation_time
         self.taken = False
 
-    def take_socket(self) -> socket.socket:
+    def take_socket(self, timeout_s: float = 10) -> socket.socket:
         """This connection's socket, blocking, for the caller alone from now on: waitress's
-        loop no longer sees it (it leaves the map, so a poll in progress skips it) and the
-        taking request's answer is dropped. The caller owns it and closes it."""
-        self.taken = True
-        self.del_channel()
+        loop no longer sees it and the taking request's answer is dropped. The caller owns
+        it and closes it.
+
+        Raises:
+            OSError: the server's loop did not let it go within ``timeout_s`` (stopping).
+        """
+        released = threading.Event()
+
+        def release() -> None:
+            self.taken = True
+            self.del_channel()
+            released.set()
+
+        # NOTE: the loop's thread lets it go: it alone changes the channel map and
+        # active_channels, which its maintenance iterates.
+        self.server.trigger.pull_trigger(release)
+        if not released.wait(timeout_s):
+            raise OSError("the server did not hand the socket over")
         self.socket.setblocking(True)
         return self.socket
 
