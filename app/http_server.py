@@ -11,26 +11,76 @@ and ``/health`` goes unanswered. Two rules hold here:
   so new connections (a probe, a client) are still accepted.
 
 A socket with a request in progress or an answer being written is never closed by either rule.
+
+A request may also take its socket over (``TAKE_SOCKET`` in its WSGI environ: the Responses
+API's WebSocket upgrade, ``app/api/responses_socket.py``): waitress then forgets the socket
+(it no longer reads, writes, times out or counts it) and drops what the request's answer
+would have written; whoever took it closes it.
 """
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
+from waitress.task import WSGITask
 
 log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 10  # a request line and headers sent a byte at a time by a live client take far less
+TAKE_SOCKET = "semantic.take_socket"  # the WSGI environ key of a request's HeadDeadlineChannel.take_socket
+
+
+class SocketTakingTask(WSGITask):
+    """A WSGI task whose environ can take the connection's socket over (``TAKE_SOCKET``)."""
+
+    def get_environment(self) -> dict:
+        environ = super().get_environment()  # cached by waitress: this adds the key once
+        environ[TAKE_SOCKET] = self.channel.take_socket
+        return environ
 
 
 class HeadDeadlineChannel(HTTPChannel):
-    """A channel that knows since when it has owed a request head (None: it owes none)."""
+    """A channel that knows since when it has owed a request head (None: it owes none), and
+    whose socket a request may take over."""
+
+    task_class = SocketTakingTask
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.head_since: float | None = self.creation_time
+        self.taken = False
+
+    def take_socket(self, timeout_s: float = 10) -> socket.socket:
+        """This connection's socket, blocking, for the caller alone from now on: waitress's
+        loop no longer sees it and the taking request's answer is dropped. The caller owns
+        it and closes it.
+
+        Raises:
+            OSError: the server's loop did not let it go within ``timeout_s`` (stopping).
+        """
+        released = threading.Event()
+
+        def release() -> None:
+            self.taken = True
+            self.del_channel()
+            released.set()
+
+        # NOTE: the loop's thread lets it go: it alone changes the channel map and
+        # active_channels, which its maintenance iterates.
+        self.server.trigger.pull_trigger(release)
+        if not released.wait(timeout_s):
+            raise OSError("the server did not hand the socket over")
+        self.socket.setblocking(True)
+        return self.socket
+
+    def write_soon(self, data: bytes) -> int:
+        if self.taken:  # the socket speaks another protocol now
+            return len(data)
+        return super().write_soon(data)
 
     def received(self, data: bytes) -> bool:
         if self.request is None and self.head_since is None and not self.requests:

@@ -51,9 +51,11 @@ _SECRET_VARIABLES = {"ANTHROPIC_API_KEY", CODEX_KEY_VARIABLE}
 
 
 def codex_config(base_url: str, model: str) -> str:
+    """Codex's provider: the Responses API over its WebSocket transport (each request sends only
+    its new items: docs/responses-api.md)."""
     return (f'model = "{model}"\nmodel_provider = "{CODEX_PROVIDER}"\n\n[model_providers.{CODEX_PROVIDER}]\n'
             f'name = "Semantic"\nbase_url = "{base_url}/v1"\nwire_api = "responses"\n'
-            f'env_key = "{CODEX_KEY_VARIABLE}"\n')
+            f'env_key = "{CODEX_KEY_VARIABLE}"\nsupports_websockets = true\n')
 
 
 def plan(client: str, url: str, home: Path, api_key: str | None, model: str | None, args: list[str],

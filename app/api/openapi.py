@@ -99,6 +99,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/responses"): Operation(
         "OpenAI Responses API (Codex's endpoint)", Body(ResponsesBody), streams=True,
         description="`previous_response_id` continues a stored response's conversation and cache."),
+    ("GET", "/v1/responses"): Operation(
+        "The Responses API over a WebSocket (Codex's `supports_websockets`)", answers=None, status=101,
+        description="An upgrade to a WebSocket: each `response.create` message (a POST body) is answered with its "
+                    "stream's events as JSON text messages; `previous_response_id` may name the connection's "
+                    "latest response, so a turn sends only its new input (docs/responses-api.md)."),
     ("GET", "/v1/responses/{response_id}"): Operation("A stored response (`store: true`)"),
     ("DELETE", "/v1/responses/{response_id}"): Operation("Delete a stored response"),
     ("POST", "/v1/agents"): Operation("Create an agent; its system prompt is prefilled now",

@@ -1,5 +1,8 @@
 """POST /v1/responses (the OpenAI Responses API: Codex's endpoint), GET and DELETE /v1/responses/{id}.
 
+GET /v1/responses upgrades to the WebSocket transport (``app.api.responses_socket``): each
+``response.create`` message is served by ``ResponsesResource.respond`` as a POST would be.
+
 Generation is the shared lifecycle (``app.api.generation``) with the Responses dialect.
 ``previous_response_id`` is resolved here, before it: the stored response's history
 (its conversation's messages up to its output) goes in front of the new input, and the
@@ -9,7 +12,7 @@ continue as if the client had resent everything.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import falcon
 
@@ -21,6 +24,7 @@ from app.api.sse import frame
 from app.errors import InvalidRequest
 from app.protocol import responses, responses_output
 from app.protocol.turn import ParsedTurn
+from app.store.responses import ResponsePoint
 from app.types import GenerationEvent
 
 
@@ -49,34 +53,70 @@ RESPONSES = Dialect(
 )
 
 
-class ResponsesResource:
-    """POST /v1/responses."""
+def input_items(value: Any) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message).
 
-    def __init__(self, agents: AgentService, generation: GenerationResource) -> None:
+    Raises:
+        InvalidRequest: neither a string nor a list.
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}] if value else []
+    if not isinstance(value, list):
+        raise InvalidRequest("input: Input should be a valid string or list", "input")
+    return value
+
+
+PointLookup = Callable[[str], ResponsePoint]  # a response id -> the history it continues; raises NotFound
+
+
+def continued(received: Any, headers: Mapping[str, str], lookup: PointLookup) -> tuple[Any, AgentKey | None]:
+    """A decoded request body with ``previous_response_id``'s history (``lookup``) in front of
+    its input, and the agent and thread that continue it (None: the request's own, as usual).
+
+    Raises:
+        InvalidRequest, NotFound.
+    """
+    previous = received.get("previous_response_id") if isinstance(received, dict) else None
+    if previous is None:
+        return received, None
+    if not isinstance(previous, str):
+        raise InvalidRequest("previous_response_id: Input should be a valid string", "previous_response_id")
+    point = lookup(previous)
+    new = input_items(received.get("input", ""))
+    named = responses_agent(headers)
+    # A warm-up's point (WebSocket) has no agent yet: the request's own headers or content find it.
+    agent = AgentKey(point.agent_id, "responses", named.thread if named else point.thread) if point.agent_id else None
+    return {**received, "input": [*point.items, *new]}, agent
+
+
+class ResponsesResource:
+    """POST /v1/responses; GET /v1/responses with a WebSocket upgrade (``responses_socket``)."""
+
+    def __init__(self, agents: AgentService, generation: GenerationResource,
+                 upgrade: Callable[[falcon.Request, falcon.Response, ResponsesResource], None]) -> None:
         self._agents = agents
         self._generation = generation
+        self._upgrade = upgrade
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        continued: list[AgentKey] = []  # the agent of previous_response_id, once the body named one
+        self.respond(req, resp, self._generation, self._agents.response_point, lambda: read_json(req))
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self._upgrade(req, resp, self)
+
+    def respond(self, req: falcon.Request, resp: falcon.Response, generation: GenerationResource,
+                lookup: PointLookup, read: Callable[[], Any]) -> tuple[Any, AgentKey | None]:
+        """Serve the body ``read()`` returns with ``generation``, ``previous_response_id``
+        resolved by ``lookup``. Returns the body as generated (its input with the history in
+        front) and the agent it continued (None: its own)."""
+        resolved: list[tuple[Any, AgentKey | None]] = []
 
         def body() -> Any:
-            received = read_json(req)
-            previous = received.get("previous_response_id") if isinstance(received, dict) else None
-            if previous is None:
-                return received
-            if not isinstance(previous, str):
-                raise InvalidRequest("previous_response_id: Input should be a valid string", "previous_response_id")
-            point = self._agents.response_point(previous)
-            new = received.get("input", "")
-            if isinstance(new, str):
-                new = [{"role": "user", "content": new}] if new else []
-            elif not isinstance(new, list):
-                raise InvalidRequest("input: Input should be a valid string or list", "input")
-            named = responses_agent(req.headers)
-            continued.append(AgentKey(point.agent_id, "responses", named.thread if named else point.thread))
-            return {**received, "input": [*point.items, *new]}
+            resolved.append(continued(read(), req.headers, lookup))
+            return resolved[0][0]
 
-        self._generation.respond(req, resp, body, lambda: continued[0] if continued else None)
+        generation.respond(req, resp, body, lambda: resolved[0][1] if resolved else None)
+        return resolved[0]
 
 
 class ResponseResource:

@@ -15,12 +15,13 @@ from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHisto
                             AgentsResource)
 from app.api.chat import OPENAI
 from app.api.completions import COMPLETIONS
-from app.api.generation import GenerationResource
+from app.api.generation import GenerationResource, parse_for_model
 from app.api.messages import ANTHROPIC, CountTokensResource
 from app.api.ollama import (OLLAMA_CHAT, OLLAMA_GENERATE, OllamaGenerationResource, PsResource, ShowResource,
                             TagsResource, VersionResource)
 from app.api.metrics import Metrics, MetricsResource
 from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
+from app.api.responses_socket import SOCKET, ResponsesSocket
 from app.api.page_key import KEY_FORM_PATH, PageKeyResource
 from app.api.people_page import FILES as PAGE_FILES, PageFileResource
 from app.api.status_page import StatusPageResource
@@ -54,7 +55,11 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
                           ("/v1/completions", COMPLETIONS)):
         app.add_route(path, GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics))
     responses = GenerationResource(RESPONSES, deps.settings, deps.engine, deps.agents, metrics)
-    app.add_route("/v1/responses", ResponsesResource(deps.agents, responses))
+    socket = ResponsesSocket(deps.agents, GenerationResource(SOCKET, deps.settings, deps.engine, deps.agents, metrics),
+                             lambda body: parse_for_model(RESPONSES.parse, body, deps.settings.request_options,
+                                                          deps.engine)[0],
+                             deps.settings.effective_server_id, deps.settings.max_body_bytes)
+    app.add_route("/v1/responses", ResponsesResource(deps.agents, responses, socket.upgrade))
     app.add_route("/v1/responses/{response_id}", ResponseResource(deps.agents))
     for path, dialect in (("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE)):
         generation = GenerationResource(dialect, deps.settings, deps.engine, deps.agents, metrics)

@@ -313,3 +313,10 @@ def render_events(response_id: str, parsed: ParsedTurn, events: Iterator[Generat
         error = {"code": error_code(exc) or "server_error", "message": str(exc)}
         yield stream.lifecycle("response.failed", "failed", error=error)
         raise
+
+
+def render_warmup(response_id: str, parsed: ParsedTurn) -> list[dict[str, Any]]:
+    """The events of a warm-up (``generate: false`` over the WebSocket): the response created and
+    completed with no output; its id continues from the request's input."""
+    stream = _Stream(response_id, parsed)
+    return [stream.lifecycle("response.created", "in_progress"), stream.lifecycle("response.completed", "completed")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,37 @@ def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server:
     assert query(server.db_path, "SELECT thread FROM conversations WHERE id = ?", rows[0][0]) == [(session,)]
 
 
+@pytest.mark.timeout(1500)
+def test_over_the_websocket_each_request_sends_only_its_new_input(codex: Path, server: ServerProcess,
+                                                                  tmp_path: Path) -> None:
+    """``supports_websockets = true``: Codex warms each connection up (``generate: false``),
+    then sends each turn as ``response.create`` with ``previous_response_id`` and only the
+    items after it (store: false); a resumed session's new process opens a new connection."""
+    write_config(tmp_path / "codex-home", f"{server.url}/v1", websockets=True)
+    (tmp_path / "work").mkdir()
+    env = codex_env(tmp_path / "codex-home", tmp_path)
+    turns = []
+    for resume, prompt in ((False, "What is 2+2?"), (True, "And 3+3?")):
+        done = run_codex(codex, tmp_path / "work", env, prompt, resume)
+        assert done.returncode == 0, (done.stdout, done.stderr[-3000:], server.log()[-3000:])
+        turns.append(events(done.stdout))
+    first, second = ({e["type"]: e for e in turn} for turn in turns)
+    for turn in turns:
+        assert any(e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in turn), turn
+    usage_1, usage_2 = first["turn.completed"]["usage"], second["turn.completed"]["usage"]
+    assert usage_2["cached_input_tokens"] >= 0.9 * usage_1["input_tokens"]
+    session = first["thread.started"]["thread_id"]
+    rows = query(server.db_path, "SELECT id, conversation_id, n_input_tokens, n_cached_tokens, reuse_reason "
+                 "FROM requests WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", session)
+    assert len(rows) == 2 and rows[0][1] == rows[1][1] and rows[1][3] >= 0.9 * rows[0][2] and rows[1][4] == "extend"
+    # Both turns came over a WebSocket, each after its connection's warm-up (none over HTTP).
+    log = server.log()
+    for request_id, *_ in rows:
+        assert re.search(rf"WebSocket \w+: request {request_id} agent {session}", log), request_id
+    assert len(re.findall(r"WebSocket \w+: request \w+ warm-up", log)) >= 2
+    assert not re.search(rf"POST /v1/responses \d+ request ({rows[0][0]}|{rows[1][0]})", log)
+
+
 @pytest.mark.timeout(1000)
 def test_semantic_launch_runs_codex_against_this_homes_server(codex: Path, server: ServerProcess,
                                                               tmp_path: Path) -> None:
@@ -76,4 +108,8 @@ def test_semantic_launch_runs_codex_against_this_homes_server(codex: Path, serve
                for e in events(done.stdout)), done.stdout[-2000:]
     config = (server.home / "clients" / "codex" / "config.toml").read_text()
     assert f'base_url = "{server.url}/v1"' in config and 'wire_api = "responses"' in config
+    assert "supports_websockets = true" in config
     assert query(server.db_path, answered)[0][0] > before
+    (latest,) = query(server.db_path, "SELECT id FROM requests WHERE protocol = 'responses' AND status = 'ok' "
+                      "ORDER BY created_at DESC LIMIT 1")[0]
+    assert re.search(rf"WebSocket \w+: request {latest} agent", server.log())  # over the WebSocket

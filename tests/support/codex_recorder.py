@@ -42,12 +42,15 @@ def stand_in(reply: str = "4") -> RecordingServer:
     return RecordingServer(lambda path, body, n: (_stream(n, reply), "text/event-stream"))
 
 
-def write_config(codex_home: Path, base_url: str, model: str = "smollm2-135m-instruct") -> None:
-    """A CODEX_HOME whose default provider is ``base_url`` (a Responses API server)."""
+def write_config(codex_home: Path, base_url: str, model: str = "smollm2-135m-instruct",
+                 websockets: bool = False) -> None:
+    """A CODEX_HOME whose default provider is ``base_url`` (a Responses API server), over the
+    Responses WebSocket transport when ``websockets``."""
     codex_home.mkdir(parents=True, exist_ok=True)
     (codex_home / "config.toml").write_text(
         f'model = "{model}"\nmodel_provider = "semantic"\n\n[model_providers.semantic]\nname = "Semantic"\n'
-        f'base_url = "{base_url}"\nwire_api = "responses"\nenv_key = "SEMANTIC_API_KEY"\n')
+        f'base_url = "{base_url}"\nwire_api = "responses"\nenv_key = "SEMANTIC_API_KEY"\n'
+        + ("supports_websockets = true\n" if websockets else ""))
 
 
 def codex_env(codex_home: Path, home: Path) -> dict[str, str]:
