@@ -3,7 +3,7 @@
 The pool of tests/support/pool_hosts.py: PostgreSQL, the S3 tier (SeaweedFS) and the
 worker on a store host, HAProxy on a router host, `semantic serve --host 0.0.0.0
 --no-worker` (SmolLM2, an API key) on each of N server hosts, one more host idle. 24
-agents (each its own ~1.2K-token system prompt) run 6 turns through the router: OpenAI
+agents (each its own ~1K-token system prompt) run 6 turns through the router: OpenAI
 chat, streamed, greedy, 16-token replies, the agent named by ``x-session-id`` (the
 header the router keys on); the agents of a turn go one after another, so each TTFT is a
 turn's own, not a queue's. A 503 (or 502/504, or a refused connection) is retried after
@@ -14,8 +14,8 @@ its ``retry-after`` (1 s without one), up to 10 times. After turn 3 one server h
 Per turn: turns served, retries, cached tokens / the agent's previous prompt (over 100%
 when the previous reply's tokens are cached too), TTFT (median, p90), and cold prefills of
 the same size, each alone: fresh agents with agents 0-2's messages of that turn and
-another first character of the system prompt (no cache matches, so every token is
-computed), their median. Ownership from the store's ``owners`` table before
+other first characters of the system prompt, a pair per probe (no cache matches, not even
+an earlier probe's, so every token is computed), their median. Ownership from the store's ``owners`` table before
 the kill, after the first turn after it and at the end (server and epoch per agent); the
 history check: every message the client saw committed is in the store at the end.
 Table, JSON and PNG in benchmarks/results/ (pool_hosts.*; --quick: pool_hosts-quick.*).
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
 import statistics
 import sys
 import tempfile
@@ -54,6 +55,7 @@ from benchmarks.pool import TOPICS
 RETRIES = 10
 RETRIED = {502, 503, 504}
 COLD_PROBES = 3  # cold prefills a turn (agents 0-2's sizes), their median reported
+COLD_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXZ"
 
 
 def system_prompt(agent: int, repeats: int) -> str:
@@ -152,11 +154,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model_dir = ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct", progress=False)
     ensure_calibrated(model_dir.name, model_dir)
+    scratch = Path(tempfile.mkdtemp(prefix="semantic-pool-hosts-bench-"))
+    try:
+        return over_hosts(args, model_dir, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def over_hosts(args: argparse.Namespace, model_dir: Path, scratch: Path) -> dict[str, Any]:
     servers = [f"h{i + 1}" for i in range(args.hosts)]
     joiner = f"h{args.hosts + 1}"
     started = time.perf_counter()
-    with PoolHosts(Path(tempfile.mkdtemp(prefix="semantic-pool-hosts-bench-")), model_dir, servers,
-                   later=[joiner]) as pool:
+    with PoolHosts(scratch, model_dir, servers, later=[joiner]) as pool:
         print(f"pool of {args.hosts} hosts ready in {time.perf_counter() - started:.1f} s", flush=True)
         names = [f"agent-{a}" for a in range(args.agents)]
         systems = [system_prompt(a, args.repeats) for a in range(args.agents)]
@@ -208,15 +217,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cold": cold}
 
 
+def cold_system(system: str, k: int) -> str:
+    """``system`` with its first two characters replaced by the ``k``-th pair of capitals
+    without Y (the agents' prompts start "You"): the first token differs from every agent's
+    and every other probe's, so no cache matches, not even an earlier probe's (the next
+    turn's probe extends its messages)."""
+    return COLD_LETTERS[k % len(COLD_LETTERS)] + COLD_LETTERS[k // len(COLD_LETTERS) % len(COLD_LETTERS)] + system[2:]
+
+
 def cold_prefill(router: str, n: int, histories: list[list[dict]]) -> dict[str, Any]:
     """Cold prefills of turn ``n``'s size, one at a time: each agent's messages of the turn
-    as a fresh agent's, another first character of the system prompt (nothing matches a
-    cache); the medians of their prompt tokens and TTFTs."""
+    as a fresh agent's, the system prompt's first characters changed (``cold_system``);
+    the medians of their prompt tokens and TTFTs."""
     probes = []
     for a, history in enumerate(histories):
         messages = history if history[-1]["role"] == "user" else history[:-1]
-        probe = chat(router, f"cold-{n + 1}-{a}", [{"role": "system", "content": "X" + history[0]["content"][1:]},
-                                                   *messages[1:]])
+        system = cold_system(history[0]["content"], n * len(histories) + a)
+        probe = chat(router, f"cold-{n + 1}-{a}", [{"role": "system", "content": system}, *messages[1:]])
+        if probe["cached"]:
+            print(f"  cold probe {n + 1}-{a} read {probe['cached']} tokens from cache", flush=True)
         probes.append({k: v for k, v in probe.items() if k != "reply"})
     served = [p for p in probes if p["served"]]
     return {"prompt": statistics.median(p["prompt"] for p in served) if served else 0,
@@ -256,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-after", type=int, default=3)
     parser.add_argument("--join-after", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=80,
-                        help="sentences in each system prompt (80: ~1.2K tokens)")
-    parser.add_argument("--quick", action="store_true", help="6 agents x 4 turns, ~350-token prompts (a smoke run)")
+                        help="sentences in each system prompt (80: ~1K tokens)")
+    parser.add_argument("--quick", action="store_true", help="6 agents x 4 turns, ~280-token system prompts (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.agents, args.turns, args.kill_after, args.join_after, args.repeats = 6, 4, 2, 3, 20
