@@ -18,7 +18,8 @@ other first characters of the system prompt, a pair per probe (no cache matches,
 an earlier probe's, so every token is computed), their median. Ownership from the store's ``owners`` table before
 the kill, after the first turn after it and at the end (server and epoch per agent); the
 history check: every message the client saw committed is in the store at the end.
-Table, JSON and PNG in benchmarks/results/ (pool_hosts.*; --quick: pool_hosts-quick.*).
+Table, JSON and PNG in benchmarks/results/ (pool_hosts.*; --quick: 6 agents x 4 turns with
+~280-token system prompts, the kill after turn 2 and the join after 3, printed only).
 
     python -m benchmarks.pool --hosts 3 [--agents 24] [--turns 6] [--kill-after 3] [--join-after 4] [--quick]
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import shutil
 import statistics
 import sys
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.pool_hosts import KEY, PoolHosts, messages_per_agent, missing
 
 from benchmarks.common import (
+    RESULTS,
     device,
     openai_stream_timed,
     print_table,
@@ -277,7 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=80,
                         help="sentences in each system prompt (80: ~1K tokens)")
     parser.add_argument("--quick", action="store_true", help="6 agents x 4 turns, ~280-token system prompts (a smoke run)")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the saved JSON")
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((RESULTS / "pool_hosts.json").read_text())
+        plot("pool_hosts", saved, argparse.Namespace(**saved["args"]), saved["device"])
+        return
     if args.quick:
         args.agents, args.turns, args.kill_after, args.join_after, args.repeats = 6, 4, 2, 3, 20
     reason = missing()
@@ -286,10 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     where = device()
     result = run(args)
     report(result)
-    name = "pool_hosts-quick" if args.quick else "pool_hosts"
-    path = write_results(name, {"args": vars(args), "device": where, **result})
+    if args.quick:  # a smoke run: printed only (as pool_sim's)
+        return
+    path = write_results("pool_hosts", {"args": vars(args), "device": where, **result})
     print(f"wrote {path}")
-    plot(name, result, args, where)
+    plot("pool_hosts", result, args, where)
 
 
 def report(result: dict[str, Any]) -> None:
@@ -331,7 +340,7 @@ def plot(name: str, result: dict[str, Any], args: argparse.Namespace, where: dic
     ax.set_title(f"{args.agents} agents, {args.hosts} hosts (namespaces), {where['name']}", fontsize=9)
     lines, labels = ax.get_legend_handles_labels()
     more, more_labels = share.get_legend_handles_labels()
-    ax.legend(lines + more, labels + more_labels, fontsize=7, loc="upper right")
+    ax.legend(lines + more, labels + more_labels, fontsize=7, loc="lower right", bbox_to_anchor=(1, 0.12))
     save_plot(fig, name)
 
 
