@@ -140,13 +140,23 @@ class StreamTimes:
         return self.end_s - self.last_token_s
 
 
-def openai_stream_timed(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> StreamTimes:
-    """POST a streaming chat completion to ``url`` and time it (``StreamTimes``)."""
+def openai_stream_timed(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                        response_headers: dict[str, str] | None = None) -> StreamTimes:
+    """POST a streaming chat completion to ``url`` and time it (``StreamTimes``).
+    ``response_headers``, if given, receives the response's headers.
+
+    Raises:
+        httpx.HTTPStatusError: the answer is not a 2xx.
+    """
     start = time.perf_counter()
     ttft = last = None
     text: list[str] = []
     usage: dict = {}
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800, headers=headers) as response:
+        if response_headers is not None:
+            response_headers.update(response.headers)
+        if response.is_error:
+            response.read()
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

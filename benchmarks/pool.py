@@ -15,6 +15,7 @@ alone: a cold prefill of as many tokens. The same for a longer conversation (~3.
 built on the killed server before the kill.
 
     python -m benchmarks.pool [--agents 8] [--turns 6] [--kill-after 3]
+    python -m benchmarks.pool --hosts 3 [--quick]   # a pool over hosts: benchmarks/pool_hosts.py
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    if any(arg == "--hosts" or arg.startswith("--hosts=") for arg in sys.argv[1:]):
+        # A pool over hosts (network namespaces): benchmarks/pool_hosts.py, its own flags.
+        from benchmarks.pool_hosts import main as over_hosts
+
+        over_hosts(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)

@@ -24,6 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from app.store.db import make_engine
 from conftest import ROOT, free_port
+from support.pool_hosts import messages_per_agent
 
 SYSTEM = "You answer hardware store questions in one short sentence. " * 20
 
@@ -102,11 +103,7 @@ def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPa
 
 def stored_messages(state: dict) -> dict[str, int]:
     """Messages per agent in the pool's database."""
-    engine = make_engine(state["database_url"], poolclass=NullPool)
-    with engine.connect() as connection:
-        stored = dict(connection.execute(text("SELECT agent_id, count(*) FROM messages GROUP BY agent_id")).all())
-    engine.dispose()
-    return stored
+    return messages_per_agent(state["database_url"])
 
 
 def prompt_tokens(usage: dict) -> int:
