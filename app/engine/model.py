@@ -239,11 +239,13 @@ def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path, head_di
 
 
 def cached_head_dims(model: nn.Module) -> set[int]:
-    """The widths of the keys and values ``model`` caches (one token prefilled): the config's
-    head_dim, except in architectures whose keys and values differ from it."""
+    """The widths of the keys and values ``model`` caches (a 4-token prefill): the config's
+    head_dim, except in architectures whose keys and values differ from it. The prefill is
+    also the model's warm-up (its first forward pass sets up the kernels a prefill chunk
+    uses), so a first request does not pay for that and a start runs one pass, not two."""
     layout = CacheLayout.of(model)
     cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
-    mx.eval(model(mx.array([[0]]), cache=cache))
+    mx.eval(model(mx.array([[0, 1, 2, 3]]), cache=cache))
     return {a.shape[-1] for layer in layout.attention(cache) for a in (layer.keys, layer.values)}
 
 
