@@ -65,7 +65,7 @@ PHASES = {
     "listening_s": re.compile(r"listening on \S+ .*?([\d.]+) s after the process started"),
     "ready_s": re.compile(r" ready, .*\(([\d.]+) s after the process started\)"),
 }
-LOADED = re.compile(r"loaded model .* in ([\d.]+) s \(tokenizer and fingerprint ([\d.]+) s, weights ([\d.]+) s\)")
+LOADED = re.compile(r"loaded model .* in ([\d.]+) s \(tokenizer and fingerprint ([\d.]+) s, weights ([\d.]+) s")
 
 
 def free_port() -> int:

@@ -144,3 +144,23 @@ def test_a_start_runs_the_model_once_its_head_dims_probe_being_the_warm_up(
         assert text and len(passes) > 1
     finally:
         started.stop()
+
+
+def test_the_tokenizer_side_loads_beside_the_weights_and_a_directory_that_is_no_model_says_so(
+        smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boot time: ``load_spec`` (tokenizer, token bytes, fingerprint: Python) runs on a thread of
+    its own while the caller reads the weights (MLX, without the GIL); its errors still win."""
+    import threading
+
+    from app.engine import model as model_module
+    from app.errors import InvalidModelFile
+
+    threads: list[str] = []
+    spec = model_module.load_spec
+    monkeypatch.setattr(model_module, "load_spec", lambda *args: (
+        threads.append(threading.current_thread().name), spec(*args))[1])
+    loaded = model_module.load_model("smollm2", smollm2_dir)
+    assert loaded.fingerprint == spec("smollm2", smollm2_dir).fingerprint
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name
+    with pytest.raises(InvalidModelFile, match="not a model directory"):
+        model_module.load_model("none", tmp_path)
