@@ -1,6 +1,6 @@
 """Boot: seconds from exec to the first served request, Semantic against mlx_lm.server.
 
-    .venv/bin/python benchmarks/boot.py [--runs 5] [--model DIR] [--name boot]
+    .venv/bin/python benchmarks/boot.py [--runs 5] [--model DIR] [--baseline TREE] [--name boot]
 
 Each round starts, one after another on the same model directory (default: the embedded
 SmolLM2-135M), ``semantic serve`` on a fresh home (no database, no caches), ``semantic
@@ -11,6 +11,12 @@ rounds, the servers alternating. Each start is timed from just before the exec t
 first answered request: a 1-token greedy chat completion (not streamed), sent again every
 25 ms until one is answered with a 200 (a refused connection or a 503 while the model
 loads are retried). The server is then stopped with SIGTERM.
+
+Also recorded: the server's CPU seconds (every thread, user and system) when its first
+request was answered, the work a start does, which a machine others share does not
+stretch as it stretches the wall-clock seconds. ``--baseline TREE`` adds Semantic started
+from another commit's files (``git archive COMMIT | tar -x -C /tmp/boot-COMMIT``) to the
+same rounds: a change's gain measured beside what it changed.
 
 Semantic's phases are read from its log, in seconds after its process started: listening
 (the port is bound), loaded (the model's weights are in: ``loaded model ... in``, with
@@ -77,6 +83,7 @@ def free_port() -> int:
 
 
 def semantic_argv(model_dir: Path, port: int) -> list[str]:
+    """``semantic serve`` of the tree the process starts in (``python -m app`` imports it from its cwd)."""
     return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--port", str(port)]
 
 
@@ -100,13 +107,14 @@ def request_body(model: str) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "temperature": 0}
 
 
-def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_path: Path) -> dict[str, Any]:
-    """Start a server, time it to its first answered request, stop it (SIGTERM)."""
+def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_path: Path,
+         cwd: Path = ROOT) -> dict[str, Any]:
+    """Start a server in ``cwd``, time it to its first answered request, stop it (SIGTERM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         began = time.perf_counter()
-        process = subprocess.Popen(argv(port), env=env, cwd=ROOT, stdout=log,
+        process = subprocess.Popen(argv(port), env=env, cwd=cwd, stdout=log,
                                    stderr=subprocess.STDOUT)
     refused = loading = 0
     try:
@@ -123,6 +131,7 @@ def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_
                 continue
             if reply.status_code == 200:
                 served = time.perf_counter() - began
+                cpu = cpu_seconds(process.pid)
                 break
             loading += 1
             time.sleep(POLL_S)
@@ -133,8 +142,18 @@ def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    return {"served_s": served, "refused": refused, "not_ready": loading, "reply": reply.json()["choices"][0],
+    return {"served_s": served, **({"cpu_s": cpu} if cpu is not None else {}), "refused": refused, "not_ready": loading, "reply": reply.json()["choices"][0],
             **phases(log_path.read_text(errors="replace"))}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) the process has used so far (Linux), or None.
+    On a machine others share, the work a start does, which their load does not stretch."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def phases(log: str) -> dict[str, float]:
@@ -151,13 +170,14 @@ def phases(log: str) -> dict[str, float]:
     return found
 
 
-def make_store(model_dir: Path, home: Path) -> None:
+def make_store(model_dir: Path, home: Path, tree: Path = ROOT) -> None:
     """A home with a store: a server answered one request on it, then stopped."""
-    boot(lambda port: semantic_argv(model_dir, port), semantic_env(home), "default", home.parent / "make-store.log")
+    boot(lambda port: semantic_argv(model_dir, port), semantic_env(home), "default",
+         home.parent / f"make-{home.name}.log", tree)
 
 
 def summarise(starts: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = [k for k in ("served_s", "listening_s", "load_s", "tokenizer_fingerprint_s", "weights_s", "ready_s")
+    keys = [k for k in ("served_s", "cpu_s", "listening_s", "load_s", "tokenizer_fingerprint_s", "weights_s", "ready_s")
             if all(k in s for s in starts)]
     return {f"{k}_median": statistics.median(s[k] for s in starts) for k in keys} | \
            {f"{k}_min": min(s[k] for s in starts) for k in keys}
@@ -167,9 +187,10 @@ def report(servers: dict[str, dict[str, Any]]) -> None:
     def cell(summary: dict[str, Any], key: str) -> Any:
         return summary.get(f"{key}_median", "-")
 
-    print_table(["server", "starts", "served s (median)", "served s (min)", "listening s", "model loaded s",
+    print_table(["server", "starts", "served s (median)", "served s (min)", "CPU s", "listening s", "model loaded s",
                  "tokenizer+fingerprint s", "weights s", "ready s"],
-                [[SERVERS[k], len(v["starts"]), v["summary"]["served_s_median"], v["summary"]["served_s_min"],
+                [[v["label"], len(v["starts"]), v["summary"]["served_s_median"], v["summary"]["served_s_min"],
+                  cell(v["summary"], "cpu_s"),
                   cell(v["summary"], "listening_s"), cell(v["summary"], "load_s"),
                   cell(v["summary"], "tokenizer_fingerprint_s"), cell(v["summary"], "weights_s"),
                   cell(v["summary"], "ready_s")] for k, v in servers.items()])
@@ -180,7 +201,7 @@ def plot(name: str, servers: dict[str, dict[str, Any]], where: str, commit: str)
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    labels = [SERVERS[k] for k in servers]
+    labels = [v["label"] for v in servers.values()]
     for row, result in enumerate(servers.values()):
         served = [s["served_s"] for s in result["starts"]]
         ax.scatter(served, [row] * len(served), marker="o", color="C0", label="first request served" if row == 0 else None)
@@ -202,6 +223,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="rounds (each starts every server once)")
     parser.add_argument("--model", type=Path, help="an MLX model directory (default: the embedded SmolLM2)")
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS))
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="also start Semantic from TREE, another commit's files named for it "
+                             "(git archive COMMIT | tar -x -C /tmp/boot-COMMIT), in the same rounds")
     parser.add_argument("--name", default="boot", help="the result files' name")
     args = parser.parse_args()
 
@@ -212,27 +236,41 @@ def main() -> None:
     scratch.mkdir(parents=True)
     where = device()
     print(f"{model_dir} on {where['mlx_device']} ({where['name']}); homes and logs: {scratch}", file=sys.stderr)
-    store_home = scratch / "store-home"
-    if "semantic_store" in args.servers:
-        make_store(model_dir, store_home)
-    starts: dict[str, list[dict[str, Any]]] = {k: [] for k in args.servers}
-    for run in range(args.runs):
+    info = machine()
+    # key -> (label, version, tree, home with a store or None: a fresh home per start); mlx_lm: tree None
+    contenders: dict[str, tuple[str, str, Path | None, Path | None]] = {}
+    trees = [("", ROOT, f"commit {info['commit']}")]
+    if args.baseline:
+        trees.append(("baseline_", args.baseline.resolve(), f"baseline {args.baseline.resolve().name}"))
+    for prefix, tree, label in trees:
         for key in args.servers:
+            if key != "mlx_lm":
+                name = SERVERS[key] + (f" ({label})" if prefix else "")
+                home = scratch / f"{prefix}store-home" if key == "semantic_store" else None
+                contenders[prefix + key] = (name, label, tree, home)
+    if "mlx_lm" in args.servers:
+        contenders["mlx_lm"] = (SERVERS["mlx_lm"], f"mlx-lm {version('mlx-lm')}", None, None)
+    for name, _, tree, home in contenders.values():
+        if home is not None and tree is not None:
+            make_store(model_dir, home, tree)
+    starts: dict[str, list[dict[str, Any]]] = {k: [] for k in contenders}
+    for run in range(args.runs):
+        for key, (name, _, tree, home) in contenders.items():
             log_path = scratch / f"{key}-{run}.log"
-            if key == "mlx_lm":
+            if tree is None:
                 result = boot(lambda port: mlx_lm_argv(model_dir, port), mlx_lm_env(), "default_model", log_path)
             else:
-                home = store_home if key == "semantic_store" else scratch / f"fresh-home-{run}"
-                result = boot(lambda port: semantic_argv(model_dir, port), semantic_env(home), "default", log_path)
+                result = boot(lambda port: semantic_argv(model_dir, port),
+                              semantic_env(home or scratch / f"{key}-home-{run}"), "default", log_path, tree)
             starts[key].append(result)
-            print(f"{time.strftime('%H:%M:%S')} {SERVERS[key]} run {run + 1}: served in {result['served_s']:.2f} s"
+            print(f"{time.strftime('%H:%M:%S')} {name} run {run + 1}: served in {result['served_s']:.2f} s"
                   + (f" (listening {result['listening_s']:.2f}, ready {result['ready_s']:.2f})"
                      if "ready_s" in result else ""), file=sys.stderr)
-    info = machine()
-    servers = {k: {"version": f"commit {info['commit']}" if k != "mlx_lm" else f"mlx-lm {version('mlx-lm')}",
-                   "starts": v, "summary": summarise(v)} for k, v in starts.items()}
-    path = write_results(args.name, {"args": {**vars(args), "model": str(model_dir)}, "device": where,
-                                     "servers": servers})
+    servers = {k: {"label": contenders[k][0], "version": contenders[k][1], "starts": v, "summary": summarise(v)}
+               for k, v in starts.items()}
+    path = write_results(args.name, {"args": {**vars(args), "model": str(model_dir),
+                                              "baseline": args.baseline and str(args.baseline)},
+                                     "device": where, "servers": servers})
     report(servers)
     print(f"wrote {path}")
     plot(args.name, servers, where["name"] if "gpu" in where["mlx_device"] else f"{os.cpu_count()}-core CPU",
