@@ -237,6 +237,7 @@ def main() -> None:
     where = device()
     print(f"{model_dir} on {where['mlx_device']} ({where['name']}); homes and logs: {scratch}", file=sys.stderr)
     info = machine()
+    load_before = os.getloadavg()
     # key -> (label, version, tree, home with a store or None: a fresh home per start); mlx_lm: tree None
     contenders: dict[str, tuple[str, str, Path | None, Path | None]] = {}
     trees = [("", ROOT, f"commit {info['commit']}")]
@@ -270,8 +271,11 @@ def main() -> None:
                for k, v in starts.items()}
     path = write_results(args.name, {"args": {**vars(args), "model": str(model_dir),
                                               "baseline": args.baseline and str(args.baseline)},
-                                     "device": where, "servers": servers})
+                                     "device": where, "servers": servers,
+                                     # others' work on the machine, 1-minute average (runnable threads)
+                                     "load_average": {"before": load_before[0], "after": os.getloadavg()[0]}})
     report(servers)
+    print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)")
     print(f"wrote {path}")
     plot(args.name, servers, where["name"] if "gpu" in where["mlx_device"] else f"{os.cpu_count()}-core CPU",
          info["commit"])
