@@ -205,8 +205,8 @@ def _known(scripts: ScriptDirectory, revision: str) -> bool:
         return False
 
 
-_REVISION = re.compile(r"""^revision\s*(?::[^=\n]*)?=\s*["']([^"'\n]+)["']\s*$""", re.M)
-_DOWN_REVISION = re.compile(r"""^down_revision\s*(?::[^=\n]*)?=\s*(?:["']([^"'\n]+)["']|None)\s*$""", re.M)
+_REVISION = re.compile(r"""^revision\s*(?::[^=\n]*)?=\s*["']([^"'\n]+)["']\s*$""", re.MULTILINE)
+_DOWN_REVISION = re.compile(r"""^down_revision\s*(?::[^=\n]*)?=\s*(?:["']([^"'\n]+)["']|None)\s*$""", re.MULTILINE)
 
 
 def head_revision() -> str | None:
