@@ -214,7 +214,7 @@ def plot(name: str, servers: dict[str, dict[str, Any]], where: str, commit: str)
     ax.set_xlabel("seconds from exec")
     ax.set_xlim(left=0)
     ax.set_title(f"Boot to the first served request, {where}, commit {commit}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     save_plot(fig, name)
 
 
