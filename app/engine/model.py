@@ -8,9 +8,11 @@ import time
 import json
 import logging
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +34,7 @@ from app.errors import InvalidModelFile
 from app.types import ToolSyntax
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -240,11 +243,13 @@ def calibrate(model: nn.Module, tokenizer: TokenizerWrapper, path: Path, head_di
 
 
 def cached_head_dims(model: nn.Module) -> set[int]:
-    """The widths of the keys and values ``model`` caches (one token prefilled): the config's
-    head_dim, except in architectures whose keys and values differ from it."""
+    """The widths of the keys and values ``model`` caches (a 4-token prefill): the config's
+    head_dim, except in architectures whose keys and values differ from it. The prefill is
+    also the model's warm-up (its first forward pass sets up the kernels a prefill chunk
+    uses), so a first request does not pay for that and a start runs one pass, not two."""
     layout = CacheLayout.of(model)
     cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
-    mx.eval(model(mx.array([[0]]), cache=cache))
+    mx.eval(model(mx.array([[0, 1, 2, 3]]), cache=cache))
     return {a.shape[-1] for layer in layout.attention(cache) for a in (layer.keys, layer.values)}
 
 
@@ -294,6 +299,12 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
                      int(config.get("vocab_size") or len(tokenizer.vocab)), kv, tool_syntax(tokenizer))
 
 
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
+
+
 def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto",
                split_cores: bool = False, progress: calibration.Progress | None = None) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
@@ -309,24 +320,32 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
             cannot store the keys and values it caches (``KVFormat.unfit_reason``).
     """
     started = time.perf_counter()
-    spec = load_spec(name, path, dtype, kv_format)
-    specced = time.perf_counter()
-    model, config = load_weights(path)
+    # The tokenizer and fingerprint (Python, holding the GIL) are read on a thread of their own
+    # while this one reads the weights (MLX, without it): a start waits for the longer, not both.
+    with ThreadPoolExecutor(1, thread_name_prefix="semantic-spec") as pool:
+        pending = pool.submit(_timed, load_spec, name, path, dtype, kv_format)
+        try:
+            model, config = load_weights(path)
+            target = _compute_dtype(dtype)
+            if target is not None:
+                model.set_dtype(target)
+            mx.eval(model.parameters())
+        except Exception:
+            pending.result()  # a directory that is no model: load_spec's InvalidModelFile says so
+            raise
+        weights_s = time.perf_counter() - started
+        spec, spec_s = pending.result()
     unsupported = unsupported_caches(model)
     if unsupported:
         raise InvalidModelFile(f"{name} ({config.get('model_type')}): its layers keep {', '.join(unsupported)} state; "
                                "Semantic's caches hold attention keys and values and, beside them (in other "
                                "layers or in the same one's CacheList), recurrent state (ArraysCache) as "
                                "checkpoints")
-    target = _compute_dtype(dtype)
-    if target is not None:
-        model.set_dtype(target)
-    mx.eval(model.parameters())
     used = _param_dtype(model)
     log.info("loaded model %s from %s (context %d, dtype %s, tool calls: %s) in %.1f s (tokenizer and fingerprint "
-             "%.1f s, weights %.1f s)", name, path, spec.context_length, used,
+             "%.1f s, weights %.1f s, side by side)", name, path, spec.context_length, used,
              f"its own format ({spec.tool_syntax.parser})" if spec.tool_syntax else "the generic format",
-             time.perf_counter() - started, specced - started, time.perf_counter() - specced)
+             time.perf_counter() - started, spec_s, weights_s)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:

@@ -35,7 +35,6 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from app.cache.manager import CacheManager
@@ -212,8 +211,7 @@ class Runner(threading.Thread):
         self._loading = name
         self._publish()
         try:
-            loaded = self._load(name)
-            self._warm_up(loaded)
+            loaded = self._load(name)  # warmed up: load_model's head-dims probe is a forward pass
             self.caches = self._make_caches(loaded)
             self._batch = self._new_batch(loaded)
             self.loaded = loaded
@@ -450,9 +448,3 @@ class Runner(threading.Thread):
         assert self.loaded is not None
         self._batch = self._new_batch(self.loaded)
         self._publish()
-
-    @staticmethod
-    def _warm_up(loaded: LoadedModel) -> None:
-        """One tiny forward pass, so the first request does not pay for kernel setup."""
-        cache = make_prompt_cache(loaded.model)
-        mx.eval(loaded.model(mx.array([[0, 1, 2, 3]]), cache=cache))

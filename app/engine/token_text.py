@@ -30,6 +30,18 @@ def _byte_level_decoder() -> dict[str, int]:
     return {char: b for b, char in table.items()}
 
 
+def _byte_level_translation() -> dict[int, str]:
+    """A ``str.translate`` table that turns a byte-level token into its bytes as Latin-1
+    characters: each character of GPT-2's alphabet to the character of its byte, and every
+    other character below U+0100 to U+FFFF, so that a token with any character outside the
+    alphabet fails to encode as Latin-1 (characters above U+00FF outside it fail as they are)."""
+    decoder = _byte_level_decoder()
+    table = {ord(char): chr(b) for char, b in decoder.items()}
+    for code in range(256):
+        table.setdefault(code, "\uffff")
+    return table
+
+
 def _decoder_kinds(decoder: dict | None) -> set[str]:
     if not decoder:
         return set()
@@ -59,9 +71,12 @@ class TokenBytes:
         kinds = _decoder_kinds(data.get("decoder"))
         pieces = [b""] * (max([*vocab.values(), *added]) + 1)
         if "ByteLevel" in kinds:
-            table = _byte_level_decoder()
+            table = _byte_level_translation()
             for token, i in vocab.items():
-                pieces[i] = bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+                try:  # every character in GPT-2's alphabet: its bytes
+                    pieces[i] = token.translate(table).encode("latin-1")
+                except UnicodeEncodeError:  # not a byte-level piece: its own text
+                    pieces[i] = token.encode()
         elif "ByteFallback" in kinds or "Metaspace" in kinds:
             for token, i in vocab.items():
                 if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):

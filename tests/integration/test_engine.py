@@ -121,3 +121,46 @@ def test_a_long_prefill_logs_its_progress_by_quarters(engine: Engine, caplog: py
     percents = [int(line.split("prefill ")[1].split("%")[0]) for line in lines]
     assert len(percents) == 3 and 25 <= percents[0] < 50 <= percents[1] < 75 <= percents[2] < 100, lines
     assert all(f"of {prompt.n_tokens} new tokens" in line for line in lines), lines
+
+
+def test_a_start_runs_the_model_once_its_head_dims_probe_being_the_warm_up(
+        smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boot time (benchmarks/boot.py): ``load_model``'s head-dims probe is a forward pass of a
+    few tokens, which warms the kernels up; the engine thread runs no second one before ready."""
+    from mlx_lm.models import llama
+
+    passes: list[int] = []
+    forward = llama.Model.__call__
+    monkeypatch.setattr(llama.Model, "__call__", lambda self, inputs, *a, **k: (
+        passes.append(inputs.shape[-1]), forward(self, inputs, *a, **k))[1])
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    started = Engine(Catalog.single("smollm2", smollm2_dir),
+                     CacheConfig(tmp_path / "blocks", make_session_factory(make_engine(url)), 1 << 30, enabled=False))
+    started.start()
+    try:
+        assert passes == [4]
+        _, text, _ = run(started, SamplingParams(temperature=0.0, max_tokens=4))
+        assert text and len(passes) > 1
+    finally:
+        started.stop()
+
+
+def test_the_tokenizer_side_loads_beside_the_weights_and_a_directory_that_is_no_model_says_so(
+        smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boot time: ``load_spec`` (tokenizer, token bytes, fingerprint: Python) runs on a thread of
+    its own while the caller reads the weights (MLX, without the GIL); its errors still win."""
+    import threading
+
+    from app.engine import model as model_module
+    from app.errors import InvalidModelFile
+
+    threads: list[str] = []
+    spec = model_module.load_spec
+    monkeypatch.setattr(model_module, "load_spec", lambda *args: (
+        threads.append(threading.current_thread().name), spec(*args))[1])
+    loaded = model_module.load_model("smollm2", smollm2_dir)
+    assert loaded.fingerprint == spec("smollm2", smollm2_dir).fingerprint
+    assert len(threads) == 1 and threads[0] != threading.current_thread().name
+    with pytest.raises(InvalidModelFile, match="not a model directory"):
+        model_module.load_model("none", tmp_path)

@@ -9,7 +9,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from app.errors import ConfigError
-from app.store.db import alembic_config, make_engine, upgrade
+from app.store.db import alembic_config, at_head, head_revision, make_engine, upgrade
 from app.store.models import Base
 
 import pytest
@@ -230,3 +230,35 @@ def test_0007_keeps_how_reuse_ended_in_reuse_reason_alone_and_drops_messages_n_t
     assert _rows(url, "SELECT request_id, match_outcome FROM cache_misses ORDER BY request_id") == [
         ("off", "miss"), ("old", "diverge"), ("sib", "shared")]
     assert _rows(url, "SELECT position, n_tokens FROM messages") == [(0, None)]
+
+
+def test_the_head_read_from_the_version_files_is_alembics() -> None:
+    """``head_revision`` reads what Alembic reads: a new migration moves both."""
+    heads = ScriptDirectory.from_config(alembic_config("sqlite:///unused.db")).get_heads()
+    assert [head_revision()] == heads
+
+
+def test_a_start_at_head_loads_no_alembic_and_one_behind_is_migrated(store_url: str) -> None:
+    """A server's start on a database at head skips Alembic (boot time, benchmarks/boot.py);
+    one revision behind (or no table yet), it migrates: the fast path skips nothing it must run."""
+    import subprocess
+    import sys
+
+    assert not at_head(store_url)  # a new database: no alembic_version yet
+    upgrade(store_url)
+    assert at_head(store_url)
+    probe = ("import sys; from app.store.db import upgrade; upgrade(sys.argv[1]); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))")
+    done = subprocess.run([sys.executable, "-c", probe, store_url], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.stdout.strip() == "[]", done.stderr
+    heads = ScriptDirectory.from_config(alembic_config(store_url)).get_heads()
+    previous = ScriptDirectory.from_config(alembic_config(store_url)).get_revision(heads[0]).down_revision
+    command.downgrade(alembic_config(store_url), previous)
+    assert not at_head(store_url)
+    upgrade(store_url)
+    engine = make_engine(store_url)
+    with engine.connect() as connection:
+        assert [connection.execute(text("SELECT version_num FROM alembic_version")).scalar()] == heads
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+    engine.dispose()
