@@ -17,6 +17,7 @@ from app.cache import files
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier
+from app.types import ForkPoint
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.store.history import touch_agent, utcnow
 from conftest import free_port
@@ -375,3 +376,33 @@ def test_a_hybrid_conversation_moves_through_the_tier_with_its_checkpoints(tmp_p
     assert (lease.n_reused, lease.report.reason) == (700, "extend"), lease.report
     assert mx.array_equal(prefill(model, lease.cache, more, len(first), None), expected)
     b.close()
+
+
+def test_a_fork_on_another_server_copies_the_conversation_up_to_its_point_from_the_tier(
+        tmp_path: Path, s3_url: str) -> None:
+    """In a pool the fork may land on a server that never held the conversation: it reads the
+    source from the tier and the forked agent gets its tokens before the point only; its next
+    turn there gives the logits the source's own server gives for the same prefix."""
+    n_layers, tokens = _stored_on_a(tmp_path, s3_url, seed=6)
+    model = build("llama")
+    more = np.random.default_rng(7).integers(0, VOCAB, 20).tolist()
+    text = as_prompt(tokens).text
+    point = ForkPoint(kept=(text[:300],), dropped=text[300:310])  # the fork leaves out tokens 300 on
+
+    b = server(tmp_path, "b", n_layers, S3Tier(s3_url))  # nothing of a's on its disk
+    with make_session_factory(make_engine(f"sqlite:///{tmp_path / 'pool.db'}")).begin() as session:
+        touch_agent(session, "forked", "direct", utcnow())
+    assert b.fork("c", "forked", "f", point).wait(60)
+    prompt = tokens[:300] + more
+    lease = b.lease("forked", "f", as_prompt(prompt))
+    assert lease.report.reason == "extend" and 0 < lease.n_reused <= 300, lease.report  # (cut to the format's groups)
+    forked = forward(model, lease.cache, prompt[lease.n_reused:])
+    (n_stored,), = query(tmp_path / "pool.db", "SELECT n_tokens FROM caches WHERE agent_id = 'forked'")
+    assert n_stored <= 300  # nothing after the point reached the fork
+    b.close()
+
+    a = server(tmp_path, "a2", n_layers, S3Tier(s3_url))  # the source's own conversation, cut at the same place
+    own = a.lease("a", "c", as_prompt(prompt))
+    assert own.n_reused == lease.n_reused, own.report
+    assert mx.array_equal(forward(model, own.cache, prompt[own.n_reused:]), forked)
+    a.close()
