@@ -43,7 +43,8 @@ from app.settings import load_settings  # noqa: E402
 from app.types import RequestOptions  # noqa: E402
 from benchmarks.common import openai_stream, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.peers import MLX_LM_MODEL, mlx_lm_server  # noqa: E402
-from conftest import CLAUDE_CODE, ROOT, claude_env, start_server, stop_server  # noqa: E402
+from conftest import CLAUDE_CODE, ROOT  # noqa: E402
+from support.servers import claude_env, start_server, stop_server  # noqa: E402
 from support.claude_recorder import is_subagent, record_headless_session  # noqa: E402
 from support.dbcheck import query  # noqa: E402
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
-from conftest import CLAUDE_CODE, CODEX, claude_env, npm_cli, start_server, stop_server  # noqa: E402
+from conftest import CLAUDE_CODE, CODEX, npm_cli  # noqa: E402
+from support.servers import claude_env, start_server, stop_server  # noqa: E402
 from support.codex_recorder import codex_env, run_codex, write_config  # noqa: E402
 from support.dbcheck import query  # noqa: E402
 

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-import httpx
 import pytest
 
 from app.engine.blas import blas_in_use, load_fast_blas
@@ -36,6 +31,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+
+from support.servers import ServerProcess, free_port, start_server, stop_server  # noqa: E402  (after the path)
 
 
 @pytest.fixture(scope="session")
@@ -116,74 +113,6 @@ def claude() -> Path:
 def codex() -> Path:
     """The real Codex CLI."""
     return npm_cli(CODEX, "codex")
-
-
-def claude_env(base_url: str, home: Path) -> dict[str, str]:
-    """Headless Claude Code talking to ``base_url`` only (CLAUDE_CODE.md)."""
-    return {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": base_url,
-            "ANTHROPIC_API_KEY": "dummy-key", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    url: str
-    home: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def db_path(self) -> Path:
-        return self.home / "semantic.db"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def start_server(home: Path, model: Path | str, extra_env: dict[str, str] | None = None,
-                 timeout_s: float = 180) -> ServerProcess:
-    """Start `semantic serve --model MODEL` (a directory, or any name `--model` takes) as a
-    real process on a free port and wait for /health."""
-    port = free_port()
-    # The worker child is off unless a test asks for it (it is tested on its own).
-    env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_PORT": str(port), "SEMANTIC_WORKER": "0",
-           **(extra_env or {})}
-    env.pop("SEMANTIC_CONFIG", None)
-    log_path = home / "server.log"
-    home.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--model", str(model)],
-            cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-        )
-    server = ServerProcess(f"http://127.0.0.1:{port}", home, process, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy:\n{server.log()}")
-
-
-def stop_server(server: ServerProcess) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 
 BURST = 14

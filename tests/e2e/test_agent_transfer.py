@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 from test_cli import semantic
 

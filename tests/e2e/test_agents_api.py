@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from app.cache.files import read, read_metadata
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query, wait_persisted
 from test_cli import semantic
 

@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query, request_row
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 
 KEY = "sk-local-test-key"
 BODY = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

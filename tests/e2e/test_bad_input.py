@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query, request_row
 
 OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}

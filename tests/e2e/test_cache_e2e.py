@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query, request_row, wait_persisted
 
 GREEDY = {"temperature": 0}

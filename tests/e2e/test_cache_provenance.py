@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import httpx
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query, request_row, wait_persisted
 
 HEADER = "x-semantic-cache"

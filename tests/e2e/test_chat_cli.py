@@ -10,7 +10,8 @@ import sys
 
 import httpx
 
-from conftest import ROOT, ServerProcess
+from conftest import ROOT
+from support.servers import ServerProcess
 
 STATS = re.compile(r"^\[(\d+)/(\d+) prompt tokens from cache, first token ([\d.]+) s, (\d+) tokens")
 

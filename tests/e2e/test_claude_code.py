@@ -11,7 +11,8 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ROOT, ServerProcess, claude_env, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, claude_env, start_server, stop_server
 from support.dbcheck import query
 
 

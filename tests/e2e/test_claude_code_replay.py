@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import anthropic
 import pytest
 
-from conftest import ServerProcess, claude_env, start_server, stop_server
+from support.servers import ServerProcess, claude_env, start_server, stop_server
 from support.claude_recorder import Recorded, is_subagent, record_headless_session
 from support.dbcheck import query
 

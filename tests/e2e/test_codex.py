@@ -13,7 +13,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import ROOT, ServerProcess, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, start_server, stop_server
 from support.codex_recorder import codex_env, run_codex, write_config
 from support.dbcheck import query
 

@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 
 MAIN_SYSTEM = ("You are Claude Code, an interactive CLI tool that helps users with software engineering tasks. "

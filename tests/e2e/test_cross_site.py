@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query
 
 MESSAGES = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ServerProcess, start_server
+from support.servers import ServerProcess, start_server
 from support.dbcheck import query
 
 LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 60

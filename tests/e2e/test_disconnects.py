@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query
 
 LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 130  # ~1,700 tokens: a 10 s prefill

@@ -20,7 +20,7 @@ import httpx
 from app.store.db import make_engine, make_session_factory
 from app.store.history import utcnow
 from app.cache.upkeep import run_compact, run_evict, run_expire
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 from support.store_check import store_problems
 

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from app.catalog import hf_cache
-from conftest import ROOT, ServerProcess, free_port, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, free_port, start_server, stop_server
 from support.dbcheck import query
 from support.hf_hub import FakeHub, RepoFile, build_hf_cache, repo_files, tree
 

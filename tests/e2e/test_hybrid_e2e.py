@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from app.cache.blocks import BLOCK_TOKENS
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query, wait_persisted
 from support.families import save
 from test_cli import semantic

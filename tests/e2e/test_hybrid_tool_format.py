@@ -32,7 +32,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.families import save
 from support.tool_templates import with_template
 

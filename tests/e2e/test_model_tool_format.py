@@ -25,7 +25,7 @@ from app.engine.model import load_spec
 from app.engine.prompting import render_chat
 from app.protocol import anthropic as anthropic_protocol
 from app.types import RequestOptions
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.tool_templates import with_template
 
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.",

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 
 

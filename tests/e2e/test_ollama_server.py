@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

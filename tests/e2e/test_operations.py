@@ -16,7 +16,7 @@ import openai
 
 from pathlib import Path
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 
 def test_head_root_answers_200(server: ServerProcess) -> None:

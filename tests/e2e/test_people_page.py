@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.webdriver import Browser
 
 KEY = "sk-people-page-key"

@@ -23,7 +23,8 @@ from sqlalchemy import text
 from sqlalchemy.pool import NullPool
 
 from app.store.db import make_engine
-from conftest import ROOT, free_port
+from conftest import ROOT
+from support.servers import free_port
 from support.pool_hosts import messages_per_agent
 
 SYSTEM = "You answer hardware store questions in one short sentence. " * 20

@@ -22,7 +22,8 @@ from sqlalchemy.pool import NullPool
 
 from app.pool.postgres import LocalPostgres
 from app.store.db import make_engine
-from conftest import ROOT, ServerProcess, free_port, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, free_port, start_server, stop_server
 from support.store_check import store_problems
 
 SYSTEM = "You are a terse assistant for a hardware store. " + "Always answer in one short sentence. " * 50

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import start_server, stop_server
+from support.servers import start_server, stop_server
 from support import powercut
 from support.dbcheck import wait_persisted
 from support.store_check import store_problems

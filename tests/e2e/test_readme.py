@@ -19,7 +19,8 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ROOT, ServerProcess, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, start_server, stop_server
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_BLOCKS = re.findall(r"```(sh|python)\n(.*?)```", PAGES[0].read_text(), re.DOTALL)

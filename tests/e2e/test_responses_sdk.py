@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import ROOT, ServerProcess, start_server, stop_server
+from conftest import ROOT
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query, wait_persisted
 
 QUESTION = "What is the capital of France?"

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from websockets.sync.client import ClientConnection, connect
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.dbcheck import query
 
 DONE = ("response.completed", "response.incomplete")

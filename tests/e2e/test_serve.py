@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from conftest import ROOT, free_port, start_server, stop_server
+from conftest import ROOT
+from support.servers import free_port, start_server, stop_server
 
 
 def children(pid: int) -> list[int]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from support.webdriver import CHROMIUM_FLAGS
 
 

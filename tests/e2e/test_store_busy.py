@@ -18,7 +18,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 
 BODY = {"model": "smollm2", "max_tokens": 8, "temperature": 0,

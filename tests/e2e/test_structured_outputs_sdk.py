@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "country": {"type": "string", "maxLength": 20}},

@@ -18,7 +18,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query
 
 INSTRUCTIONS = ("You are a coding agent running in a terminal. Keep answers short, run commands when a file must be "

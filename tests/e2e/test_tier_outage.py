@@ -15,7 +15,7 @@ import pytest
 
 from app.cache.shared_tier import S3Tier
 from app.cache import files as blockfiles
-from conftest import free_port, start_server, stop_server
+from support.servers import free_port, start_server, stop_server
 from support.dbcheck import query
 
 SYSTEM = "You answer garden centre questions in one short sentence. " * 25

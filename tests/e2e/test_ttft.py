@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ServerProcess, start_server, stop_server
+from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query, wait_persisted
 
 WORDS = ("shelf hammer nail copper wire drill bracket plank glue varnish hinge ladder bolt washer "

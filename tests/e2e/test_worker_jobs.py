@@ -11,7 +11,8 @@ from pathlib import Path
 
 import openai
 
-from conftest import ROOT, start_server, stop_server
+from conftest import ROOT
+from support.servers import start_server, stop_server
 from support.dbcheck import query, wait_persisted
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant for a travel agency. " * 50}  # > 2 blocks

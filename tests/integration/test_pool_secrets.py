@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from app.pool.postgres import SUPERUSER
 from app.pool.secrets import pool_secrets
 from app.pool.seaweed import BUCKET, LocalS3
-from conftest import free_port
+from support.servers import free_port
 
 OLD_FIXED_KEYS = ("semantic", "semantic-local-pool")
 
