@@ -428,11 +428,16 @@ def _logprob(entry: TokenLogprob) -> dict[str, Any]:
     return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes)}
 
 
+def logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+    """One token's log-probability with its ``top_logprobs``, as OpenAI's APIs write it."""
+    return {**_logprob(entry), "top_logprobs": [_logprob(t) for t in entry.top]}
+
+
 def render_logprobs(parsed: ParsedTurn, entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
     """``choices[].logprobs``: each token's, with its ``top_logprobs`` (None: not asked for)."""
     if parsed.sampling.logprobs is None:
         return None
-    return {"content": [{**_logprob(e), "top_logprobs": [_logprob(t) for t in e.top]} for e in entries],
+    return {"content": [logprob_entry(e) for e in entries],
             "refusal": None}
 
 

@@ -270,6 +270,11 @@ def flat_name(name: str, namespace: str | None) -> str:
     return f"{namespace}.{name}" if namespace else name
 
 
+def _wants_logprobs(body: ResponsesBody) -> bool:
+    """Whether the reply's text parts carry each token's log-probability (``include``)."""
+    return "message.output_text.logprobs" in (body.include or [])
+
+
 def _refuse_unsupported(body: ResponsesBody) -> None:
     """Request fields that would change the answer in ways this server cannot honour.
 
@@ -282,8 +287,12 @@ def _refuse_unsupported(body: ResponsesBody) -> None:
         ("background", bool(body.background), "background responses are not supported"),
         ("prompt", body.prompt is not None, "prompt templates are not supported"),
         ("moderation", body.moderation is not None, "moderation is not supported"),
-        ("top_logprobs", bool(body.top_logprobs), "log probabilities are not supported"),
-        ("include", "message.output_text.logprobs" in (body.include or []), "log probabilities are not supported"),
+        ("top_logprobs", body.top_logprobs is not None and not _wants_logprobs(body),
+         "requires include: ['message.output_text.logprobs']"),
+        ("include", _wants_logprobs(body) and bool(body.tools) and body.tool_choice != "none",
+         "log probabilities are returned for plain text replies: not with tools"),
+        ("include", _wants_logprobs(body) and bool(body.reasoning) and (body.reasoning or {}).get("effort") != "none",
+         "log probabilities are returned for plain text replies: not with reasoning"),
         ("truncation", body.truncation == "auto", "'auto' truncation is not supported: a prompt beyond the "
                                                   "context is refused (context_length_exceeded)"),
         ("text.format.type", body.text is not None and body.text.format is not None
@@ -534,6 +543,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         top_p=1.0 if parsed.top_p is None else parsed.top_p,
         max_tokens=limit, end_after=tool_format.end_markers(syntax) if tools_text else (),
         speculate=parsed.speculate, constraint=constraint,
+        logprobs=(parsed.top_logprobs or 0) if _wants_logprobs(parsed) else None,
     )
     details = ResponsesDetails(by_name, _echo(body, parsed), parsed.store is not False, parsed.previous_response_id,
                                bounded=parsed.max_output_tokens is not None)

@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, NotFound, Overloaded, SemanticError
 from app.protocol import openai, tools
 from app.protocol.reply import ReplyParser, Thinking, parse_reply
 from app.protocol.responses import ResponsesDetails
 from app.protocol.turn import ParsedTurn
-from app.types import Finished, GenerationEvent, Heartbeat, Started, TextDelta
+from app.types import Finished, GenerationEvent, Heartbeat, Started, TextDelta, TokenLogprob
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
@@ -46,13 +46,17 @@ def _details(parsed: ParsedTurn) -> ResponsesDetails:
     return parsed.details
 
 
-def _message(response_id: str, index: int, text: str, status: str = "completed") -> dict[str, Any]:
+def _message(response_id: str, index: int, text: str, status: str = "completed",
+             logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{_id(response_id, index)}", "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [_text_part(text, logprobs)] if status == "completed" else []}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    """An ``output_text`` part; ``logprobs``: its tokens' (a request that asks gets a plain text
+    reply, one message: every output token is its text's)."""
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": [openai.logprob_entry(e) for e in logprobs]}
 
 
 def _reasoning(response_id: str, index: int, text: str | None) -> dict[str, Any]:
@@ -80,8 +84,10 @@ def _call(response_id: str, index: int, parsed: ParsedTurn, call: tools.ToolCall
     return item
 
 
-def reply_items(response_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
-    """The output items of a whole reply."""
+def reply_items(response_id: str, parsed: ParsedTurn, text: str,
+                logprobs: Sequence[TokenLogprob] = ()) -> list[dict[str, Any]]:
+    """The output items of a whole reply; ``logprobs`` (asked for: a plain text reply) go with
+    its message's text."""
     segments: list[Any] = []
     parts: list[Any] = parse_reply(parsed, text)
     for part in parts:
@@ -100,9 +106,11 @@ def reply_items(response_id: str, parsed: ParsedTurn, text: str) -> list[dict[st
         elif isinstance(segment, Thinking):
             items.append(_reasoning(response_id, len(items), segment.text))
         elif not called or segment.rstrip():
-            items.append(_message(response_id, len(items), segment.rstrip() if called else segment))
+            items.append(_message(response_id, len(items), segment.rstrip() if called else segment,
+                                  logprobs=logprobs if not called else ()))
+            logprobs = ()
     if not any(item["type"] != "reasoning" for item in items):
-        items.append(_message(response_id, len(items), ""))
+        items.append(_message(response_id, len(items), "", logprobs=logprobs))
     return items
 
 
@@ -149,8 +157,9 @@ def response_object(response_id: str, parsed: ParsedTurn, status: str, output: l
 
 def render_response(response_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     """The response object of a finished reply (the non-streaming body, and what is stored)."""
-    return response_object(response_id, parsed, _status(parsed, finished), reply_items(response_id, parsed, text),
-                           finished)
+    logprobs = finished.logprobs if parsed.sampling.logprobs is not None else ()
+    return response_object(response_id, parsed, _status(parsed, finished),
+                           reply_items(response_id, parsed, text, logprobs), finished)
 
 
 def stored_response(response_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any] | None:
@@ -190,6 +199,8 @@ class _Stream:
         self.open_text = ""
         self.held = ""  # trailing whitespace of text, sent once more text follows
         self.called = False
+        self.logprobs: list[TokenLogprob] = []  # (asked for) the tokens not sent with a delta yet
+        self.open_logprobs: list[TokenLogprob] = []  # those of the open message's text
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -208,7 +219,7 @@ class _Stream:
     def _open(self, item: dict[str, Any], part: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from self.close()
         self.output.append(item)
-        self.open, self.open_text = item, ""
+        self.open, self.open_text, self.open_logprobs = item, "", []
         yield self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)
         yield self.event("response.content_part.added", **self._where(), part=part)
 
@@ -221,9 +232,9 @@ class _Stream:
             part = item["content"][0]
             yield self.event("response.reasoning_text.done", **where, text=text)
         else:
-            item = _message(self.response_id, index, text)
-            part = _text_part(text)
-            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+            item = _message(self.response_id, index, text, logprobs=self.open_logprobs)
+            part = _text_part(text, self.open_logprobs)
+            yield self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"])
         yield self.event("response.content_part.done", **where, part=part)
         self.output[index], self.open = item, None
         yield self.event("response.output_item.done", output_index=index, item=item)
@@ -237,7 +248,14 @@ class _Stream:
         if self.open is None or self.open["type"] != "message":
             yield from self._open(_message(self.response_id, len(self.output), "", "in_progress"), _text_part(""))
         self.open_text += body
-        yield self.event("response.output_text.delta", **self._where(), delta=body, logprobs=[])
+        yield self.event("response.output_text.delta", **self._where(), delta=body, logprobs=self._sent_logprobs())
+
+    def _sent_logprobs(self) -> list[dict[str, Any]]:
+        """The tokens generated up to this delta and not sent yet: the delta's own (a token's
+        trailing whitespace held back goes with the delta that sends it)."""
+        sent, self.logprobs = self.logprobs, []
+        self.open_logprobs += sent
+        return [openai.logprob_entry(e) for e in sent]
 
     def thinking(self, text: str) -> Iterator[dict[str, Any]]:
         if self.open is None or self.open["type"] != "reasoning":
@@ -280,9 +298,12 @@ class _Stream:
                 yield from self._open(_message(self.response_id, len(self.output), "", "in_progress"),
                                       _text_part(""))
             self.open_text += held
-            yield self.event("response.output_text.delta", **self._where(), delta=held, logprobs=[])
+            yield self.event("response.output_text.delta", **self._where(), delta=held, logprobs=self._sent_logprobs())
         if not any(item["type"] != "reasoning" for item in self.output):
             yield from self._open(_message(self.response_id, len(self.output), "", "in_progress"), _text_part(""))
+        if self.open is not None and self.open["type"] == "message":  # tokens that wrote no text: the done event's
+            self.open_logprobs += self.logprobs
+        self.logprobs = []
         yield from self.close()
 
 
@@ -300,6 +321,7 @@ def render_events(response_id: str, parsed: ParsedTurn, events: Iterator[Generat
             if isinstance(event, Heartbeat):
                 yield stream.lifecycle("response.in_progress", "in_progress")
             elif isinstance(event, TextDelta):
+                stream.logprobs += event.logprobs if parsed.sampling.logprobs is not None else ()
                 yield from stream.parts(parser.feed(event.text))
             elif isinstance(event, Finished):
                 yield from stream.parts(parser.finish())

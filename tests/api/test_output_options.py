@@ -109,6 +109,30 @@ def test_openai_logprobs_come_back_whole_and_streamed(app) -> None:  # type: ign
     assert streamed == content
 
 
+def test_responses_logprobs_come_back_whole_and_streamed(app) -> None:  # type: ignore[no-untyped-def]
+    """``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) puts each token's
+    entry on the output_text part, whole; streamed, on the deltas (every token once, in order)
+    and on the part's done event; not asked, the lists are empty and nothing is computed."""
+    client, engine, _ = app
+    body = {**RESPONSES, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.simulate_post("/v1/responses", json=body)
+    assert whole.status_code == 200, whole.text
+    assert engine.submitted[-1].sampling.logprobs == 2
+    (part,) = whole.json["output"][0]["content"]
+    assert [e["token"] for e in part["logprobs"]] == ["Hello", " there", "."]
+    assert part["logprobs"][0] == {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"), "top_logprobs": [
+        {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")},
+        {"token": "Hello1", "logprob": -1.5, "bytes": list(b"Hello1")}]}
+    plain = client.simulate_post("/v1/responses", json=RESPONSES)
+    assert plain.json["output"][0]["content"][0]["logprobs"] == [] and engine.submitted[-1].sampling.logprobs is None
+    stream = client.simulate_post("/v1/responses", json={**body, "stream": True}).text
+    events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    deltas = [e for event in events if event["type"] == "response.output_text.delta" for e in event["logprobs"]]
+    assert deltas == part["logprobs"]
+    (done,) = [event for event in events if event["type"] == "response.output_text.done"]
+    assert done["logprobs"] == part["logprobs"]
+
+
 def test_anthropic_output_format_forced_calls_and_what_claude_code_sends(app) -> None:  # type: ignore[no-untyped-def]
     client, engine, _ = app
     for extra in ({"output_format": {"type": "json_schema", "schema": SCHEMA}},
@@ -180,6 +204,11 @@ REFUSED = [
     ("/v1/responses", RESPONSES, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
      "text.format.schema"),
     ("/v1/responses", RESPONSES, {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/responses", RESPONSES, {"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+    ("/v1/responses", RESPONSES, {"include": ["message.output_text.logprobs"], "tools": [
+        {"type": "function", "name": "weather", "parameters": SCHEMA}]}, "include"),
+    ("/v1/responses", RESPONSES, {"include": ["message.output_text.logprobs"], "reasoning": {"effort": "low"}},
+     "include"),
 ]
 
 

@@ -52,6 +52,21 @@ def test_logprobs_streamed_spell_the_reply(client: openai.OpenAI) -> None:
     assert all(e.top_logprobs[0].token == e.token for e in entries)  # greedy: each token is the likeliest
 
 
+def test_responses_logprobs_spell_the_reply_whole_and_streamed(client: openai.OpenAI) -> None:
+    """The Responses API: ``include`` asks for them; whole, the output text's entries spell it;
+    streamed, the deltas' entries are the same tokens (greedy: each the likeliest)."""
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.responses.create(model="m", input="Name a city.", max_output_tokens=8, temperature=0, **asked)
+    part = whole.output[0].content[0]
+    assert whole.usage.output_tokens == len(part.logprobs) > 0
+    assert b"".join(bytes(e.bytes) for e in part.logprobs).decode().rstrip() == part.text.rstrip()
+    assert all(e.top_logprobs[0].token == e.token and e.logprob <= 0 for e in part.logprobs)
+    events = list(client.responses.create(model="m", input="Name a city.", max_output_tokens=8, temperature=0,
+                                          stream=True, **asked))
+    streamed = [e.token for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert streamed == [e.token for e in part.logprobs]
+
+
 def test_refused_fields_are_a_400_the_sdk_raises(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4, frequency_penalty=0.5)
