@@ -15,9 +15,11 @@ Options that only tune the runtime (``num_ctx``, ``num_thread``, ``num_gpu``, ..
 accepted and change nothing (``HARMLESS_OPTIONS``); penalties and other samplers are
 accepted at their neutral value only (``NEUTRAL_OPTIONS``); anything else is a 400 naming
 the option. Request fields that change the answer and are not supported (``think``,
-``images``, ``raw``, ``context``, ``suffix``, ``template``, ``logprobs``) are a 400 naming
-the field; ``keep_alive`` is accepted and ignored (the model stays loaded). Extension:
-``session_id`` names the agent, as in the OpenAI API (also the ``X-Session-ID`` header).
+``images``, ``raw``, ``context``, ``suffix``, ``template``) are a 400 naming the field;
+``logprobs`` / ``top_logprobs`` return each output token's entry (``logprobs``, on each
+streamed line too), in the shape Ollama and OpenAI share; ``keep_alive`` is accepted and
+ignored (the model stays loaded). Extension: ``session_id`` names the agent, as in the
+OpenAI API (also the ``X-Session-ID`` header).
 
 Durations are nanoseconds: ``load_duration`` is the time the conversation's cache took to
 come back into memory, ``prompt_eval_count`` the prompt tokens computed this turn (those
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any, Iterator, Literal, Union
+from typing import Any, Iterator, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,7 +39,7 @@ from app.errors import InvalidRequest
 from app.protocol import openai, structured
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import ModelName, validate
-from app.types import Finished, GenerationEvent, RequestOptions
+from app.types import Finished, GenerationEvent, RequestOptions, TokenLogprob
 
 # Options that tune how the model runs, not what it answers.
 HARMLESS_OPTIONS = frozenset({"num_ctx", "num_thread", "num_gpu", "main_gpu", "num_batch", "num_keep", "use_mmap",
@@ -81,8 +83,8 @@ class _Generation(_Body):
         "are accepted and change nothing; others are refused by name"))
     format: Union[str, dict[str, Any], None] = None  # "json" or a JSON schema
     think: Union[bool, str, None] = None  # refused unless false
-    logprobs: bool | None = None  # refused when true
-    top_logprobs: int | None = None  # refused unless 0
+    logprobs: bool | None = None  # each output token's log-probability (as the OpenAI chat API's)
+    top_logprobs: int | None = None  # with logprobs: how many alternatives (0 to 20)
     keep_alive: Union[str, int, float, None] = None  # accepted, ignored
     session_id: str | None = None
 
@@ -115,10 +117,6 @@ def _refuse(where: str, why: str) -> InvalidRequest:
 def _common_refusals(body: _Generation) -> None:
     if body.think not in (None, False):
         raise _refuse("think", "thinking is not supported by this server")
-    if body.logprobs or body.top_logprobs:
-        where = "logprobs" if body.logprobs else "top_logprobs"
-        raise _refuse(where, "log probabilities are not supported by this server's Ollama API "
-                             "(the OpenAI chat API returns them)")
 
 
 def _response_format(body: _Generation) -> dict[str, Any] | None:
@@ -192,7 +190,9 @@ def _as_openai(model: str, messages: list[dict[str, Any]], tools: list[dict[str,
     top_k = sampling.pop("top_k")
     response_format = _response_format(body)
     chat = {"model": model, "messages": messages, **sampling, **({"tools": tools} if tools else {}),
-            **({"response_format": response_format} if response_format else {})}
+            **({"response_format": response_format} if response_format else {}),
+            **({"logprobs": body.logprobs} if body.logprobs is not None else {}),
+            **({"top_logprobs": body.top_logprobs} if body.top_logprobs else {})}
     parsed = openai.parse_request(chat, options)
     return replace(parsed, stream=body.stream, session_id=body.session_id,
                    sampling=replace(parsed.sampling, top_k=top_k))
@@ -279,17 +279,24 @@ def chat_message(openai_message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _logprobs(parsed: ParsedTurn, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """``logprobs`` (asked for): each token's, OpenAI's entry shape, which Ollama's is."""
+    return {"logprobs": [openai.logprob_entry(e) for e in entries]} if parsed.sampling.logprobs is not None else {}
+
+
 def render_chat(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished, now: float) -> dict[str, Any]:
     """The non-streamed ``/api/chat`` answer."""
     message = chat_message(openai.reply_message(completion_id, parsed, text))
     return {"model": parsed.model, "created_at": timestamp(now), "message": message,
-            "done_reason": done_reason(finished), "done": True, **stats(finished)}
+            "done_reason": done_reason(finished), "done": True, **stats(finished),
+            **_logprobs(parsed, finished.logprobs)}
 
 
 def render_generate(parsed: ParsedTurn, text: str, finished: Finished, now: float) -> dict[str, Any]:
     """The non-streamed ``/api/generate`` answer (no ``context``: see ``parse_generate``)."""
     return {"model": parsed.model, "created_at": timestamp(now), "response": text,
-            "done_reason": done_reason(finished), "done": True, **stats(finished)}
+            "done_reason": done_reason(finished), "done": True, **stats(finished),
+            **_logprobs(parsed, finished.logprobs)}
 
 
 def render_load(model: str, chat: bool, now: float) -> dict[str, Any]:
@@ -316,7 +323,8 @@ def render_lines(completion_id: str, parsed: ParsedTurn, events: Iterator[Genera
             continue  # a keep-alive (NDJSON has no comments), [DONE]
         delta = chunk["choices"][0]["delta"]
         content, calls = delta.get("content") or "", delta.get("tool_calls")
-        if not content and not calls:
+        entries = (chunk["choices"][0].get("logprobs") or {}).get("content")
+        if not content and not calls and not entries:
             continue
         line: dict[str, Any] = {"model": parsed.model, "created_at": timestamp(clock())}
         if chat:
@@ -324,7 +332,7 @@ def render_lines(completion_id: str, parsed: ParsedTurn, events: Iterator[Genera
                                **({"tool_calls": _tool_calls(calls)} if calls else {})}
         else:
             line["response"] = content
-        yield {**line, "done": False}
+        yield {**line, "done": False, **({"logprobs": entries} if entries else {})}
     if finished:
         last = finished[-1]
         reply = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}

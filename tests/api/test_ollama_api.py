@@ -109,6 +109,24 @@ def test_format_holds_the_reply_to_json_and_says_so_in_the_prompt(app, path: str
     assert engine.submitted[-1].sampling.constraint is None
 
 
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+def test_logprobs_come_back_whole_and_on_each_streamed_line(app, path: str) -> None:  # type: ignore[no-untyped-def]
+    """Ollama's ``logprobs`` / ``top_logprobs``: every output token's entry (token, logprob,
+    bytes, its alternatives), on the answer, or on the lines that carry its text."""
+    client, engine, _ = app
+    body = {**(CHAT if path == "/api/chat" else GENERATE), "logprobs": True, "top_logprobs": 2}
+    whole = client.simulate_post(path, json={**body, "stream": False}).json
+    assert engine.submitted[-1].sampling.logprobs == 2
+    assert [e["token"] for e in whole["logprobs"]] == ["Hello", " there", "."]
+    assert whole["logprobs"][0] == {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"), "top_logprobs": [
+        {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")},
+        {"token": "Hello1", "logprob": -1.5, "bytes": list(b"Hello1")}]}
+    lines = [json.loads(line) for line in client.simulate_post(path, json=body).text.splitlines() if line]
+    assert [e for line in lines for e in line.get("logprobs", [])] == whole["logprobs"]
+    plain = client.simulate_post(path, json={**body, "logprobs": False, "top_logprobs": 0, "stream": False}).json
+    assert "logprobs" not in plain and engine.submitted[-1].sampling.logprobs is None
+
+
 @pytest.mark.parametrize("path,extra,field", [
     ("/api/chat", {"options": {"repeat_penalty": 1.1}}, "options.repeat_penalty"),
     ("/api/chat", {"options": {"mirostat": 2}}, "options.mirostat"),
@@ -119,8 +137,8 @@ def test_format_holds_the_reply_to_json_and_says_so_in_the_prompt(app, path: str
     ("/api/chat", {"format": "yaml"}, "format"),
     ("/api/chat", {"format": {"type": "object", "properties": {"x": {"not": {}}}}}, "format"),
     ("/api/generate", {"format": {"type": "strin"}}, "format"),
-    ("/api/chat", {"logprobs": True}, "logprobs"),
-    ("/api/generate", {"top_logprobs": 3}, "top_logprobs"),
+    ("/api/generate", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ("/api/chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/api/chat", {"think": True}, "think"),
     ("/api/chat", {"messages": [{"role": "user", "content": "What is this?", "images": ["aGk="]}]},
      "messages.0.images"),
