@@ -79,3 +79,14 @@ def test_ollama_format_json_schema(server: ServerProcess) -> None:
     reply = httpx.post(f"{server.url}/api/chat", json=body, timeout=120).json()
     assert reply["done_reason"] == "stop", reply
     jsonschema.validate(json.loads(reply["message"]["content"]), SCHEMA)
+
+
+def test_ollama_logprobs_spell_the_streamed_reply(server: ServerProcess) -> None:
+    body = {"model": "m", "logprobs": True, "top_logprobs": 2, "options": {"temperature": 0, "num_predict": 8},
+            "messages": QUESTION}
+    with httpx.stream("POST", f"{server.url}/api/chat", json=body, timeout=120) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    text = "".join(line["message"]["content"] for line in lines)
+    entries = [e for line in lines for e in line.get("logprobs", [])]
+    assert len(entries) == lines[-1]["eval_count"] and b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in entries)  # greedy: each token is the likeliest
