@@ -70,6 +70,13 @@ READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at o
 
 Arrays = dict[str, np.ndarray]
 
+# Files fetched from the shared tier that no cache has asked about yet (``take_fetched``), by
+# their path here: from any thread and any ``CacheFiles`` of the process (the engine's stager
+# fetches on a request thread, the model's cache manager reads them on the engine thread);
+# the oldest are forgotten past the bound.
+_FETCHED: OrderedDict[Path, None] = OrderedDict()
+_FETCHED_LOCK = threading.Lock()
+
 
 class DamagedFile(Exception):
     """A cache file is missing, truncated, malformed or fails its checksum."""
@@ -358,10 +365,6 @@ class CacheFiles:
         self.base = root / fingerprint[:16]
         self.fingerprint = fingerprint
         self.tier = tier
-        # Files fetched from the tier that nothing has asked about yet (``take_fetched``), from
-        # any thread (a request thread stages them); the oldest are forgotten past the bound.
-        self._fetched: OrderedDict[Path, None] = OrderedDict()
-        self._fetched_lock = threading.Lock()
 
     def key(self, path: Path) -> str:
         """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
@@ -377,10 +380,10 @@ class CacheFiles:
             try:
                 if self.tier.fetch(self.key(local), local):
                     log.info("restored %s from the shared tier", self.key(local))
-                    with self._fetched_lock:
-                        self._fetched[local] = None
-                        while len(self._fetched) > MAX_FETCHED_KEPT:
-                            self._fetched.popitem(last=False)
+                    with _FETCHED_LOCK:
+                        _FETCHED[local] = None
+                        while len(_FETCHED) > MAX_FETCHED_KEPT:
+                            _FETCHED.popitem(last=False)
             except Exception as exc:  # the tier is down: the file is missing, a miss
                 log.warning("shared tier: %s not fetched (%s)", self.key(local), exc)
         return local
@@ -389,10 +392,10 @@ class CacheFiles:
         """Whether any of these files came from the shared tier since they were last asked
         about (a cache's provenance: ``tier`` rather than ``disk``); each is forgotten once asked."""
         paths = [self.local(path, fetch=False) for path in stored]
-        with self._fetched_lock:
-            found = [path for path in paths if path in self._fetched]
+        with _FETCHED_LOCK:
+            found = [path for path in paths if path in _FETCHED]
             for path in found:
-                del self._fetched[path]
+                del _FETCHED[path]
         return bool(found)
 
     def fetch_missing(self, stored: Iterable[str | Path]) -> None:

@@ -713,16 +713,6 @@ class CacheManager:
         self._n_spilled += 1
         log.info("conversation %s spilled to disk (%s)", conversation_id, why)
 
-    def stage(self, conversation_id: str) -> None:
-        """Fetch the conversation's files from the shared tier, if any are missing here,
-        before its turn reaches the engine thread (whose steps every sequence waits on).
-        Safe from any thread: it reads the index and writes files, never this manager's memory."""
-        if self._files.tier is None:
-            return
-        entry = self._index.load(conversation_id)
-        if entry is not None:
-            self._files.fetch_missing([entry.record_path, *(block.path for block in entry.blocks)])
-
     def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
         entry = self._index.load(conversation_id)

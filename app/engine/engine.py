@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.hashing import scoped_fingerprint
 from app.cache.shared_tier import S3Tier
 from app.cache.manager import CacheManager
+from app.cache.stager import Stager
 from app.catalog.registry import Catalog
 from app.engine.admission import Admission
 from app.engine import grammar
@@ -71,10 +72,12 @@ class Engine:
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
+        self._cache_enabled = cache.enabled
         self._kv_format_for = cache.kv_format_for
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
         self._admission = Admission(cache.budget_bytes, max_batch)
+        self._stager = Stager(cache.blocks_dir, cache.sessions, cache.tier)
         self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
                                                       cache.kv_format_for(name), split_cores),
                               cache.manager_for, default=catalog.default,
@@ -205,10 +208,9 @@ class Engine:
         refusal = self._admission.refusal(request, spec)
         if refusal is not None:
             raise MemoryExhausted(refusal)
-        caches = self._runner.caches
-        if caches is not None and request.conversation_id is not None:
-            start = time.perf_counter()
-            caches.stage(request.conversation_id)  # a restore's network time on this thread
+        if request.conversation_id is not None and self._cache_enabled:
+            start = time.perf_counter()  # a restore's network time, on this thread (the model it names)
+            self._stager.stage(scoped_fingerprint(spec.fingerprint, self._scope), request.conversation_id)
             request = replace(request, staged_s=request.staged_s + time.perf_counter() - start)
         return self._runner.submit(request)
 

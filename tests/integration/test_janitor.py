@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from support.dbcheck import query
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward
-from test_shared_tier import aws_credentials, s3_url, server  # noqa: F401  (fixtures)
+from test_shared_tier import aws_credentials, s3_url, server, stage  # noqa: F401  (fixtures)
 
 from app.cache import files
 from app.cache.janitor import JOB_NAME
@@ -72,8 +72,8 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
     a.close()
 
     b = server(tmp_path, "b", n_layers, tier)  # another host: restores both from the tier
-    b.stage("c")
-    b.stage("d")
+    stage(tmp_path, "b", tier, b, "c")
+    stage(tmp_path, "b", tier, b, "d")
     b.close()
     b_root = tmp_path / "b" / "blocks"
     copies = sorted(b_root.rglob("*.safetensors"))

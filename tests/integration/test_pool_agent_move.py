@@ -27,6 +27,7 @@ from app.agents.portable import export_agent, import_agent
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier
+from app.cache.stager import Stager
 from app.errors import InvalidRequest
 from app.store import responses
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -127,7 +128,7 @@ def test_an_agent_moves_whole_out_of_a_pool_and_into_one(tmp_path: Path, s3_url:
     with second() as session:
         assert responses.point(session, "resp_1").conversation_id == conversation
     restoring = _manager(second, tmp_path / "s2" / "blocks", n_layers, S3Tier(second_tier))
-    restoring.stage(conversation)
+    Stager(tmp_path / "s2" / "blocks", second, S3Tier(second_tier)).stage(restoring.fingerprint, conversation)
     lease = restoring.lease("a", conversation, as_prompt(tokens + more))
     assert (lease.n_reused, lease.report.reason) == (600, "extend")
     assert mx.array_equal(forward(model, lease.cache, more), expected)

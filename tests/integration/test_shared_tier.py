@@ -17,6 +17,7 @@ from app.cache import files
 from app.cache.manager import CacheManager
 from app.cache.records import CacheRecord
 from app.cache.shared_tier import S3Tier
+from app.cache.stager import Stager
 from app.types import ForkPoint
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.store.history import touch_agent, utcnow
@@ -55,6 +56,13 @@ def server(tmp_path: Path, name: str, n_layers: int, tier: S3Tier | None, **opti
                         sessions=sessions, budget_bytes=1 << 30, tier=tier, **options)
 
 
+def stage(tmp_path: Path, name: str, tier: S3Tier, manager: Any, conversation_id: str) -> None:
+    """What the engine does on a request's thread before the turn: the conversation's files
+    for the manager's model brought from the tier into server ``name``'s directory."""
+    sessions = make_session_factory(make_engine(f"sqlite:///{tmp_path / 'pool.db'}"))
+    Stager(tmp_path / name / "blocks", sessions, tier).stage(manager.fingerprint, conversation_id)
+
+
 def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3_url: str) -> None:
     model = build("llama")
     n_layers = len(model.layers)
@@ -75,7 +83,7 @@ def test_another_server_restores_a_conversation_from_the_tier(tmp_path: Path, s3
     b = server(tmp_path, "b", n_layers, S3Tier(s3_url))  # another machine: nothing of a's on its disk
     assert not (tmp_path / "b" / "blocks").exists()
     # Staged from a request thread: the files come before the turn reaches the engine thread.
-    staging = threading.Thread(target=b.stage, args=("c",))
+    staging = threading.Thread(target=stage, args=(tmp_path, "b", S3Tier(s3_url), b, "c"))
     staging.start()
     staging.join()
     assert len(list((tmp_path / "b" / "blocks").rglob("*.safetensors"))) == 3  # two blocks and the record
@@ -371,7 +379,7 @@ def test_a_hybrid_conversation_moves_through_the_tier_with_its_checkpoints(tmp_p
 
     b = server(tmp_path, "b", layout.n_attention, S3Tier(s3_url), **options)
     assert not (tmp_path / "b" / "blocks").exists()
-    b.stage("c")
+    stage(tmp_path, "b", S3Tier(s3_url), b, "c")
     lease = b.lease("a", "c", as_prompt(first + more))
     assert (lease.n_reused, lease.report.reason) == (700, "extend"), lease.report
     assert mx.array_equal(prefill(model, lease.cache, more, len(first), None), expected)
@@ -406,3 +414,22 @@ def test_a_fork_on_another_server_copies_the_conversation_up_to_its_point_from_t
     assert own.n_reused == lease.n_reused, own.report
     assert mx.array_equal(forward(model, own.cache, prompt[own.n_reused:]), forked)
     a.close()
+
+
+def test_the_stager_fetches_the_files_of_the_model_the_request_names(tmp_path: Path, s3_url: str) -> None:
+    """Staging is keyed by the cache fingerprint of the model a request names, not the model
+    loaded: another model's fingerprint finds no row and fetches nothing; the stored model's
+    brings its conversation's two blocks and record."""
+    _stored_on_a(tmp_path, s3_url, seed=8)
+    root = tmp_path / "b" / "blocks"
+    stage(tmp_path, "b", S3Tier(s3_url), _Named("fp-other"), "c")
+    assert not root.exists() or not list(root.rglob("*.safetensors"))
+    stage(tmp_path, "b", S3Tier(s3_url), _Named("fp-pool"), "c")
+    assert len(list(root.rglob("*.safetensors"))) == 3
+
+
+class _Named:
+    """What ``stage`` reads of a cache manager: its fingerprint."""
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
