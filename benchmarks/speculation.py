@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.engine.blas import blas_in_use, load_fast_blas  # noqa: E402
 
@@ -50,6 +51,7 @@ from app.settings import load_settings  # noqa: E402
 from app.store.db import make_engine, make_session_factory, upgrade  # noqa: E402
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams  # noqa: E402
 from benchmarks.common import device, print_table, pyplot, save_plot, write_results  # noqa: E402
+from support.engines import loaded_model  # noqa: E402
 
 FILE = '''import json
 from pathlib import Path
@@ -115,7 +117,7 @@ def turn(engine: Engine, name: str, sampling: SamplingParams, tag: str) -> dict:
 
 def floor(engine: Engine, name: str, max_tokens: int) -> float:
     """Decode tok/s of a bare mlx-lm ``generate_step`` loop on the same prompt tokens."""
-    loaded, prompt = engine.loaded, engine.render(WORKLOADS[name]).token_ids
+    loaded, prompt = loaded_model(engine), engine.render(WORKLOADS[name]).token_ids
     steps = generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens,
                           sampler=lambda lp: mx.argmax(lp, axis=-1), prefill_step_size=256,
                           prompt_cache=make_prompt_cache(loaded.model))

@@ -30,7 +30,7 @@ from app.engine.model import kv_choice  # noqa: E402
 from app.settings import load_settings  # noqa: E402
 from app.types import SamplingParams  # noqa: E402
 from benchmarks.common import print_table, pyplot, save_plot, write_results  # noqa: E402
-from support.engines import make_engine_at  # noqa: E402
+from support.engines import loaded_model, make_engine_at  # noqa: E402
 from support.warm_cold import CASES, ColdAnswers, agent_of, answer_pairs  # noqa: E402
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
@@ -55,7 +55,7 @@ def main() -> None:
             for name in args.formats:
                 warm = make_engine_at(Path(scratch) / key / name, model_dir, [agent_of(c) for c in CASES],
                                       kv_format=name, name=key)
-                stored = warm.loaded.kv_format.name
+                stored = loaded_model(warm).kv_format.name
                 pairs = [pair for case in CASES for pair in answer_pairs(warm, cold, case, sampling, cold_answers)]
                 warm.stop()
                 shared = [p.shared for p in pairs]

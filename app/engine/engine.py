@@ -59,7 +59,8 @@ class CacheConfig:
 
 class Engine:
     """Owns the engine thread. Start it, then render prompts and submit them. Implements
-    ``surface.EngineSurface``; ``loaded`` and ``caches`` are for tests and benchmarks."""
+    ``surface.EngineSurface``; the loaded model and its cache manager are the engine thread's
+    alone (tests reach them through ``tests/support/engines.py``)."""
 
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
@@ -118,15 +119,6 @@ class Engine:
         """Cancel every queued and running generation (Ctrl-C); returns at once. Each ends with
         a cancelled ``Finished``, as when its client leaves; ``stop`` then has nothing to finish."""
         self._runner.cancel_all()
-
-    @property
-    def loaded(self) -> LoadedModel:
-        """The loaded model itself, the engine thread's (for tests and benchmarks; the API
-        uses ``model``)."""
-        if self._runner.loaded is None:
-            raise EngineUnavailable("the model is still loading" if not self._runner.ready.is_set()
-                                    else "the model is not loaded")
-        return self._runner.loaded
 
     @property
     def catalog(self) -> Catalog:
@@ -237,13 +229,6 @@ class Engine:
             kv=loaded.kv if loaded else None,
             prefills=published.prefills,
         )
-
-    @property
-    def caches(self) -> CacheManager:
-        """The cache manager, owned by the engine thread (for tests and benchmarks)."""
-        if self._runner.caches is None:
-            raise EngineUnavailable("the engine is not running")
-        return self._runner.caches
 
     def hot_tokens(self, agent_id: str) -> Mapping[str, int]:
         """Cached tokens of the agent's conversations held in memory, by conversation id."""

@@ -80,7 +80,7 @@ class Runner(threading.Thread):
         self._load = load
         self._make_caches = make_caches
         self._default = default
-        self.caches: CacheManager | None = None
+        self._caches: CacheManager | None = None
         self._queue = JobQueue(max_queue)
         self._calls: queue.Queue[Call | None] = queue.Queue()
         self._wake = threading.Event()
@@ -98,7 +98,7 @@ class Runner(threading.Thread):
         self._swaps = 0
         self._loading: str | None = None  # the model being loaded
         self.ready = threading.Event()
-        self.loaded: LoadedModel | None = None
+        self._loaded: LoadedModel | None = None
         self.load_error: BaseException | None = None  # the default model failed to load
         self.snapshot = RunnerSnapshot()  # replaced by this thread (``_publish``), read by any
 
@@ -171,14 +171,14 @@ class Runner(threading.Thread):
             return
         finally:
             self.ready.set()
-        assert self.caches is not None
+        assert self._caches is not None
         while True:
             self._run_calls()
             self._admit()
             self._publish()
             if not self.n_active:
                 waiting = self._queue.first()
-                if waiting is not None and self.loaded is not None and self._model_of(waiting) != self.loaded.name:
+                if waiting is not None and self._loaded is not None and self._model_of(waiting) != self._loaded.name:
                     self._swap(self._model_of(waiting))
                     continue
                 if self._stopping and not len(self._queue):
@@ -190,20 +190,20 @@ class Runner(threading.Thread):
             except Exception as exc:  # a failed step must not kill the engine: fail what was running
                 log.exception("engine step failed")
                 self._fail_all(f"generation failed: {exc}")
-        if self.loaded is not None and self.loaded.cores is not None:
-            self.loaded.cores.use(False)  # OpenBLAS's threads back for whatever runs in this process next
-        self.caches.close()
-        self.caches.release_agents()
+        if self._loaded is not None and self._loaded.cores is not None:
+            self._loaded.cores.use(False)  # OpenBLAS's threads back for whatever runs in this process next
+        self._caches.close()
+        self._caches.release_agents()
 
     def _publish(self) -> None:
         """Replace the snapshot other threads read (called between steps, after a finished
         turn's commit, and before a call's result is handed over, so its reader sees what it did)."""
-        caches = self.caches
+        caches = self._caches
         hot = MappingProxyType({agent: MappingProxyType(conversations)
                                 for agent, conversations in caches.hot_by_agent().items()}) if caches else {}
         prefills = tuple(PrefillProgress(s.job.request.request_id, s.job.request.agent_id, s.n_prefilled,
                                          len(s.prompt_ids)) for s in self._prefilling)
-        self.snapshot = RunnerSnapshot(self.loaded, self._loading, self.n_active, caches.stats() if caches else None,
+        self.snapshot = RunnerSnapshot(self._loaded, self._loading, self.n_active, caches.stats() if caches else None,
                                        hot, self._counters, self._swaps, prefills)
 
     def _install(self, name: str) -> None:
@@ -212,9 +212,9 @@ class Runner(threading.Thread):
         self._publish()
         try:
             loaded = self._load(name)  # warmed up: load_model's head-dims probe is a forward pass
-            self.caches = self._make_caches(loaded)
+            self._caches = self._make_caches(loaded)
             self._batch = self._new_batch(loaded)
-            self.loaded = loaded
+            self._loaded = loaded
         finally:
             self._loading = None
             self._publish()
@@ -225,12 +225,12 @@ class Runner(threading.Thread):
         If ``name`` cannot load, the requests waiting for it fail and the previous model
         is loaded again.
         """
-        assert self.loaded is not None and self.caches is not None
-        previous = self.loaded.name
+        assert self._loaded is not None and self._caches is not None
+        previous = self._loaded.name
         log.info("swapping model %s for %s (%d requests waiting)", previous, name, len(self._queue))
         start = time.perf_counter()
-        self.caches.close()
-        self.loaded = self.caches = self._batch = None
+        self._caches.close()
+        self._loaded = self._caches = self._batch = None
         gc.collect()
         mx.clear_cache()
         try:
@@ -250,9 +250,9 @@ class Runner(threading.Thread):
     def _idle(self) -> None:
         """Nothing to run: wait for work; caches past their hot TTL go warm meanwhile, and
         after a start the recently used conversations come back from disk, one at a time."""
-        assert self.caches is not None
-        self.caches.expire_hot()
-        prefetched = self.caches.prefetch()
+        assert self._caches is not None
+        self._caches.expire_hot()
+        prefetched = self._caches.prefetch()
         self._publish()
         if prefetched:
             return
@@ -260,7 +260,7 @@ class Runner(threading.Thread):
         self._wake.clear()
 
     def _run_calls(self) -> None:
-        assert self.caches is not None
+        assert self._caches is not None
         while True:
             try:
                 call = self._calls.get_nowait()
@@ -272,7 +272,7 @@ class Runner(threading.Thread):
             if not call.result.set_running_or_notify_cancel():  # its caller gave up waiting
                 continue
             try:
-                result = call.fn(self.caches)
+                result = call.fn(self._caches)
             except Exception as exc:  # handed to the caller
                 self._publish()
                 call.result.set_exception(exc)
@@ -284,7 +284,7 @@ class Runner(threading.Thread):
         for job in self._queue.drop_cancelled():
             log.info("request %s: cancelled while queued", job.request.request_id)
             job.put(cancelled_in_queue(job))
-        loaded = self.loaded
+        loaded = self._loaded
         assert loaded is not None
 
         def can_start(candidate: Job) -> bool:
@@ -306,7 +306,7 @@ class Runner(threading.Thread):
 
     def _start(self, job: Job) -> Sequence:
         """A lease on the conversation's cache, and the generation that continues it."""
-        loaded, caches, request = self.loaded, self.caches, job.request
+        loaded, caches, request = self._loaded, self._caches, job.request
         assert loaded is not None and caches is not None
         taken = time.perf_counter()
         lease = caches.lease(request.agent_id, request.conversation_id, request.prompt,
@@ -323,8 +323,8 @@ class Runner(threading.Thread):
                            loaded.cores.use if loaded.cores is not None else None)
 
     def _step(self) -> None:
-        assert self.loaded is not None and self._batch is not None
-        cores = self.loaded.cores
+        assert self._loaded is not None and self._batch is not None
+        cores = self._loaded.cores
         self._decode_step()
         if cores is not None and self._prefilling:
             cores.use(False)  # a prefill chunk's large matmuls and attention use OpenBLAS's threads
@@ -337,7 +337,7 @@ class Runner(threading.Thread):
         done = []  # (uid, tokens it was handed after its end)
         start = time.perf_counter()
         stepped = self._batch.step()
-        split = self.loaded is not None and self.loaded.cores is not None and self.loaded.cores.active
+        split = self._loaded is not None and self._loaded.cores is not None and self._loaded.cores.active
         self._counters = self._counters.after_decode(len(stepped), time.perf_counter() - start, split,
                                                      sum(len(tokens) for _, tokens in stepped))
         for uid, tokens in stepped:
@@ -371,7 +371,7 @@ class Runner(threading.Thread):
         if sequence.n_pending > 0:
             alone = len(self._prefilling) == 1 and not self._decoding and not len(self._queue)
             n = sequence.clip_chunk(self._policy.chunk(sequence, alone))
-            loaded = self.loaded
+            loaded = self._loaded
             assert loaded is not None
             start = time.perf_counter()
             prefill(loaded.model, sequence.cache, sequence.prompt_ids[sequence.n_prefilled:sequence.n_prefilled + n])
@@ -419,7 +419,7 @@ class Runner(threading.Thread):
         call is run: a next turn, fork or export finds it. A prefill-only turn (an agent's
         creation) ends after its commit: its cache is its result. A failed commit loses reuse only.
         """
-        caches, request = self.caches, sequence.job.request
+        caches, request = self._caches, sequence.job.request
         assert caches is not None
         if sequence.reason == "cancelled":
             log.info("request %s: cancelled after %d output tokens", request.request_id, len(sequence.output))
@@ -445,6 +445,6 @@ class Runner(threading.Thread):
             sequence.put(Failed(message))
         self._prefilling.clear()
         self._decoding.clear()
-        assert self.loaded is not None
-        self._batch = self._new_batch(self.loaded)
+        assert self._loaded is not None
+        self._batch = self._new_batch(self._loaded)
         self._publish()

@@ -13,7 +13,7 @@ from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
-from support.engines import wait_idle
+from support.engines import cache_manager, wait_idle
 
 # Long answers (a list that does not end within max_tokens) and prompts of different lengths,
 # about 40, 85, 175 and 300 tokens: the requests overlap whatever the machine's speed. The
@@ -93,7 +93,7 @@ def test_batched_greedy_output_equals_solo_output(cold_engine: Engine) -> None:
 def test_every_batched_conversation_commits_its_whole_cache(engine: Engine) -> None:
     batched = collect(engine, [request(engine, agent, f"batch-{agent}") for agent in PROMPTS])
     for agent in PROMPTS:
-        record = engine.caches.record(f"batch-{agent}")
+        record = cache_manager(engine).record(f"batch-{agent}")
         finished = batched[f"batch-{agent}"][1]
         assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
 
@@ -118,7 +118,7 @@ def test_prefill_only_jobs_and_generations_share_the_engine(engine: Engine) -> N
                                      SamplingParams(max_tokens=0), "agent-3", "prefilled")
     results = collect(engine, [prefill_only, request(engine, "agent-0", "beside-prefill")])
     assert results["prefilled"][1].n_output_tokens == 0 and results["prefilled"][0] == ""
-    record = engine.caches.record("prefilled")
+    record = cache_manager(engine).record("prefilled")
     assert record is not None and record.n_tokens == results["prefilled"][1].n_prompt_tokens
     assert results["beside-prefill"][1].n_output_tokens > 0
 

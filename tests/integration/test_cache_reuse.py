@@ -20,7 +20,7 @@ from app.engine.engine import Engine
 from app.types import ChatMessage, Finished, SamplingParams
 from support import engines
 from support.dbcheck import query
-from support.engines import conv
+from support.engines import cache_manager, conv, loaded_model
 
 SYSTEM = ChatMessage("system", "You are a helpful assistant. " + "Answer briefly and precisely. " * 90)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -69,7 +69,7 @@ def cold_same_split(engine: Engine, tokens: tuple[int, ...], splits: list[int], 
     ``tokens`` is prefilled and ``n_tokens`` are generated greedily. Returns the
     logits after ``tokens`` and the generated tokens.
     """
-    loaded, kv_format = engine.loaded, engine.caches.kv_format
+    loaded, kv_format = loaded_model(engine), cache_manager(engine).kv_format
     cache = to_working_cache([], loaded.n_layers, 0, mx.float32)
     stored: list = []  # 4-bit segments; quantized data is never quantized again
     done = 0
@@ -96,7 +96,7 @@ def assert_second_turn_equals_cold(engine: Engine, agent: str, f1: Finished, f2:
     assert f2.reuse.reason == "extend"
     # Turn 1's prompt and its whole reply were reused.
     assert f2.n_cached_tokens >= f1.n_prompt_tokens + f1.n_output_tokens - 1
-    record = engine.caches.record(conv(agent))
+    record = cache_manager(engine).record(conv(agent))
     assert record is not None
     prompt = record.tokens[:f2.n_prompt_tokens]
     splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens) if n})  # one per turn
@@ -112,17 +112,17 @@ def test_warm_turn_equals_cold_prefill_with_the_same_split(engine: Engine) -> No
 
 def test_warm_logits_match_cold_within_tolerance(engine: Engine) -> None:
     _, f1, f2 = conversation(engine, "logits")
-    record = engine.caches.record(conv("logits"))
+    record = cache_manager(engine).record(conv("logits"))
     assert record is not None
     k = record.n_tokens - 10  # inside turn 2's reply: turn 1 and turn 2 both shaped it
     from app.types import Prompt
     text = record.text[:record.ends[k - 1]] + "\u0000diverge"
     # The prompt's own tokens: the record's first k, then one for the divergent rest.
-    lease = engine.caches.lease("logits", conv("logits"),
+    lease = cache_manager(engine).lease("logits", conv("logits"),
                                 Prompt(text, record.tokens[:k] + (0,), record.ends[:k] + (len(text),)))
     assert lease.n_reused == k
     suffix = record.tokens[k:]
-    warm = engine.loaded.model(mx.array([suffix]), cache=lease.cache)[0, -1]
+    warm = loaded_model(engine).model(mx.array([suffix]), cache=lease.cache)[0, -1]
     splits = sorted({n for n in (f1.n_cached_tokens, f2.n_cached_tokens, record.n_tokens) if n})
     cold, _ = cold_same_split(engine, record.tokens, splits, 1, cut=k)
     assert int(mx.argmax(warm)) == int(mx.argmax(cold))
@@ -141,7 +141,7 @@ def test_restart_resumes_from_disk_with_the_same_answer(tmp_path: Path, smollm2_
     uninterrupted = make_engine_at(tmp_path / "a", smollm2_dir)  # turns 1, 2, 3 in one engine
     try:
         messages, _, _ = conversation(uninterrupted, "restart")
-        record = uninterrupted.caches.record(conv("restart"))
+        record = cache_manager(uninterrupted).record(conv("restart"))
         assert record is not None
         marker = "<|im_start|>assistant\n"
         reply_2 = record.text[record.text.rindex(marker) + len(marker):].removesuffix("<|im_end|>")
@@ -210,7 +210,7 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         if finished.reuse.reason == "miss":
             assert text == cold_text  # a cold prefill of the same prompt
         else:
-            record = second.caches.record(conv("damaged"))
+            record = cache_manager(second).record(conv("damaged"))
             assert record is not None
             _, tokens = cold_same_split(second, record.tokens[:finished.n_prompt_tokens],
                                         [finished.n_cached_tokens], finished.n_output_tokens)
@@ -218,18 +218,18 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         if damage in ("corrupt block", "truncate record"):
             assert list((tmp_path / "blocks" / "quarantine").iterdir())
         if damage == "wrong fingerprint":
-            assert second.loaded.fingerprint != engine.loaded.fingerprint
+            assert loaded_model(second).fingerprint != loaded_model(engine).fingerprint
     finally:
         second.stop()
 
 
 def test_agents_with_the_same_system_prompt_share_blocks(engine: Engine, home: Path) -> None:
     _, fa = turn(engine, "share-a", [SYSTEM, ChatMessage("user", "Hello from A.")])
-    blocks_after_a = engine.caches.stats().n_blocks
-    pool_after_a = engine.caches.stats().pool_bytes
+    blocks_after_a = cache_manager(engine).stats().n_blocks
+    pool_after_a = cache_manager(engine).stats().pool_bytes
     _, fb = turn(engine, "share-b", [SYSTEM, ChatMessage("user", "Hello from B, a different question.")])
     assert fb.reuse.reason == "shared" and fb.n_cached_tokens >= BLOCK_TOKENS
-    stats = engine.caches.stats()
+    stats = cache_manager(engine).stats()
     shared_blocks = fb.n_cached_tokens // BLOCK_TOKENS
     new_full_blocks = (fb.n_prompt_tokens + fb.n_output_tokens) // BLOCK_TOKENS - shared_blocks
     assert stats.n_blocks == blocks_after_a + new_full_blocks  # shared blocks are held once
@@ -258,7 +258,7 @@ def test_a_4bit_mlx_model_directory_serves_with_caches(tmp_path: Path, smollm2_d
     assert json.loads((q4_dir / "config.json").read_text())["quantization"]["bits"] == 4
     engine = make_engine_at(tmp_path / "home", q4_dir, kv_format="k6v4")  # calibrating at 13 tokens/s: minutes
     try:
-        assert type(engine.loaded.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+        assert type(loaded_model(engine).model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
         # Short turns: 4-bit matmuls skip BLAS on this CPU (13 prompt tokens/s, benchmarks/weights.py).
         _, f1, f2 = conversation(engine, "wc", ChatMessage("system", "Be brief."))
         assert_second_turn_equals_cold(engine, "wc", f1, f2)

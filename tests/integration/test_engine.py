@@ -14,6 +14,7 @@ from app.engine.engine import CacheConfig, Engine
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.errors import ContextTooLong
 from app.types import ChatMessage, Finished, GenerationRequest, Prompt, SamplingParams, Started, TextDelta
+from support.engines import loaded_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 QUESTION = (ChatMessage("user", "List five fruits, one per line."),)
@@ -92,7 +93,7 @@ def test_end_of_turn_token_ends_generation(engine: Engine) -> None:
 
 
 def test_prompt_longer_than_context_is_refused(engine: Engine) -> None:
-    long_prompt = Prompt("x", tuple([42] * engine.loaded.context_length))
+    long_prompt = Prompt("x", tuple([42] * loaded_model(engine).context_length))
     with pytest.raises(ContextTooLong, match=r"prompt is too long: 8192 tokens > 8191 maximum"):
         engine.submit(GenerationRequest("req_long", long_prompt, GREEDY))
 

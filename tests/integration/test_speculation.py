@@ -31,7 +31,7 @@ from app.engine.sampled_drafts import token_distribution
 from app.engine.speculation import can_trim_exactly
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
-from support.engines import wait_idle
+from support.engines import cache_manager, wait_idle
 
 FILE = '''def add(a, b):
     """Return the sum of a and b."""
@@ -85,7 +85,7 @@ def assert_same_turn(engine: Engine, plain: tuple[str, Finished], drafted: tuple
     assert drafted[1].output_token_ids == plain[1].output_token_ids
     assert drafted[0] == plain[0]
     assert (drafted[1].stop_reason, drafted[1].stop_sequence) == (plain[1].stop_reason, plain[1].stop_sequence)
-    records = [engine.caches.record(c) for c in conversations]
+    records = [cache_manager(engine).record(c) for c in conversations]
     assert records[0] is not None and records[0] == records[1]  # tokens, text and ends
     assert records[1].n_tokens == drafted[1].n_prompt_tokens + drafted[1].n_output_tokens
 
@@ -146,7 +146,7 @@ def test_a_drafting_sequence_beside_plain_ones_in_a_batch(engine: Engine) -> Non
     for name in PROMPTS:
         n = sampling[name].max_tokens
         assert results[name][1].output_token_ids == solo[name][1].output_token_ids[:n], name
-        record = engine.caches.record(f"mixed-{name}")
+        record = cache_manager(engine).record(f"mixed-{name}")
         finished = results[name][1]
         assert record is not None and record.n_tokens == finished.n_prompt_tokens + finished.n_output_tokens
 

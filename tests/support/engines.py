@@ -6,8 +6,10 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from app.cache.manager import CacheManager
 from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
+from app.engine.model import LoadedModel
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.store.history import touch_agent, utcnow
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
@@ -28,6 +30,21 @@ def make_engine_at(home: Path, model_dir: Path, agents: Iterable[str], enabled: 
                     CacheConfig(home / "blocks", sessions, budget, enabled, kv_format_for=lambda _model: kv_format))
     engine.start()
     return engine
+
+
+def cache_manager(engine: Engine) -> CacheManager:
+    """The engine thread's cache manager, reached from a test (the engine keeps it private:
+    only its thread may use it while generations run; a test uses it while none does)."""
+    caches = engine._runner._caches
+    assert caches is not None, "the engine is not running"
+    return caches
+
+
+def loaded_model(engine: Engine) -> LoadedModel:
+    """The engine thread's loaded model (weights, cache layout, fingerprint), for a test."""
+    loaded = engine._runner._loaded
+    assert loaded is not None, "no model is loaded"
+    return loaded
 
 
 def conv(agent: str | None) -> str | None:
@@ -61,4 +78,4 @@ def wait_idle(engine: Engine, timeout_s: float = 60) -> bool:
 
 def flush_caches(engine: Engine, timeout_s: float = 60) -> bool:
     """Wait until the caches of finished turns are committed and on disk."""
-    return wait_idle(engine, timeout_s) and engine.caches.flush(timeout_s)
+    return wait_idle(engine, timeout_s) and cache_manager(engine).flush(timeout_s)

@@ -40,7 +40,7 @@ def test_a_call_the_busy_engine_does_not_take_in_time_is_unavailable_and_cancell
 
 def test_a_cancelled_call_is_skipped_and_a_live_one_runs() -> None:
     runner = _runner(lambda _name: None)
-    runner.caches = object()  # type: ignore[assignment]
+    runner._caches = object()  # type: ignore[assignment]
     runner._publish = lambda: None  # type: ignore[method-assign]  # (it reads the manager's state)
     ran: list[str] = []
     gave_up, live = Call(lambda _caches: ran.append("gave up")), Call(lambda _caches: ran.append("live") or 7)
