@@ -147,7 +147,7 @@ def test_tool_choice() -> None:
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}}, "text.format.schema"),
     ({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "p"}}, "prompt"), ({"truncation": "auto"}, "truncation"), ({"top_logprobs": 3}, "top_logprobs"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include"),  # (plain text replies only)
     ({"max_output_tokens": 10**9}, "max_output_tokens"), ({"temperature": 3}, "temperature"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"), ({"model": ""}, "model"),
     ({"context_management": [{"type": "compaction"}]}, "context_management"),
