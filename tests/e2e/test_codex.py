@@ -32,10 +32,12 @@ def events(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.timeout(1500)
-def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server: ServerProcess,
-                                                           tmp_path: Path) -> None:
-    write_config(tmp_path / "codex-home", f"{server.url}/v1")
+def _exec_then_resume(codex: Path, server: ServerProcess, tmp_path: Path,
+                      websockets: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`codex exec`, then `codex exec resume --last`: each turn's events by type. Each turn
+    ended with an answer, and the CLI was told the second read at least 90% of the first
+    one's prompt from cache."""
+    write_config(tmp_path / "codex-home", f"{server.url}/v1", websockets=websockets)
     (tmp_path / "work").mkdir()
     env = codex_env(tmp_path / "codex-home", tmp_path)
     turns = []
@@ -43,13 +45,19 @@ def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server:
         done = run_codex(codex, tmp_path / "work", env, prompt, resume)
         assert done.returncode == 0, (done.stdout, done.stderr[-3000:], server.log()[-3000:])
         turns.append(events(done.stdout))
-    first, second = ({e["type"]: e for e in turn} for turn in turns)
-    assert first["thread.started"]["thread_id"] == second["thread.started"]["thread_id"]
-    for turn in turns:  # each turn ended with an answer
+    for turn in turns:
         assert any(e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in turn), turn
-    # What the CLI was told: the second request read at least 90% of the first one's prompt from cache.
+    first, second = ({e["type"]: e for e in turn} for turn in turns)
     usage_1, usage_2 = first["turn.completed"]["usage"], second["turn.completed"]["usage"]
     assert usage_2["cached_input_tokens"] >= 0.9 * usage_1["input_tokens"]
+    return first, second
+
+
+@pytest.mark.timeout(1500)
+def test_exec_then_resume_reads_the_first_prompt_from_cache(codex: Path, server: ServerProcess,
+                                                           tmp_path: Path) -> None:
+    first, second = _exec_then_resume(codex, server, tmp_path, websockets=False)
+    assert first["thread.started"]["thread_id"] == second["thread.started"]["thread_id"]
     # What the server recorded: both requests in one agent (the session) and one conversation (its thread).
     session = first["thread.started"]["thread_id"]
     rows = query(server.db_path, "SELECT conversation_id, n_input_tokens, n_cached_tokens, reuse_reason, protocol "
@@ -66,19 +74,7 @@ def test_over_the_websocket_each_request_sends_only_its_new_input(codex: Path, s
     """``supports_websockets = true``: Codex warms each connection up (``generate: false``),
     then sends each turn as ``response.create`` with ``previous_response_id`` and only the
     items after it (store: false); a resumed session's new process opens a new connection."""
-    write_config(tmp_path / "codex-home", f"{server.url}/v1", websockets=True)
-    (tmp_path / "work").mkdir()
-    env = codex_env(tmp_path / "codex-home", tmp_path)
-    turns = []
-    for resume, prompt in ((False, "What is 2+2?"), (True, "And 3+3?")):
-        done = run_codex(codex, tmp_path / "work", env, prompt, resume)
-        assert done.returncode == 0, (done.stdout, done.stderr[-3000:], server.log()[-3000:])
-        turns.append(events(done.stdout))
-    first, second = ({e["type"]: e for e in turn} for turn in turns)
-    for turn in turns:
-        assert any(e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in turn), turn
-    usage_1, usage_2 = first["turn.completed"]["usage"], second["turn.completed"]["usage"]
-    assert usage_2["cached_input_tokens"] >= 0.9 * usage_1["input_tokens"]
+    first, _ = _exec_then_resume(codex, server, tmp_path, websockets=True)
     session = first["thread.started"]["thread_id"]
     rows = query(server.db_path, "SELECT id, conversation_id, n_input_tokens, n_cached_tokens, reuse_reason "
                  "FROM requests WHERE agent_id = ? AND status = 'ok' ORDER BY created_at", session)
