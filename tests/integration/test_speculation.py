@@ -7,7 +7,7 @@ that do not speculate; a turn that ends inside a verified draft (max_tokens, a s
 sequence) ends at the same token, and its committed record is the same. At the level
 of ``DecodeBatch``, the cache handed back holds exactly the prompt and the tokens used:
 never a rejected draft token, never one after the end; so does a sequence that samples
-(exact speculative sampling, whose distribution ``tests/unit/test_sampled_drafts.py``
+(exact speculative sampling, whose distribution ``tests/integration/test_sampled_drafts.py``
 checks), whose cache equals a fresh prefill of its prompt and the tokens it was handed.
 """
 
