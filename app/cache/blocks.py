@@ -262,8 +262,8 @@ def capacity(n_tokens: int) -> int:
 
     mlx-lm's ``KVCache`` grows its buffers in steps of 256 tokens by copying the whole
     cache; a buffer cut to the tokens it holds would be copied (into memory the
-    process touches for the first time) by the next turn's first chunk, ~0.1-0.5 s at
-    6K tokens here.
+    process touches for the first time) by the next turn's first chunk, a copy that grows
+    with the conversation (docs/benchmarks.md, "Workload 2: restart").
     """
     return (n_tokens // KVCache.step + 2) * KVCache.step
 
@@ -291,8 +291,8 @@ def with_room(x: mx.array, n_tokens: int) -> mx.array:
 
 def working_streams() -> tuple[mx.Stream, ...]:
     """Where a working copy is built: on the model's device and stream. A GPU model's is its
-    device's default stream (on a GPU, CPU streams made a 9.9K-token restore of an 8B-shaped
-    model take 8.4 s); on the CPU, two streams in turn, because MLX's CPU backend runs each
+    device's default stream (CPU streams would run a GPU model's dequantization on the CPU and
+    copy it over: docs/benchmarks.md, "On a GPU"); on the CPU, two streams in turn, because MLX's CPU backend runs each
     stream's elementwise work on one thread of its own."""
     device = mx.default_device()
     if device.type == mx.gpu:

@@ -3,8 +3,9 @@
 ``Backend`` says what MLX computes on (the CPU, an NVIDIA GPU through mlx-cuda, an Apple
 GPU through Metal) and how much memory it computes in (RAM; the GPU's memory; the unified
 memory). The defaults that depend on it are pure functions of that value, so each choice is
-tested without the hardware: ``prefill_step`` (the largest prefill chunk: 256 tokens measured
-best on a 2-core CPU, 2048 was 2.4x faster than 256 on an H200) and ``cache_budget`` (the bytes
+tested without the hardware: ``prefill_step`` (the largest prefill chunk: small on a CPU, whose
+attention work grows with the chunk, large on a GPU, which a small chunk leaves idle;
+docs/benchmarks.md has the measurements) and ``cache_budget`` (the bytes
 of KV cache kept in memory: a share of what the weights leave). ``detect`` is the only
 function that asks MLX. (Where a restored cache's working copy is built is the cache's own
 choice, by the device: ``app.cache.blocks.working_streams``.)

@@ -168,7 +168,8 @@ def alembic_config(url: str) -> Config:
 def upgrade(url: str) -> None:
     """Bring the schema to the newest revision, refusing a database that is newer. A database
     whose ``alembic_version`` is the newest revision already (``at_head``) is left as it is
-    without loading Alembic (a server's start: ~0.15 s on a 2-core CPU, benchmarks/boot.py).
+    without loading Alembic, whose import is a visible part of a server's start
+    (benchmarks/boot.py).
 
     Raises:
         ConfigError: the database carries a revision this code does not know
