@@ -10,12 +10,28 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from app.home_lock import serving_address
 from app.settings import Settings
-from app.store import cache_index, jobs
+from app.store import cache_index, jobs, overview
 from app.store.db import make_engine, make_session_factory
 
 HEALTH_TIMEOUT_S = 3
+RECENT_CONVERSATIONS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class RecentTurn:
+    """Where a recently used conversation's latest turn read its cache from (the
+    ``x-semantic-cache`` header that turn got)."""
+
+    agent_id: str
+    conversation_id: str
+    source: str | None  # app.types.CacheSource (None: a turn from before migration 0011)
+    reason: str  # app.types.ReuseReason
+    tokens: int
+    at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +42,7 @@ class StatusReport:
     disk_bytes: int
     disk_budget_bytes: int
     jobs: list[jobs.JobRunView]
+    recent: list[RecentTurn]  # the most recently used conversations' latest turns, newest first
 
 
 def read_health(url: str) -> dict[str, Any] | None:
@@ -51,7 +68,7 @@ def collect(settings: Settings, url: str) -> StatusReport:
     health = read_health(url)
     counted = ((health or {}).get("cache") or {}).get("conversations")  # the server counts its memory in
     tiers = cache_index.TierCounts(**counted) if counted else cache_index.TierCounts(0, 0, 0)
-    disk, runs = 0, []
+    disk, runs, recent = 0, [], []
     if settings.database_url or settings.db_path.exists():  # the server or the worker created and migrated it
         engine = make_engine(settings.db_url)
         try:
@@ -60,9 +77,19 @@ def collect(settings: Settings, url: str) -> StatusReport:
                     tiers = cache_index.count_tiers(session, hot=())
                 disk = cache_index.disk_bytes(session)
                 runs = jobs.last_runs(session)
+                recent = recent_turns(session)
         finally:
             engine.dispose()
-    return StatusReport(url, health, tiers, disk, settings.disk_budget_bytes, runs)
+    return StatusReport(url, health, tiers, disk, settings.disk_budget_bytes, runs, recent)
+
+
+def recent_turns(session: Session, limit: int = RECENT_CONVERSATIONS) -> list[RecentTurn]:
+    """The ``limit`` most recently used conversations that ran a turn, with that turn's cache."""
+    turns = [RecentTurn(agent.id, c.id, c.last_turn.source, c.last_turn.reason, c.last_turn.n_cached,
+                        c.last_access_at)
+             for agent in overview.agents(session, limit=limit) for c in agent.conversations
+             if c.last_turn is not None]
+    return sorted(turns, key=lambda turn: turn.at, reverse=True)[:limit]
 
 
 def _mib(n: float) -> str:
@@ -96,6 +123,9 @@ def format_report(report: StatusReport) -> str:
     tiers = report.tiers
     lines.append(f"caches   {tiers.hot} hot, {tiers.warm} warm, {tiers.cold} cold")
     lines.append(f"disk     {_mib(report.disk_bytes)} of cache files (budget {_mib(report.disk_budget_bytes)})")
+    for i, turn in enumerate(report.recent):
+        lines.append(f"{'recent' if i == 0 else '':<8} {turn.agent_id}/{turn.conversation_id}: "
+                     f"{turn.source or 'unknown'} ({turn.reason}), {turn.tokens:,} tokens cached")
     if not report.jobs:
         lines.append("jobs     none run yet")
     for i, run in enumerate(report.jobs):

@@ -6,6 +6,9 @@ the system prompt, and a restart."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -105,6 +108,16 @@ def test_each_turn_says_where_its_cache_came_from(tmp_path: Path, smollm2_dir: P
         page = httpx.get(f"{server.url}/status").text
         assert f"disk · extend · {cached} tokens" in page
         assert f"memory · shared · {shared} tokens" in page  # p2's latest turn, from before the restart
+        # `semantic status` says the same, latest conversation first.
+        env = {**os.environ, "SEMANTIC_HOME": str(server.home)}
+        status = subprocess.run([sys.executable, "-m", "app", "status", "--url", server.url, "--json"],
+                                capture_output=True, text=True, env=env, timeout=60)
+        recent = json.loads(status.stdout)["recent"]
+        assert [(r["agent_id"], r["source"], r["reason"], r["tokens"]) for r in recent[:2]] == [
+            ("p1", "disk", "extend", cached), ("p2", "memory", "shared", shared)]
+        text = subprocess.run([sys.executable, "-m", "app", "status", "--url", server.url],
+                              capture_output=True, text=True, env=env, timeout=60).stdout
+        assert f"p1/{recent[0]['conversation_id']}: disk (extend), {cached:,} tokens cached" in text
     finally:
         stop_server(server)
 

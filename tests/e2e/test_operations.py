@@ -108,7 +108,7 @@ def test_status_of_a_server_named_by_url_as_json(server: ServerProcess) -> None:
     report = json.loads(done.stdout)
     assert report["url"] == server.url and report["health"]["status"] == "ok"
     assert report["health"]["model"] == "smollm2-135m-instruct"
-    assert set(report) == {"url", "health", "tiers", "disk_bytes", "disk_budget_bytes", "jobs"}
+    assert set(report) == {"url", "health", "tiers", "disk_bytes", "disk_budget_bytes", "jobs", "recent"}
 
 
 def test_every_request_is_logged_with_status_request_id_and_agent(server: ServerProcess) -> None:
