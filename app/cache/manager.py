@@ -34,6 +34,7 @@ from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, Fil
                              quarantine_if_damaged)
 from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
+from app.cache.ownership import Ownership
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
@@ -146,10 +147,7 @@ class CacheManager:
         # cache_control): conversation -> clock time after which it goes warm.
         self._hot_until: dict[str, float] = {}
         self._clock = clock
-        # In a pool with a shared tier: this server's id, and the epoch of each agent it saw
-        # when it last served it (app.store.ownership).
-        self._owner = owner
-        self._epochs: dict[str, int] = {}
+        self._ownership = Ownership(self._index, owner)  # in a pool: which agents are this server's
         self._persister = Persister(self._files, sessions, owner)
         self._persister.start()
         self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
@@ -179,8 +177,11 @@ class CacheManager:
         ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
         if not self.enabled or agent_id is None or conversation_id is None:
             return self.cold(None, None, self._report("off"))
-        if self._owner is not None and not self._own(agent_id):
+        claim = self._ownership.claim(agent_id)
+        if claim == "unreachable":
             return self.cold(agent_id, conversation_id, self._report("miss"))
+        if claim == "moved":
+            self._drop_from_memory(agent_id)
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
         n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
@@ -235,25 +236,13 @@ class CacheManager:
         assert point is not None or n_reused == 0, "a hybrid lease resumes at a checkpoint"
         return self._layout.assemble(attention, point), CheckpointPlan(self._layout, taken=taken)
 
-    def _own(self, agent_id: str) -> bool:
-        """Claim the agent for this server (pool mode). If another server owned it since this
-        one last served it, what this one holds in memory may be older than the store: it is
-        dropped, and the agent's caches come from the store. False: the store cannot be
-        reached (the turn runs cold)."""
-        assert self._owner is not None
-        try:
-            epoch = self._index.claim(agent_id, self._owner, utcnow())
-        except Exception as exc:
-            log.warning("agent %s: ownership not claimed (%s); no cache this turn", agent_id, exc)
-            return False
-        if self._epochs.get(agent_id, epoch) != epoch:
-            stale = [c.conversation_id for c in self._hot.values() if c.agent_id == agent_id]
-            for conversation_id in stale:
-                self._release(conversation_id)
-            log.info("agent %s: owned by another server since epoch %d; %d conversation(s) dropped from memory",
-                     agent_id, self._epochs[agent_id], len(stale))
-        self._epochs[agent_id] = epoch
-        return True
+    def _drop_from_memory(self, agent_id: str) -> None:
+        """Release the agent's hot conversations: another server owned the agent since this one
+        last served it, so they may be older than the store (its caches load from there)."""
+        stale = [c.conversation_id for c in self._hot.values() if c.agent_id == agent_id]
+        for conversation_id in stale:
+            self._release(conversation_id)
+        log.info("agent %s: %d conversation(s) dropped from memory", agent_id, len(stale))
 
     def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
         """The agent's conversation whose stored text shares the longest prefix with the
@@ -321,14 +310,13 @@ class CacheManager:
         cache, plan = self._hybrid_lease(cache, n_reused, source)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan,
-                     self._epochs.get(source.agent_id), salt=source.salt)
+                     self._ownership.epoch(source.agent_id), salt=source.salt)
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
         cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
-        epoch = self._epochs.get(agent_id) if agent_id is not None else None
-        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan, epoch=epoch,
-                     public=True)
+        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan,
+                     epoch=self._ownership.epoch(agent_id), public=True)
 
     def _shared_prefix(self, prompt: Prompt) -> list[str]:
         """The longest chain of the prompt's full blocks held in memory or on disk."""
@@ -355,7 +343,7 @@ class CacheManager:
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
         return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable), plan,
-                     epoch=self._epochs.get(agent_id), public=True)
+                     epoch=self._ownership.epoch(agent_id), public=True)
 
     def _shared_checkpoint(self, shared: list[str], prompt: Prompt) -> tuple[list[str], Checkpoint | None]:
         """Hybrid models: the longest start of ``shared`` (the prompt's blocks found, in
@@ -429,9 +417,9 @@ class CacheManager:
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return None
         conversation_id = lease.conversation_id
-        if self._owner is not None and lease.epoch != self._epochs.get(lease.agent_id):
+        if not self._ownership.current(lease.agent_id, lease.epoch):
             log.info("conversation %s: not stored, its turn began under ownership epoch %s of agent %s, now %s",
-                     conversation_id, lease.epoch, lease.agent_id, self._epochs.get(lease.agent_id))
+                     conversation_id, lease.epoch, lease.agent_id, self._ownership.epoch(lease.agent_id))
             return None
         checkpoints = self._checkpoints(lease, cache, record.n_tokens)
         cache = self._layout.attention(cache)
@@ -593,7 +581,7 @@ class CacheManager:
             self._to_prefetch = deque(due)
         while self._to_prefetch:
             agent_id, conversation_id = self._to_prefetch.popleft()
-            if conversation_id in self._hot or not self._still_mine(agent_id):
+            if conversation_id in self._hot or not self._ownership.still_mine(agent_id):
                 continue
             if not self._fits_beside_hot(conversation_id):  # never loaded only to be spilled
                 log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
@@ -633,17 +621,6 @@ class CacheManager:
         working = int(stored / self.kv_format.bytes_per_value * self._dtype.size)
         return self._pool.nbytes + stored + working <= self._pool.budget_bytes
 
-    def _still_mine(self, agent_id: str) -> bool:
-        """Outside a pool, True. In a pool: whether this server still owns the agent (a server
-        prefetches only its own agents, and remembers the epoch it saw, as serving does)."""
-        if self._owner is None:
-            return True
-        owner = self._index.owner(agent_id)
-        if owner is None or owner[0] != self._owner:
-            return False
-        self._epochs[agent_id] = owner[1]
-        return True
-
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
         return self._persister.flush(timeout_s)
@@ -655,12 +632,7 @@ class CacheManager:
 
     def release_agents(self) -> None:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""
-        if self._owner is not None:
-            try:
-                released = self._index.release_all(self._owner, utcnow())
-                log.info("released %d agent(s) to the pool", released)
-            except Exception as exc:  # the store is down: the next server's claim takes them anyway
-                log.warning("agents not released (%s)", exc)
+        self._ownership.release_all()
 
     def _set_hot(self, cache: ConversationCache) -> None:
         previous = self._hot.get(cache.conversation_id)
