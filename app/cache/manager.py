@@ -26,19 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from app.cache.blocks import (BLOCK_TOKENS, KVBlock, cache_nbytes, copy_prefix, join_blocks, overwrite_with_stored,
-                              quantize_span, requantize_start, slice_block, to_working_cache)
+from app.cache.blocks import (BLOCK_TOKENS, KVBlock, copy_prefix, join_blocks, quantize_span, requantize_start,
+                              slice_block, to_working_cache)
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
 from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
-from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation,
-                             quarantine_if_damaged)
-from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
+from app.cache.files import CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation
+from app.cache.hashing import block_hash, private_fingerprint
+from app.cache.hot_set import HotSet
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.ownership import Ownership
 from app.cache.persist import Copy, Forget, Persister, Snapshot
-from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
-from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
+from app.cache.shared_prefix import SharedPrefix, shareable
+from app.store.cache_index import CacheEntry, CacheIndex
 from app.store.history import utcnow
 from app.types import CacheSource, CacheStats, ForkPoint, Prompt, ReuseReason, ReuseReport
 
@@ -94,11 +94,6 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
-# Hybrid models: shared checkpoints held in memory, the most recently used, take at most
-# this share of the pool's budget (``budget_bytes``, beside it) and the latest one used
-# always stays; the rest are read from disk, verified, when a lease needs them.
-SHARED_CHECKPOINTS_SHARE = 1 / 16
-
 # Conversations used this recently come back into memory after a restart (``prefetch``).
 PREFETCH_WINDOW = timedelta(hours=1)
 
@@ -121,31 +116,15 @@ class CacheManager:
         self._dtype = dtype
         self._index = CacheIndex(sessions, fingerprint)
         self._files = CacheFiles(blocks_dir, fingerprint, tier)
-        self._pool = BlockPool(budget_bytes)
-        self._blocks: dict[str, KVBlock] = {}
-        # Hybrid models: shared checkpoints by the id of the block they follow (``checkpoints.py``).
-        self._shared_points: RecentWithin[Checkpoint] = RecentWithin(int(budget_bytes * SHARED_CHECKPOINTS_SHARE))
-        self._hot: dict[str, ConversationCache] = {}
-        # Provenance (ReuseReport.source) of what came into memory since a lease last used it:
-        # conversations (``_load``) and shared blocks (``_load_shared_block``) read from disk or
-        # a pool's tier; whatever is not named here stayed in memory since a turn stored it.
-        self._read_from: dict[str, CacheSource] = {}
-        self._blocks_read: dict[str, CacheSource] = {}
+        self._memory = HotSet(budget_bytes, working_copies, kv_format)
+        # The hot set's pool and containers, read here at every step.
+        self._pool, self._blocks, self._hot, self._working = (self._memory.pool, self._memory.blocks,
+                                                              self._memory.caches, self._memory.working)
+        self._shared = SharedPrefix(fingerprint, self._layout, self._index, self._files, self._memory)
         # Per agent, its conversations with a cache (memory or disk), least recently used
         # first; beyond ``max_conversations`` the oldest one's cache is deleted.
         self._conversations: dict[str, OrderedDict[str, None]] = {}
         self._max_conversations = max_conversations
-        # Float copies of the most recent conversations' caches, equal to their dequantized
-        # blocks: their next turn, and a side request of the same agent starting from them,
-        # skip dequantization (``benchmarks/restore.py`` measures it). Their bytes count against
-        # the pool's budget as the conversation's private bytes; over budget, the oldest
-        # copies go before any conversation's 4-bit cache is spilled.
-        self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
-        self._working_copies = working_copies
-        self._n_spilled = 0
-        # Conversations whose client asked to be kept hot only so long (Anthropic
-        # cache_control): conversation -> clock time after which it goes warm.
-        self._hot_until: dict[str, float] = {}
         self._clock = clock
         self._ownership = Ownership(self._index, owner)  # in a pool: which agents are this server's
         self._persister = Persister(self._files, sessions, owner)
@@ -155,7 +134,7 @@ class CacheManager:
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
                           self._pool.n_free_blocks, len({c.agent_id for c in self._hot.values()}), len(self._hot),
-                          self._n_spilled)
+                          self._memory.n_spilled)
 
     def record(self, conversation_id: str) -> CacheRecord | None:
         """What the conversation's hot cache holds (None if not hot)."""
@@ -188,25 +167,20 @@ class CacheManager:
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
         if best is not None and self._layout.hybrid:
             n_text = self._resumable(best.cache, n_text, whole_blocks)
-        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
-        point = None
-        if self._layout.hybrid:  # blocks hold no recurrent state: up to the latest shared checkpoint
-            shared, point = self._shared_checkpoint(shared, prompt)
+        shared, point = ([], None) if n_text >= prompt.n_tokens - BLOCK_TOKENS else self._shared.find(prompt)
         n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
                                            len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
         if best is not None and n_text >= n_shared and n_text > 0:
             reason = best.match.reason if own else "sibling"
-            source = self._read_from.pop(best.cache.conversation_id, "memory")
+            source = self._memory.read_from.pop(best.cache.conversation_id, "memory")
             report = self._report(reason, source, n_text, best.cache.record.ends[n_text - 1],
                                   **(divergence if reason not in ("extend", "exact") else {}))
             return self._from_source(best.cache, conversation_id, n_text, report, use_working_copy=own)
         if n_shared > 0:
-            reads = {self._blocks_read.pop(block, "memory") for block in shared}
-            source = next((s for s in ("tier", "disk") if s in reads), "memory")
-            return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
-                                     self._report("shared", source, n_shared, prompt.ends[n_shared - 1],
-                                                  **divergence), point)
+            report = self._report("shared", self._shared.source(shared), n_shared, prompt.ends[n_shared - 1],
+                                  **divergence)
+            return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared, report, point)
         return self.cold(agent_id, conversation_id, self._report("miss", **divergence))
 
     def _report(self, reason: ReuseReason, source: CacheSource = "none", n_tokens: int = 0, n_chars: int = 0,
@@ -239,9 +213,9 @@ class CacheManager:
     def _drop_from_memory(self, agent_id: str) -> None:
         """Release the agent's hot conversations: another server owned the agent since this one
         last served it, so they may be older than the store (its caches load from there)."""
-        stale = [c.conversation_id for c in self._hot.values() if c.agent_id == agent_id]
+        stale = [c.conversation_id for c in self._memory.of_agent(agent_id)]
         for conversation_id in stale:
-            self._release(conversation_id)
+            self._memory.release(conversation_id)
         log.info("agent %s: %d conversation(s) dropped from memory", agent_id, len(stale))
 
     def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
@@ -263,7 +237,7 @@ class CacheManager:
         """(conversation id, stored text) of the request's conversation first, then of the
         agent's others: hot ones from memory, stored ones from their record file's header
         (unverified; a chosen one is verified whole when it loads)."""
-        hot = sorted((c for c in self._hot.values() if c.agent_id == agent_id),
+        hot = sorted(self._memory.of_agent(agent_id),
                      key=lambda c: c.conversation_id != conversation_id)
         yield from ((c.conversation_id, c.record.text) for c in hot)
         stored = self._index.agent_caches(agent_id)
@@ -318,18 +292,6 @@ class CacheManager:
         return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan,
                      epoch=self._ownership.epoch(agent_id), public=True)
 
-    def _shared_prefix(self, prompt: Prompt) -> list[str]:
-        """The longest chain of the prompt's full blocks held in memory or on disk."""
-        if not prompt.ends:
-            return []
-        usable: list[str] = []
-        for block in chain_hashes(self.fingerprint, prompt.token_ids, BLOCK_TOKENS):
-            if block not in self._blocks and not self._load_shared_block(block):
-                break
-            self._pool.touch_block(block)
-            usable.append(block)
-        return usable
-
     def _from_shared(self, agent_id: str, conversation_id: str, prompt: Prompt, usable: list[str], n_reused: int,
                      report: ReuseReport, point: Checkpoint | None = None) -> Lease:
         """A lease of the shared blocks ``usable`` (hybrid models: and the shared checkpoint
@@ -344,63 +306,6 @@ class CacheManager:
                              prompt.ends[:n_reused])
         return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable), plan,
                      epoch=self._ownership.epoch(agent_id), public=True)
-
-    def _shared_checkpoint(self, shared: list[str], prompt: Prompt) -> tuple[list[str], Checkpoint | None]:
-        """Hybrid models: the longest start of ``shared`` (the prompt's blocks found, in
-        order) after which a shared checkpoint holds the recurrent state, short of the
-        prompt's last token, and that checkpoint; ([], None) if there is none."""
-        n = min(len(shared), (prompt.n_tokens - 1) // BLOCK_TOKENS)
-        if n == 0:
-            return [], None
-        stored = None
-        for j in range(n, 0, -1):
-            block = shared[j - 1]
-            point = self._shared_points.get(block)
-            if point is None:
-                if stored is None:  # one query for all of them, only if memory has none
-                    stored = self._index.block_checkpoints(shared[:n])
-                point = self._load_shared_checkpoint(stored[block], j * BLOCK_TOKENS) if block in stored else None
-            if point is not None and point.n_tokens == j * BLOCK_TOKENS:
-                self._keep_shared_checkpoint(block, point)
-                return shared[:j], point
-        return [], None
-
-    def _load_shared_checkpoint(self, row: SharedCheckpoint, n_tokens: int) -> Checkpoint | None:
-        """A shared checkpoint from disk, verified against its index row (a damaged file is
-        quarantined); None if it cannot be used: a miss, never a wrong state."""
-        try:
-            arrays, dtypes = self._files.read_shared_checkpoint(row.block, row.path, row.checksum, n_tokens)
-            point = Checkpoint.from_numpy(n_tokens, arrays, "", dtypes)
-            if len(point.states) != self._layout.n_recurrent:
-                raise ValueError("it does not hold every recurrent layer's state")
-        except (FileMissing, FileUnavailable) as exc:
-            log.warning("shared checkpoint after block %s unavailable: %s", row.block, exc)
-            return None
-        except UNUSABLE as exc:
-            log.warning("shared checkpoint after block %s unusable: %s", row.block, exc)
-            quarantine_if_damaged(self._files.local(row.path, fetch=False), self._files.root, row.checksum)
-            return None
-        return point
-
-    def _keep_shared_checkpoint(self, block: str, point: Checkpoint) -> None:
-        """Hold a shared checkpoint in memory, the most recently used (within
-        ``SHARED_CHECKPOINTS_SHARE`` of the budget)."""
-        self._shared_points.keep(block, point)
-
-    def _load_shared_block(self, block: str) -> bool:
-        """Bring a block some conversation stored on disk into memory (free), if it verifies."""
-        found = self._index.block_file(block)
-        if found is None or found[1] is None:  # a row without a checksum vouches for no file
-            return False
-        try:
-            data = KVBlock.from_numpy(self._files.read_block(block, found[0], found[1]), self._n_layers, BLOCK_TOKENS)
-        except (*UNUSABLE, FileUnavailable) as exc:
-            log.warning("shared block %s unusable: %s", block, exc)
-            return False
-        self._blocks[block] = data
-        self._pool.add_block(block, data.nbytes)
-        self._blocks_read[block] = "tier" if self._files.take_fetched([found[0]]) else "disk"
-        return True
 
     # -- commit ----------------------------------------------------------------------------
 
@@ -443,26 +348,25 @@ class CacheManager:
             at = start + offset
             block = block_hash(addressed, parent, record.tokens[at:at + BLOCK_TOKENS])
             if block not in self._blocks:
-                self._blocks[block] = slice_block(fresh, offset, offset + BLOCK_TOKENS)
-                self._pool.add_block(block, self._blocks[block].nbytes)
+                self._memory.add_block(block, slice_block(fresh, offset, offset + BLOCK_TOKENS))
             chain.append(str(block))
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints,
                                    lease.salt)
-        shared = self._shareable(lease, chain)
+        shared = shareable(lease.plan if lease.public else None, lease.n_reused, chain)
         for block_id, point in shared.items():
-            self._keep_shared_checkpoint(block_id, point)
-        self._set_hot(stored)
-        self._keep_working_copy(conversation_id, cache, computed, begin)
+            self._shared.keep(block_id, point)
+        self._memory.set_hot(stored)
+        self._memory.keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
                                                   lease.epoch, shared)) if persist else None
         if hot_ttl_s is not None and persist:
-            self._hot_until[conversation_id] = self._clock() + hot_ttl_s
+            self._memory.hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:
-            self._hot_until.pop(conversation_id, None)
+            self._memory.hot_until.pop(conversation_id, None)
         self._remember(lease.agent_id, conversation_id)
-        self._enforce_budget(keep=conversation_id)
+        self._memory.enforce_budget(keep=conversation_id)
         return written
 
     def _checkpoints(self, lease: Lease, cache: list, n_tokens: int) -> tuple[Checkpoint, ...]:
@@ -473,17 +377,6 @@ class CacheManager:
             return ()
         taken = [p for p in lease.plan.taken if p.n_tokens < n_tokens]
         return keep([*taken, capture(self._layout, cache, n_tokens)])
-
-    @staticmethod
-    def _shareable(lease: Lease, chain: list[str]) -> dict[str, Checkpoint]:
-        """Hybrid models: the checkpoints a turn's prefill took at block boundaries, by the
-        id of the block ending there, if the turn began from this home's shared data only
-        (``Lease.public``): each holds for every prompt starting with that block's tokens."""
-        if lease.plan is None or not lease.public:
-            return {}
-        return {chain[p.n_tokens // BLOCK_TOKENS - 1]: p for p in lease.plan.taken
-                if p.n_tokens > lease.n_reused and p.n_tokens % BLOCK_TOKENS == 0
-                and p.n_tokens // BLOCK_TOKENS <= len(chain)}
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least
@@ -503,20 +396,14 @@ class CacheManager:
     def _drop(self, conversation_id: str) -> None:
         """Delete one conversation's cache: memory now, files and rows in write order."""
         if conversation_id in self._hot:
-            self._release(conversation_id)
+            self._memory.release(conversation_id)
         self._persister.submit(Forget(conversation_id))
 
     # -- tiers -----------------------------------------------------------------------------
 
     def expire_hot(self) -> list[str]:
         """Hot -> warm for conversations unused past their hot TTL (their files are written or queued)."""
-        now = self._clock()
-        due = [conversation for conversation, until in self._hot_until.items() if until <= now]
-        for conversation in due:
-            del self._hot_until[conversation]
-            if conversation in self._hot:
-                self._spill(conversation, "its hot TTL passed")
-        return due
+        return self._memory.expire(self._clock())
 
     def forget_agent(self, agent_id: str) -> Callable[[float | None], bool]:
         """Delete every conversation cache of this agent: memory, files, rows (blocks other
@@ -525,7 +412,7 @@ class CacheManager:
         which this must never hold while a disk works."""
         stored = {c for c, _ in self._index.agent_caches(agent_id)}
         known = set(self._conversations.pop(agent_id, {}))
-        hot = {c.conversation_id for c in self._hot.values() if c.agent_id == agent_id}
+        hot = {c.conversation_id for c in self._memory.of_agent(agent_id)}
         for conversation_id in stored | known | hot:
             self._drop(conversation_id)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
@@ -576,8 +463,8 @@ class CacheManager:
         """
         if self._to_prefetch is None:
             due = []
-            if self.enabled and self._working_copies > 0:
-                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._working_copies)
+            if self.enabled and self._memory.working_copies > 0:
+                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._memory.working_copies)
             self._to_prefetch = deque(due)
         while self._to_prefetch:
             agent_id, conversation_id = self._to_prefetch.popleft()
@@ -593,12 +480,10 @@ class CacheManager:
                 continue
             blocks = [self._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
             working = to_working_cache(blocks, self._n_layers, cache.record.n_tokens, self._dtype, self.kv_format)
-            self._working[conversation_id] = working
-            self._working.move_to_end(conversation_id, last=False)  # loaded most recent first
-            self._pool.set_private(conversation_id, cache.private_bytes + cache_nbytes(working))
+            self._memory.add_working_copy(conversation_id, working)  # loaded most recent first
             if self._pool.over_budget():
-                self._spill(conversation_id, "no room to prefetch it")
-                self._free_arrays(self._pool.evict_free())
+                self._memory.spill(conversation_id, "no room to prefetch it")
+                self._memory.free_arrays(self._pool.evict_free())
                 self._to_prefetch.clear()
                 return False
             log.info("conversation %s: prefetched with its working copy", conversation_id)
@@ -634,57 +519,6 @@ class CacheManager:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""
         self._ownership.release_all()
 
-    def _set_hot(self, cache: ConversationCache) -> None:
-        previous = self._hot.get(cache.conversation_id)
-        self._hot[cache.conversation_id] = cache
-        self._read_from.pop(cache.conversation_id, None)  # what a turn stores is memory's (``_load`` says otherwise)
-        self._pool.assign(cache.conversation_id, cache.chain, cache.private_bytes, previous.chain if previous else ())
-
-    def _keep_working_copy(self, conversation_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
-        if self._working_copies <= 0:
-            return
-        overwrite_with_stored(cache, computed, start, self.kv_format)
-        self._working[conversation_id] = cache
-        self._working.move_to_end(conversation_id)
-        self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + cache_nbytes(cache))
-        while len(self._working) > self._working_copies:
-            self._drop_working_copy(next(iter(self._working)))
-
-    def _drop_working_copy(self, conversation_id: str) -> None:
-        del self._working[conversation_id]
-        if conversation_id in self._hot:
-            self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes)
-
-    def _enforce_budget(self, keep: str) -> None:
-        self._free_arrays(self._pool.evict_free())
-        for copy in [c for c in self._working if c != keep]:  # float copies go before 4-bit caches
-            if not self._pool.over_budget():
-                return
-            self._drop_working_copy(copy)
-        for victim in self._pool.lru_owners(keep=keep):
-            if not self._pool.over_budget():
-                return
-            self._spill(victim, "pool over budget")
-            self._free_arrays(self._pool.evict_free())
-
-    def _free_arrays(self, blocks: list[str]) -> None:
-        for block in blocks:
-            self._blocks.pop(block, None)
-            self._blocks_read.pop(block, None)
-
-    def _release(self, conversation_id: str) -> None:
-        cache = self._hot.pop(conversation_id)
-        self._read_from.pop(conversation_id, None)
-        self._working.pop(conversation_id, None)
-        self._hot_until.pop(conversation_id, None)
-        self._pool.remove_owner(conversation_id, cache.chain)
-
-    def _spill(self, conversation_id: str, why: str) -> None:
-        """Hot -> warm: drop from memory (its files are written or queued)."""
-        self._release(conversation_id)
-        self._n_spilled += 1
-        log.info("conversation %s spilled to disk (%s)", conversation_id, why)
-
     def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
         entry = self._index.load(conversation_id)
@@ -703,11 +537,10 @@ class CacheManager:
                 self._discard(conversation_id, entry)
             return None
         for block, data in loaded.items():
-            self._blocks.setdefault(block, data)
-            self._pool.add_block(block, data.nbytes)
-        self._set_hot(cache)
+            self._memory.add_block(block, data)
+        self._memory.set_hot(cache)
         fetched = self._files.take_fetched([entry.record_path, *(block.path for block in entry.blocks)])
-        self._read_from[conversation_id] = "tier" if fetched else "disk"
+        self._memory.read_from[conversation_id] = "tier" if fetched else "disk"
         log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
         return cache
 
