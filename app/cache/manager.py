@@ -12,7 +12,10 @@ to the background persister. Other conversations are never touched.
 
 It holds the model's files (``files.CacheFiles``: format, verification, quarantine) and
 its index (``cache_index.CacheIndex``) and opens no database session itself; the MLX
-array work is ``blocks.py``'s.
+array work is ``blocks.py``'s. What it holds in memory is ``hot_set.HotSet``'s, a prompt's
+shared blocks and checkpoints are found by ``shared_prefix.SharedPrefix``, stored caches are
+read back by ``loading.Loader``, and in a pool ``ownership.Ownership`` says which agents
+are this server's.
 """
 
 from __future__ import annotations
@@ -20,26 +23,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from datetime import timedelta
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from app.cache.blocks import (BLOCK_TOKENS, KVBlock, copy_prefix, join_blocks, quantize_span, requantize_start,
                               slice_block, to_working_cache)
-from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
+from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, latest_at, resume
 from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
-from app.cache.files import CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation
+from app.cache.files import CacheFiles, DamagedFile, FileUnavailable
 from app.cache.hashing import block_hash, private_fingerprint
 from app.cache.hot_set import HotSet
+from app.cache.loading import Loader
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.ownership import Ownership
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.cache.shared_prefix import SharedPrefix, shareable
-from app.store.cache_index import CacheEntry, CacheIndex
-from app.store.history import utcnow
+from app.store.cache_index import CacheIndex
 from app.types import CacheSource, CacheStats, ForkPoint, Prompt, ReuseReason, ReuseReport
 
 if TYPE_CHECKING:
@@ -94,10 +96,6 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
-# Conversations used this recently come back into memory after a restart (``prefetch``).
-PREFETCH_WINDOW = timedelta(hours=1)
-
-
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
@@ -129,7 +127,9 @@ class CacheManager:
         self._ownership = Ownership(self._index, owner)  # in a pool: which agents are this server's
         self._persister = Persister(self._files, sessions, owner)
         self._persister.start()
-        self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
+        self._loader = Loader(layout=self._layout, dtype=dtype, kv_format=kv_format, index=self._index,
+                              files=self._files, memory=self._memory, persister=self._persister,
+                              ownership=self._ownership)
 
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
@@ -198,18 +198,6 @@ class CacheManager:
                           and not (whole_blocks and at % BLOCK_TOKENS))
         return point.n_tokens if point is not None else 0
 
-    def _hybrid_lease(self, attention: list[KVCache], n_reused: int,
-                      source: ConversationCache | None) -> tuple[list, CheckpointPlan | None]:
-        """The working cache of the model's layout, holding ``attention``'s KV and, in a
-        hybrid model, the recurrent state of ``source``'s checkpoint at ``n_reused`` tokens
-        (its checkpoints up to there travel with the lease)."""
-        if not self._layout.hybrid:
-            return attention, None
-        taken = [p for p in (source.checkpoints if source else ()) if p.n_tokens <= n_reused]
-        point = next((p for p in taken if p.n_tokens == n_reused), None)
-        assert point is not None or n_reused == 0, "a hybrid lease resumes at a checkpoint"
-        return self._layout.assemble(attention, point), CheckpointPlan(self._layout, taken=taken)
-
     def _drop_from_memory(self, agent_id: str) -> None:
         """Release the agent's hot conversations: another server owned the agent since this one
         last served it, so they may be older than the store (its caches load from there)."""
@@ -228,7 +216,7 @@ class CacheManager:
                 best = (common, candidate)
         if best is None:
             return None
-        cache = self._hot.get(best[1]) or self._load(agent_id, best[1])
+        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1])
         if cache is None:
             return None
         return _Source(cache, match_prompt(cache.record, prompt), best[0])
@@ -281,14 +269,14 @@ class CacheManager:
             cache = copy_prefix(working, n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
-        cache, plan = self._hybrid_lease(cache, n_reused, source)
+        cache, plan = resume(self._layout, cache, n_reused, source.checkpoints)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan,
                      self._ownership.epoch(source.agent_id), salt=source.salt)
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
-        cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
+        cache, plan = resume(self._layout, to_working_cache([], self._n_layers, 0, self._dtype), 0, ())
         return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan,
                      epoch=self._ownership.epoch(agent_id), public=True)
 
@@ -297,11 +285,8 @@ class CacheManager:
         """A lease of the shared blocks ``usable`` (hybrid models: and the shared checkpoint
         ``point`` after them, at ``n_reused``)."""
         blocks = [self._blocks[h] for h in usable]
-        cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
-        plan = None
-        if self._layout.hybrid:
-            assert point is not None and point.n_tokens == n_reused, "a hybrid lease resumes at a checkpoint"
-            cache, plan = self._layout.assemble(cache, point), CheckpointPlan(self._layout, taken=[point])
+        cache, plan = resume(self._layout, to_working_cache(blocks, self._n_layers, n_reused, self._dtype,
+                                                            self.kv_format), n_reused, [point] if point else [])
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
         return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable), plan,
@@ -326,7 +311,7 @@ class CacheManager:
             log.info("conversation %s: not stored, its turn began under ownership epoch %s of agent %s, now %s",
                      conversation_id, lease.epoch, lease.agent_id, self._ownership.epoch(lease.agent_id))
             return None
-        checkpoints = self._checkpoints(lease, cache, record.n_tokens)
+        checkpoints = lease.plan.kept(cache, record.n_tokens) if lease.plan is not None else ()
         cache = self._layout.attention(cache)
         if cache[0].offset != record.n_tokens:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
@@ -368,15 +353,6 @@ class CacheManager:
         self._remember(lease.agent_id, conversation_id)
         self._memory.enforce_budget(keep=conversation_id)
         return written
-
-    def _checkpoints(self, lease: Lease, cache: list, n_tokens: int) -> tuple[Checkpoint, ...]:
-        """Hybrid models: the checkpoints a conversation keeps after a turn whose cache holds
-        ``n_tokens``: those its lease had and its prefill took, and one of the cache as it
-        is now (the reply's end), within ``checkpoints.MAX_CHECKPOINTS``."""
-        if lease.plan is None:
-            return ()
-        taken = [p for p in lease.plan.taken if p.n_tokens < n_tokens]
-        return keep([*taken, capture(self._layout, cache, n_tokens)])
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least
@@ -429,7 +405,7 @@ class CacheManager:
             return self._persister.submit(Copy(source, agent_id, conversation_id))
         cache = self._hot.get(source) if self.enabled else None
         if cache is None and self.enabled and (source_agent := self._index.agent_of(source)) is not None:
-            cache = self._load(source_agent, source)
+            cache = self._loader.load(source_agent, source)
         n_kept = 0
         if cache is not None:
             n_kept = self.kv_format.reusable(cache.record.n_tokens_within(fork_cut(cache.record.text, point)),
@@ -453,58 +429,9 @@ class CacheManager:
     # -- after a start -----------------------------------------------------------------------
 
     def prefetch(self) -> bool:
-        """Bring one recently used conversation back from disk, with its float working copy.
-
-        After a restart, the conversations used in the last ``PREFETCH_WINDOW`` (the most
-        recent first, as many as there are working copies) come back into memory while
-        the engine is idle, so their next turns start as if the server had never stopped.
-        Stops at the first one that does not fit the pool's budget beside what is hot.
-        Returns whether it loaded one (False once none is due).
-        """
-        if self._to_prefetch is None:
-            due = []
-            if self.enabled and self._memory.working_copies > 0:
-                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._memory.working_copies)
-            self._to_prefetch = deque(due)
-        while self._to_prefetch:
-            agent_id, conversation_id = self._to_prefetch.popleft()
-            if conversation_id in self._hot or not self._ownership.still_mine(agent_id):
-                continue
-            if not self._fits_beside_hot(conversation_id):  # never loaded only to be spilled
-                log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
-                         conversation_id)
-                self._to_prefetch.clear()
-                return False
-            cache = self._load(agent_id, conversation_id)
-            if cache is None:
-                continue
-            blocks = [self._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
-            working = to_working_cache(blocks, self._n_layers, cache.record.n_tokens, self._dtype, self.kv_format)
-            self._memory.add_working_copy(conversation_id, working)  # loaded most recent first
-            if self._pool.over_budget():
-                self._memory.spill(conversation_id, "no room to prefetch it")
-                self._memory.free_arrays(self._pool.evict_free())
-                self._to_prefetch.clear()
-                return False
-            log.info("conversation %s: prefetched with its working copy", conversation_id)
-            return True
-        return False
-
-    def _fits_beside_hot(self, conversation_id: str) -> bool:
-        """Whether the conversation's stored blocks and its float working copy (estimated from
-        the stored bytes: as many values, in the working dtype) fit the pool's budget beside
-        what is in memory now."""
-        entry = self._index.load(conversation_id)
-        if entry is None:
-            return True  # nothing to load: _load says so
-        try:  # the record file holds the private tail's KV
-            tail = self._files.local(entry.record_path, fetch=False).stat().st_size
-        except OSError:  # not on this disk (a pool's tier has it): as many bytes a token as the blocks
-            tail = (entry.n_tokens - len(entry.blocks) * BLOCK_TOKENS) * (
-                entry.blocks[0].nbytes // BLOCK_TOKENS if entry.blocks else 0)
-        stored = sum(block.nbytes for block in entry.blocks) + tail
-        working = int(stored / self.kv_format.bytes_per_value * self._dtype.size)
-        return self._pool.nbytes + stored + working <= self._pool.budget_bytes
+        """Bring one recently used conversation back from disk while the engine is idle after a
+        start (``loading.Loader.prefetch``); False once none is due."""
+        return self.enabled and self._loader.prefetch()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
@@ -518,46 +445,3 @@ class CacheManager:
     def release_agents(self) -> None:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""
         self._ownership.release_all()
-
-    def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
-        """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
-        entry = self._index.load(conversation_id)
-        if entry is None:
-            return None
-        try:
-            cache, loaded = self._decode(agent_id, conversation_id, self._files.read_conversation(entry, self._blocks))
-        except Exception as exc:  # whatever went wrong reading it, the cache is not used now
-            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
-            # having lost the object: nothing says it is damaged, so the row and the writer's
-            # files stay. Anything else is damage: the cache is discarded.
-            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
-                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
-            else:
-                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
-                self._discard(conversation_id, entry)
-            return None
-        for block, data in loaded.items():
-            self._memory.add_block(block, data)
-        self._memory.set_hot(cache)
-        fetched = self._files.take_fetched([entry.record_path, *(block.path for block in entry.blocks)])
-        self._memory.read_from[conversation_id] = "tier" if fetched else "disk"
-        log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
-        return cache
-
-    def _decode(self, agent_id: str, conversation_id: str,
-                stored: StoredConversation) -> tuple[ConversationCache, dict[str, KVBlock]]:
-        """A conversation's cache and the blocks read for it, as arrays of this model's
-        layers. Raises KeyError or ValueError if the arrays are not its blocks'."""
-        blocks = {block: KVBlock.from_numpy(arrays, self._n_layers, BLOCK_TOKENS)
-                  for block, arrays in stored.blocks.items()}
-        tail = KVBlock.from_numpy(stored.tail, self._n_layers, stored.tail_tokens) if stored.tail is not None else None
-        checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
-        if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
-            raise ValueError("a checkpoint does not hold every recurrent layer's state")
-        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
-                                 stored.salt), blocks
-
-    def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
-        """Quarantine the damaged files of an unusable cache and forget the cache."""
-        self._files.quarantine_damaged(entry)
-        self._persister.submit(Forget(conversation_id))
