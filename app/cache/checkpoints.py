@@ -275,3 +275,22 @@ class CheckpointPlan:
         """Take a checkpoint if the cache, holding ``at`` tokens, is at a planned position."""
         if at in self.positions and all(p.n_tokens != at for p in self.taken):
             self.taken.append(capture(self.layout, cache, at))
+
+    def kept(self, cache: Sequence[Any], n_tokens: int) -> tuple[Checkpoint, ...]:
+        """The checkpoints a conversation keeps after the turn, its cache holding ``n_tokens``:
+        those it had and took before there, and one of the cache as it is now (the reply's
+        end), within ``MAX_CHECKPOINTS``."""
+        return keep([*(p for p in self.taken if p.n_tokens < n_tokens), capture(self.layout, cache, n_tokens)])
+
+
+def resume(layout: CacheLayout, attention: list[Any], n_reused: int,
+           checkpoints: Sequence[Checkpoint]) -> tuple[list[Any], CheckpointPlan | None]:
+    """A lease's working cache of ``layout``: ``attention``'s KV and, in a hybrid model, the
+    recurrent state of the checkpoint at ``n_reused`` tokens among ``checkpoints`` (those up
+    to there travel with the lease as its plan's). Attention only: ``attention``, no plan."""
+    if not layout.hybrid:
+        return attention, None
+    taken = [p for p in checkpoints if p.n_tokens <= n_reused]
+    point = next((p for p in taken if p.n_tokens == n_reused), None)
+    assert point is not None or n_reused == 0, "a hybrid lease resumes at a checkpoint"
+    return layout.assemble(attention, point), CheckpointPlan(layout, taken=taken)

@@ -12,7 +12,10 @@ to the background persister. Other conversations are never touched.
 
 It holds the model's files (``files.CacheFiles``: format, verification, quarantine) and
 its index (``cache_index.CacheIndex``) and opens no database session itself; the MLX
-array work is ``blocks.py``'s.
+array work is ``blocks.py``'s. What it holds in memory is ``hot_set.HotSet``'s, a prompt's
+shared blocks and checkpoints are found by ``shared_prefix.SharedPrefix``, stored caches are
+read back by ``loading.Loader``, and in a pool ``ownership.Ownership`` says which agents
+are this server's.
 """
 
 from __future__ import annotations
@@ -20,25 +23,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from datetime import timedelta
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from app.cache.blocks import (BLOCK_TOKENS, KVBlock, cache_nbytes, copy_prefix, join_blocks, overwrite_with_stored,
-                              quantize_span, requantize_start, slice_block, to_working_cache)
-from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, capture, keep, latest_at
+from app.cache.blocks import (BLOCK_TOKENS, KVBlock, copy_prefix, join_blocks, quantize_span, requantize_start,
+                              slice_block, to_working_cache)
+from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, latest_at, resume
 from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
-from app.cache.files import (UNUSABLE, CacheFiles, DamagedFile, FileMissing, FileUnavailable, StoredConversation,
-                             quarantine_if_damaged)
-from app.cache.hashing import block_hash, chain_hashes, private_fingerprint
+from app.cache.files import CacheFiles, DamagedFile, FileUnavailable
+from app.cache.hashing import block_hash, private_fingerprint
+from app.cache.hot_set import HotSet
+from app.cache.loading import Loader
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
+from app.cache.ownership import Ownership
 from app.cache.persist import Copy, Forget, Persister, Snapshot
-from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
-from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
-from app.store.history import utcnow
+from app.cache.shared_prefix import SharedPrefix, shareable
+from app.store.cache_index import CacheIndex
 from app.types import CacheSource, CacheStats, ForkPoint, Prompt, ReuseReason, ReuseReport
 
 if TYPE_CHECKING:
@@ -93,15 +96,6 @@ class _Source:
     common: int  # characters its text and the prompt share
 
 
-# Hybrid models: shared checkpoints held in memory, the most recently used, take at most
-# this share of the pool's budget (``budget_bytes``, beside it) and the latest one used
-# always stays; the rest are read from disk, verified, when a lease needs them.
-SHARED_CHECKPOINTS_SHARE = 1 / 16
-
-# Conversations used this recently come back into memory after a restart (``prefetch``).
-PREFETCH_WINDOW = timedelta(hours=1)
-
-
 class CacheManager:
     def __init__(self, *, fingerprint: str, n_layers: int, dtype: mx.Dtype, blocks_dir: Path,
                  sessions: sessionmaker[Session], budget_bytes: int, enabled: bool = True,
@@ -120,44 +114,27 @@ class CacheManager:
         self._dtype = dtype
         self._index = CacheIndex(sessions, fingerprint)
         self._files = CacheFiles(blocks_dir, fingerprint, tier)
-        self._pool = BlockPool(budget_bytes)
-        self._blocks: dict[str, KVBlock] = {}
-        # Hybrid models: shared checkpoints by the id of the block they follow (``checkpoints.py``).
-        self._shared_points: RecentWithin[Checkpoint] = RecentWithin(int(budget_bytes * SHARED_CHECKPOINTS_SHARE))
-        self._hot: dict[str, ConversationCache] = {}
-        # Provenance (ReuseReport.source) of what came into memory since a lease last used it:
-        # conversations (``_load``) and shared blocks (``_load_shared_block``) read from disk or
-        # a pool's tier; whatever is not named here stayed in memory since a turn stored it.
-        self._read_from: dict[str, CacheSource] = {}
-        self._blocks_read: dict[str, CacheSource] = {}
+        self._memory = HotSet(budget_bytes, working_copies, kv_format)
+        # The hot set's pool and containers, read here at every step.
+        self._pool, self._blocks, self._hot, self._working = (self._memory.pool, self._memory.blocks,
+                                                              self._memory.caches, self._memory.working)
+        self._shared = SharedPrefix(fingerprint, self._layout, self._index, self._files, self._memory)
         # Per agent, its conversations with a cache (memory or disk), least recently used
         # first; beyond ``max_conversations`` the oldest one's cache is deleted.
         self._conversations: dict[str, OrderedDict[str, None]] = {}
         self._max_conversations = max_conversations
-        # Float copies of the most recent conversations' caches, equal to their dequantized
-        # blocks: their next turn, and a side request of the same agent starting from them,
-        # skip dequantization (``benchmarks/restore.py`` measures it). Their bytes count against
-        # the pool's budget as the conversation's private bytes; over budget, the oldest
-        # copies go before any conversation's 4-bit cache is spilled.
-        self._working: OrderedDict[str, list[KVCache]] = OrderedDict()
-        self._working_copies = working_copies
-        self._n_spilled = 0
-        # Conversations whose client asked to be kept hot only so long (Anthropic
-        # cache_control): conversation -> clock time after which it goes warm.
-        self._hot_until: dict[str, float] = {}
         self._clock = clock
-        # In a pool with a shared tier: this server's id, and the epoch of each agent it saw
-        # when it last served it (app.store.ownership).
-        self._owner = owner
-        self._epochs: dict[str, int] = {}
+        self._ownership = Ownership(self._index, owner)  # in a pool: which agents are this server's
         self._persister = Persister(self._files, sessions, owner)
         self._persister.start()
-        self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
+        self._loader = Loader(layout=self._layout, dtype=dtype, kv_format=kv_format, index=self._index,
+                              files=self._files, memory=self._memory, persister=self._persister,
+                              ownership=self._ownership)
 
     def stats(self) -> CacheStats:
         return CacheStats(self.enabled, self._pool.nbytes, self._pool.budget_bytes, self._pool.n_blocks,
                           self._pool.n_free_blocks, len({c.agent_id for c in self._hot.values()}), len(self._hot),
-                          self._n_spilled)
+                          self._memory.n_spilled)
 
     def record(self, conversation_id: str) -> CacheRecord | None:
         """What the conversation's hot cache holds (None if not hot)."""
@@ -179,33 +156,31 @@ class CacheManager:
         ``whole_blocks`` rounds the reuse down to whole blocks (no private tail)."""
         if not self.enabled or agent_id is None or conversation_id is None:
             return self.cold(None, None, self._report("off"))
-        if self._owner is not None and not self._own(agent_id):
+        claim = self._ownership.claim(agent_id)
+        if claim == "unreachable":
             return self.cold(agent_id, conversation_id, self._report("miss"))
+        if claim == "moved":
+            self._drop_from_memory(agent_id)
         best = self._best_source(agent_id, conversation_id, prompt)
         own = best is not None and best.cache.conversation_id == conversation_id
         n_text = self.kv_format.reusable(best.match.n_reused, best.cache.n_grouped) if best else 0
         n_text -= n_text % BLOCK_TOKENS if whole_blocks else 0
         if best is not None and self._layout.hybrid:
             n_text = self._resumable(best.cache, n_text, whole_blocks)
-        shared = self._shared_prefix(prompt) if n_text < prompt.n_tokens - BLOCK_TOKENS else []
-        point = None
-        if self._layout.hybrid:  # blocks hold no recurrent state: up to the latest shared checkpoint
-            shared, point = self._shared_checkpoint(shared, prompt)
+        shared, point = ([], None) if n_text >= prompt.n_tokens - BLOCK_TOKENS else self._shared.find(prompt)
         n_shared = self.kv_format.reusable(min(len(shared) * BLOCK_TOKENS, prompt.n_tokens - 1),
                                            len(shared) * BLOCK_TOKENS)
         divergence = self._divergence(best, prompt) if best else {}
         if best is not None and n_text >= n_shared and n_text > 0:
             reason = best.match.reason if own else "sibling"
-            source = self._read_from.pop(best.cache.conversation_id, "memory")
+            source = self._memory.read_from.pop(best.cache.conversation_id, "memory")
             report = self._report(reason, source, n_text, best.cache.record.ends[n_text - 1],
                                   **(divergence if reason not in ("extend", "exact") else {}))
             return self._from_source(best.cache, conversation_id, n_text, report, use_working_copy=own)
         if n_shared > 0:
-            reads = {self._blocks_read.pop(block, "memory") for block in shared}
-            source = next((s for s in ("tier", "disk") if s in reads), "memory")
-            return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared,
-                                     self._report("shared", source, n_shared, prompt.ends[n_shared - 1],
-                                                  **divergence), point)
+            report = self._report("shared", self._shared.source(shared), n_shared, prompt.ends[n_shared - 1],
+                                  **divergence)
+            return self._from_shared(agent_id, conversation_id, prompt, shared, n_shared, report, point)
         return self.cold(agent_id, conversation_id, self._report("miss", **divergence))
 
     def _report(self, reason: ReuseReason, source: CacheSource = "none", n_tokens: int = 0, n_chars: int = 0,
@@ -223,37 +198,13 @@ class CacheManager:
                           and not (whole_blocks and at % BLOCK_TOKENS))
         return point.n_tokens if point is not None else 0
 
-    def _hybrid_lease(self, attention: list[KVCache], n_reused: int,
-                      source: ConversationCache | None) -> tuple[list, CheckpointPlan | None]:
-        """The working cache of the model's layout, holding ``attention``'s KV and, in a
-        hybrid model, the recurrent state of ``source``'s checkpoint at ``n_reused`` tokens
-        (its checkpoints up to there travel with the lease)."""
-        if not self._layout.hybrid:
-            return attention, None
-        taken = [p for p in (source.checkpoints if source else ()) if p.n_tokens <= n_reused]
-        point = next((p for p in taken if p.n_tokens == n_reused), None)
-        assert point is not None or n_reused == 0, "a hybrid lease resumes at a checkpoint"
-        return self._layout.assemble(attention, point), CheckpointPlan(self._layout, taken=taken)
-
-    def _own(self, agent_id: str) -> bool:
-        """Claim the agent for this server (pool mode). If another server owned it since this
-        one last served it, what this one holds in memory may be older than the store: it is
-        dropped, and the agent's caches come from the store. False: the store cannot be
-        reached (the turn runs cold)."""
-        assert self._owner is not None
-        try:
-            epoch = self._index.claim(agent_id, self._owner, utcnow())
-        except Exception as exc:
-            log.warning("agent %s: ownership not claimed (%s); no cache this turn", agent_id, exc)
-            return False
-        if self._epochs.get(agent_id, epoch) != epoch:
-            stale = [c.conversation_id for c in self._hot.values() if c.agent_id == agent_id]
-            for conversation_id in stale:
-                self._release(conversation_id)
-            log.info("agent %s: owned by another server since epoch %d; %d conversation(s) dropped from memory",
-                     agent_id, self._epochs[agent_id], len(stale))
-        self._epochs[agent_id] = epoch
-        return True
+    def _drop_from_memory(self, agent_id: str) -> None:
+        """Release the agent's hot conversations: another server owned the agent since this one
+        last served it, so they may be older than the store (its caches load from there)."""
+        stale = [c.conversation_id for c in self._memory.of_agent(agent_id)]
+        for conversation_id in stale:
+            self._memory.release(conversation_id)
+        log.info("agent %s: %d conversation(s) dropped from memory", agent_id, len(stale))
 
     def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
         """The agent's conversation whose stored text shares the longest prefix with the
@@ -265,7 +216,7 @@ class CacheManager:
                 best = (common, candidate)
         if best is None:
             return None
-        cache = self._hot.get(best[1]) or self._load(agent_id, best[1])
+        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1])
         if cache is None:
             return None
         return _Source(cache, match_prompt(cache.record, prompt), best[0])
@@ -274,7 +225,7 @@ class CacheManager:
         """(conversation id, stored text) of the request's conversation first, then of the
         agent's others: hot ones from memory, stored ones from their record file's header
         (unverified; a chosen one is verified whole when it loads)."""
-        hot = sorted((c for c in self._hot.values() if c.agent_id == agent_id),
+        hot = sorted(self._memory.of_agent(agent_id),
                      key=lambda c: c.conversation_id != conversation_id)
         yield from ((c.conversation_id, c.record.text) for c in hot)
         stored = self._index.agent_caches(agent_id)
@@ -318,101 +269,28 @@ class CacheManager:
             cache = copy_prefix(working, n_reused)
         else:
             cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
-        cache, plan = self._hybrid_lease(cache, n_reused, source)
+        cache, plan = resume(self._layout, cache, n_reused, source.checkpoints)
         return Lease(source.agent_id, conversation_id, cache, source.record.truncate(n_reused), report,
                      tuple(blocks), source.chain[:min(n_blocks, len(source.chain))], plan,
-                     self._epochs.get(source.agent_id), salt=source.salt)
+                     self._ownership.epoch(source.agent_id), salt=source.salt)
 
     def cold(self, agent_id: str | None, conversation_id: str | None, report: ReuseReport) -> Lease:
         """An empty working cache whose result is stored as ``conversation_id``'s (if given)."""
-        cache, plan = self._hybrid_lease(to_working_cache([], self._n_layers, 0, self._dtype), 0, None)
-        epoch = self._epochs.get(agent_id) if agent_id is not None else None
-        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan, epoch=epoch,
-                     public=True)
-
-    def _shared_prefix(self, prompt: Prompt) -> list[str]:
-        """The longest chain of the prompt's full blocks held in memory or on disk."""
-        if not prompt.ends:
-            return []
-        usable: list[str] = []
-        for block in chain_hashes(self.fingerprint, prompt.token_ids, BLOCK_TOKENS):
-            if block not in self._blocks and not self._load_shared_block(block):
-                break
-            self._pool.touch_block(block)
-            usable.append(block)
-        return usable
+        cache, plan = resume(self._layout, to_working_cache([], self._n_layers, 0, self._dtype), 0, ())
+        return Lease(agent_id, conversation_id, cache, CacheRecord.empty(), report, plan=plan,
+                     epoch=self._ownership.epoch(agent_id), public=True)
 
     def _from_shared(self, agent_id: str, conversation_id: str, prompt: Prompt, usable: list[str], n_reused: int,
                      report: ReuseReport, point: Checkpoint | None = None) -> Lease:
         """A lease of the shared blocks ``usable`` (hybrid models: and the shared checkpoint
         ``point`` after them, at ``n_reused``)."""
         blocks = [self._blocks[h] for h in usable]
-        cache = to_working_cache(blocks, self._n_layers, n_reused, self._dtype, self.kv_format)
-        plan = None
-        if self._layout.hybrid:
-            assert point is not None and point.n_tokens == n_reused, "a hybrid lease resumes at a checkpoint"
-            cache, plan = self._layout.assemble(cache, point), CheckpointPlan(self._layout, taken=[point])
+        cache, plan = resume(self._layout, to_working_cache(blocks, self._n_layers, n_reused, self._dtype,
+                                                            self.kv_format), n_reused, [point] if point else [])
         record = CacheRecord(prompt.token_ids[:n_reused], prompt.text[:prompt.ends[n_reused - 1]],
                              prompt.ends[:n_reused])
         return Lease(agent_id, conversation_id, cache, record, report, tuple(blocks), tuple(usable), plan,
-                     epoch=self._epochs.get(agent_id), public=True)
-
-    def _shared_checkpoint(self, shared: list[str], prompt: Prompt) -> tuple[list[str], Checkpoint | None]:
-        """Hybrid models: the longest start of ``shared`` (the prompt's blocks found, in
-        order) after which a shared checkpoint holds the recurrent state, short of the
-        prompt's last token, and that checkpoint; ([], None) if there is none."""
-        n = min(len(shared), (prompt.n_tokens - 1) // BLOCK_TOKENS)
-        if n == 0:
-            return [], None
-        stored = None
-        for j in range(n, 0, -1):
-            block = shared[j - 1]
-            point = self._shared_points.get(block)
-            if point is None:
-                if stored is None:  # one query for all of them, only if memory has none
-                    stored = self._index.block_checkpoints(shared[:n])
-                point = self._load_shared_checkpoint(stored[block], j * BLOCK_TOKENS) if block in stored else None
-            if point is not None and point.n_tokens == j * BLOCK_TOKENS:
-                self._keep_shared_checkpoint(block, point)
-                return shared[:j], point
-        return [], None
-
-    def _load_shared_checkpoint(self, row: SharedCheckpoint, n_tokens: int) -> Checkpoint | None:
-        """A shared checkpoint from disk, verified against its index row (a damaged file is
-        quarantined); None if it cannot be used: a miss, never a wrong state."""
-        try:
-            arrays, dtypes = self._files.read_shared_checkpoint(row.block, row.path, row.checksum, n_tokens)
-            point = Checkpoint.from_numpy(n_tokens, arrays, "", dtypes)
-            if len(point.states) != self._layout.n_recurrent:
-                raise ValueError("it does not hold every recurrent layer's state")
-        except (FileMissing, FileUnavailable) as exc:
-            log.warning("shared checkpoint after block %s unavailable: %s", row.block, exc)
-            return None
-        except UNUSABLE as exc:
-            log.warning("shared checkpoint after block %s unusable: %s", row.block, exc)
-            quarantine_if_damaged(self._files.local(row.path, fetch=False), self._files.root, row.checksum)
-            return None
-        return point
-
-    def _keep_shared_checkpoint(self, block: str, point: Checkpoint) -> None:
-        """Hold a shared checkpoint in memory, the most recently used (within
-        ``SHARED_CHECKPOINTS_SHARE`` of the budget)."""
-        self._shared_points.keep(block, point)
-
-    def _load_shared_block(self, block: str) -> bool:
-        """Bring a block some conversation stored on disk into memory (free), if it verifies."""
-        found = self._index.block_file(block)
-        if found is None or found[1] is None:  # a row without a checksum vouches for no file
-            return False
-        try:
-            data = KVBlock.from_numpy(self._files.read_block(block, found[0], found[1]), self._n_layers, BLOCK_TOKENS)
-        except (*UNUSABLE, FileUnavailable) as exc:
-            log.warning("shared block %s unusable: %s", block, exc)
-            return False
-        self._blocks[block] = data
-        self._pool.add_block(block, data.nbytes)
-        self._blocks_read[block] = "tier" if self._files.take_fetched([found[0]]) else "disk"
-        return True
+                     epoch=self._ownership.epoch(agent_id), public=True)
 
     # -- commit ----------------------------------------------------------------------------
 
@@ -429,11 +307,11 @@ class CacheManager:
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return None
         conversation_id = lease.conversation_id
-        if self._owner is not None and lease.epoch != self._epochs.get(lease.agent_id):
+        if not self._ownership.current(lease.agent_id, lease.epoch):
             log.info("conversation %s: not stored, its turn began under ownership epoch %s of agent %s, now %s",
-                     conversation_id, lease.epoch, lease.agent_id, self._epochs.get(lease.agent_id))
+                     conversation_id, lease.epoch, lease.agent_id, self._ownership.epoch(lease.agent_id))
             return None
-        checkpoints = self._checkpoints(lease, cache, record.n_tokens)
+        checkpoints = lease.plan.kept(cache, record.n_tokens) if lease.plan is not None else ()
         cache = self._layout.attention(cache)
         if cache[0].offset != record.n_tokens:
             log.error("conversation %s: cache holds %d tokens but its record %d; not stored",
@@ -455,47 +333,26 @@ class CacheManager:
             at = start + offset
             block = block_hash(addressed, parent, record.tokens[at:at + BLOCK_TOKENS])
             if block not in self._blocks:
-                self._blocks[block] = slice_block(fresh, offset, offset + BLOCK_TOKENS)
-                self._pool.add_block(block, self._blocks[block].nbytes)
+                self._memory.add_block(block, slice_block(fresh, offset, offset + BLOCK_TOKENS))
             chain.append(str(block))
         full = len(chain) * BLOCK_TOKENS
         tail = slice_block(fresh, full - start, fresh.n_tokens) if record.n_tokens > full else None
         stored = ConversationCache(lease.agent_id, conversation_id, record, tuple(chain), tail, checkpoints,
                                    lease.salt)
-        shared = self._shareable(lease, chain)
+        shared = shareable(lease.plan if lease.public else None, lease.n_reused, chain)
         for block_id, point in shared.items():
-            self._keep_shared_checkpoint(block_id, point)
-        self._set_hot(stored)
-        self._keep_working_copy(conversation_id, cache, computed, begin)
+            self._shared.keep(block_id, point)
+        self._memory.set_hot(stored)
+        self._memory.keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
                                                   lease.epoch, shared)) if persist else None
         if hot_ttl_s is not None and persist:
-            self._hot_until[conversation_id] = self._clock() + hot_ttl_s
+            self._memory.hot_until[conversation_id] = self._clock() + hot_ttl_s
         else:
-            self._hot_until.pop(conversation_id, None)
+            self._memory.hot_until.pop(conversation_id, None)
         self._remember(lease.agent_id, conversation_id)
-        self._enforce_budget(keep=conversation_id)
+        self._memory.enforce_budget(keep=conversation_id)
         return written
-
-    def _checkpoints(self, lease: Lease, cache: list, n_tokens: int) -> tuple[Checkpoint, ...]:
-        """Hybrid models: the checkpoints a conversation keeps after a turn whose cache holds
-        ``n_tokens``: those its lease had and its prefill took, and one of the cache as it
-        is now (the reply's end), within ``checkpoints.MAX_CHECKPOINTS``."""
-        if lease.plan is None:
-            return ()
-        taken = [p for p in lease.plan.taken if p.n_tokens < n_tokens]
-        return keep([*taken, capture(self._layout, cache, n_tokens)])
-
-    @staticmethod
-    def _shareable(lease: Lease, chain: list[str]) -> dict[str, Checkpoint]:
-        """Hybrid models: the checkpoints a turn's prefill took at block boundaries, by the
-        id of the block ending there, if the turn began from this home's shared data only
-        (``Lease.public``): each holds for every prompt starting with that block's tokens."""
-        if lease.plan is None or not lease.public:
-            return {}
-        return {chain[p.n_tokens // BLOCK_TOKENS - 1]: p for p in lease.plan.taken
-                if p.n_tokens > lease.n_reused and p.n_tokens % BLOCK_TOKENS == 0
-                and p.n_tokens // BLOCK_TOKENS <= len(chain)}
 
     def _remember(self, agent_id: str, conversation_id: str) -> None:
         """Mark the conversation the agent's most recent; delete the cache of its least
@@ -515,20 +372,14 @@ class CacheManager:
     def _drop(self, conversation_id: str) -> None:
         """Delete one conversation's cache: memory now, files and rows in write order."""
         if conversation_id in self._hot:
-            self._release(conversation_id)
+            self._memory.release(conversation_id)
         self._persister.submit(Forget(conversation_id))
 
     # -- tiers -----------------------------------------------------------------------------
 
     def expire_hot(self) -> list[str]:
         """Hot -> warm for conversations unused past their hot TTL (their files are written or queued)."""
-        now = self._clock()
-        due = [conversation for conversation, until in self._hot_until.items() if until <= now]
-        for conversation in due:
-            del self._hot_until[conversation]
-            if conversation in self._hot:
-                self._spill(conversation, "its hot TTL passed")
-        return due
+        return self._memory.expire(self._clock())
 
     def forget_agent(self, agent_id: str) -> Callable[[float | None], bool]:
         """Delete every conversation cache of this agent: memory, files, rows (blocks other
@@ -537,7 +388,7 @@ class CacheManager:
         which this must never hold while a disk works."""
         stored = {c for c, _ in self._index.agent_caches(agent_id)}
         known = set(self._conversations.pop(agent_id, {}))
-        hot = {c.conversation_id for c in self._hot.values() if c.agent_id == agent_id}
+        hot = {c.conversation_id for c in self._memory.of_agent(agent_id)}
         for conversation_id in stored | known | hot:
             self._drop(conversation_id)
         log.info("agent %s: %d conversation caches deleted", agent_id, len(stored | known | hot))
@@ -554,7 +405,7 @@ class CacheManager:
             return self._persister.submit(Copy(source, agent_id, conversation_id))
         cache = self._hot.get(source) if self.enabled else None
         if cache is None and self.enabled and (source_agent := self._index.agent_of(source)) is not None:
-            cache = self._load(source_agent, source)
+            cache = self._loader.load(source_agent, source)
         n_kept = 0
         if cache is not None:
             n_kept = self.kv_format.reusable(cache.record.n_tokens_within(fork_cut(cache.record.text, point)),
@@ -578,71 +429,9 @@ class CacheManager:
     # -- after a start -----------------------------------------------------------------------
 
     def prefetch(self) -> bool:
-        """Bring one recently used conversation back from disk, with its float working copy.
-
-        After a restart, the conversations used in the last ``PREFETCH_WINDOW`` (the most
-        recent first, as many as there are working copies) come back into memory while
-        the engine is idle, so their next turns start as if the server had never stopped.
-        Stops at the first one that does not fit the pool's budget beside what is hot.
-        Returns whether it loaded one (False once none is due).
-        """
-        if self._to_prefetch is None:
-            due = []
-            if self.enabled and self._working_copies > 0:
-                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._working_copies)
-            self._to_prefetch = deque(due)
-        while self._to_prefetch:
-            agent_id, conversation_id = self._to_prefetch.popleft()
-            if conversation_id in self._hot or not self._still_mine(agent_id):
-                continue
-            if not self._fits_beside_hot(conversation_id):  # never loaded only to be spilled
-                log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
-                         conversation_id)
-                self._to_prefetch.clear()
-                return False
-            cache = self._load(agent_id, conversation_id)
-            if cache is None:
-                continue
-            blocks = [self._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
-            working = to_working_cache(blocks, self._n_layers, cache.record.n_tokens, self._dtype, self.kv_format)
-            self._working[conversation_id] = working
-            self._working.move_to_end(conversation_id, last=False)  # loaded most recent first
-            self._pool.set_private(conversation_id, cache.private_bytes + cache_nbytes(working))
-            if self._pool.over_budget():
-                self._spill(conversation_id, "no room to prefetch it")
-                self._free_arrays(self._pool.evict_free())
-                self._to_prefetch.clear()
-                return False
-            log.info("conversation %s: prefetched with its working copy", conversation_id)
-            return True
-        return False
-
-    def _fits_beside_hot(self, conversation_id: str) -> bool:
-        """Whether the conversation's stored blocks and its float working copy (estimated from
-        the stored bytes: as many values, in the working dtype) fit the pool's budget beside
-        what is in memory now."""
-        entry = self._index.load(conversation_id)
-        if entry is None:
-            return True  # nothing to load: _load says so
-        try:  # the record file holds the private tail's KV
-            tail = self._files.local(entry.record_path, fetch=False).stat().st_size
-        except OSError:  # not on this disk (a pool's tier has it): as many bytes a token as the blocks
-            tail = (entry.n_tokens - len(entry.blocks) * BLOCK_TOKENS) * (
-                entry.blocks[0].nbytes // BLOCK_TOKENS if entry.blocks else 0)
-        stored = sum(block.nbytes for block in entry.blocks) + tail
-        working = int(stored / self.kv_format.bytes_per_value * self._dtype.size)
-        return self._pool.nbytes + stored + working <= self._pool.budget_bytes
-
-    def _still_mine(self, agent_id: str) -> bool:
-        """Outside a pool, True. In a pool: whether this server still owns the agent (a server
-        prefetches only its own agents, and remembers the epoch it saw, as serving does)."""
-        if self._owner is None:
-            return True
-        owner = self._index.owner(agent_id)
-        if owner is None or owner[0] != self._owner:
-            return False
-        self._epochs[agent_id] = owner[1]
-        return True
+        """Bring one recently used conversation back from disk while the engine is idle after a
+        start (``loading.Loader.prefetch``); False once none is due."""
+        return self.enabled and self._loader.prefetch()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for background writes (tests, shutdown)."""
@@ -655,104 +444,4 @@ class CacheManager:
 
     def release_agents(self) -> None:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""
-        if self._owner is not None:
-            try:
-                released = self._index.release_all(self._owner, utcnow())
-                log.info("released %d agent(s) to the pool", released)
-            except Exception as exc:  # the store is down: the next server's claim takes them anyway
-                log.warning("agents not released (%s)", exc)
-
-    def _set_hot(self, cache: ConversationCache) -> None:
-        previous = self._hot.get(cache.conversation_id)
-        self._hot[cache.conversation_id] = cache
-        self._read_from.pop(cache.conversation_id, None)  # what a turn stores is memory's (``_load`` says otherwise)
-        self._pool.assign(cache.conversation_id, cache.chain, cache.private_bytes, previous.chain if previous else ())
-
-    def _keep_working_copy(self, conversation_id: str, cache: list[KVCache], computed: KVBlock, start: int) -> None:
-        if self._working_copies <= 0:
-            return
-        overwrite_with_stored(cache, computed, start, self.kv_format)
-        self._working[conversation_id] = cache
-        self._working.move_to_end(conversation_id)
-        self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes + cache_nbytes(cache))
-        while len(self._working) > self._working_copies:
-            self._drop_working_copy(next(iter(self._working)))
-
-    def _drop_working_copy(self, conversation_id: str) -> None:
-        del self._working[conversation_id]
-        if conversation_id in self._hot:
-            self._pool.set_private(conversation_id, self._hot[conversation_id].private_bytes)
-
-    def _enforce_budget(self, keep: str) -> None:
-        self._free_arrays(self._pool.evict_free())
-        for copy in [c for c in self._working if c != keep]:  # float copies go before 4-bit caches
-            if not self._pool.over_budget():
-                return
-            self._drop_working_copy(copy)
-        for victim in self._pool.lru_owners(keep=keep):
-            if not self._pool.over_budget():
-                return
-            self._spill(victim, "pool over budget")
-            self._free_arrays(self._pool.evict_free())
-
-    def _free_arrays(self, blocks: list[str]) -> None:
-        for block in blocks:
-            self._blocks.pop(block, None)
-            self._blocks_read.pop(block, None)
-
-    def _release(self, conversation_id: str) -> None:
-        cache = self._hot.pop(conversation_id)
-        self._read_from.pop(conversation_id, None)
-        self._working.pop(conversation_id, None)
-        self._hot_until.pop(conversation_id, None)
-        self._pool.remove_owner(conversation_id, cache.chain)
-
-    def _spill(self, conversation_id: str, why: str) -> None:
-        """Hot -> warm: drop from memory (its files are written or queued)."""
-        self._release(conversation_id)
-        self._n_spilled += 1
-        log.info("conversation %s spilled to disk (%s)", conversation_id, why)
-
-    def _load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
-        """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
-        entry = self._index.load(conversation_id)
-        if entry is None:
-            return None
-        try:
-            cache, loaded = self._decode(agent_id, conversation_id, self._files.read_conversation(entry, self._blocks))
-        except Exception as exc:  # whatever went wrong reading it, the cache is not used now
-            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
-            # having lost the object: nothing says it is damaged, so the row and the writer's
-            # files stay. Anything else is damage: the cache is discarded.
-            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
-                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
-            else:
-                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
-                self._discard(conversation_id, entry)
-            return None
-        for block, data in loaded.items():
-            self._blocks.setdefault(block, data)
-            self._pool.add_block(block, data.nbytes)
-        self._set_hot(cache)
-        fetched = self._files.take_fetched([entry.record_path, *(block.path for block in entry.blocks)])
-        self._read_from[conversation_id] = "tier" if fetched else "disk"
-        log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
-        return cache
-
-    def _decode(self, agent_id: str, conversation_id: str,
-                stored: StoredConversation) -> tuple[ConversationCache, dict[str, KVBlock]]:
-        """A conversation's cache and the blocks read for it, as arrays of this model's
-        layers. Raises KeyError or ValueError if the arrays are not its blocks'."""
-        blocks = {block: KVBlock.from_numpy(arrays, self._n_layers, BLOCK_TOKENS)
-                  for block, arrays in stored.blocks.items()}
-        tail = KVBlock.from_numpy(stored.tail, self._n_layers, stored.tail_tokens) if stored.tail is not None else None
-        checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
-        if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
-            raise ValueError("a checkpoint does not hold every recurrent layer's state")
-        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
-                                 stored.salt), blocks
-
-    def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
-        """Quarantine the damaged files of an unusable cache and forget the cache."""
-        self._files.quarantine_damaged(entry)
-        self._persister.submit(Forget(conversation_id))
+        self._ownership.release_all()

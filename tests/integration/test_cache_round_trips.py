@@ -251,7 +251,7 @@ def test_float_working_copies_go_before_any_4bit_cache(tmp_path: Path) -> None:
     caches.commit(lease, CacheRecord(*_record_fields(prompts["b"] + more)), lease.cache)
     assert list(caches._working) == ["a-c", "b-c"]
     caches._pool.budget_bytes = caches.stats().pool_bytes - 1  # one float copy too many
-    caches._enforce_budget(keep="b-c")  # what every commit ends with
+    caches._memory.enforce_budget(keep="b-c")  # what every commit ends with
     assert list(caches._working) == ["b-c"] and caches.record("a-c") is not None and caches.stats().n_spilled == 0
     lease = caches.lease("a", "a-c", as_prompt(prompts["a"] + more))
     assert (lease.n_reused, lease.report.reason) == (300, "extend")

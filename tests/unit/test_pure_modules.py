@@ -12,7 +12,7 @@ PURE = [
     "app.store.history", "worker.tasks", "app.cache.records", "app.cache.matcher", "app.cache.hashing",
     "app.cache.pool", "app.engine.token_text", "app.cache.files", "app.store.cache_index", "app.main",
     "app.cache.upkeep", "app.engine.surface", "app.engine.admission", "app.engine.channel", "app.agents.portable",
-    "app.engine.backend", "app.engine.timing", "app.cache.janitor", "app.agents.agent_log", "app.protocol.structured", "app.cache.formats", "app.engine.kv_choice",
+    "app.engine.backend", "app.engine.timing", "app.cache.janitor", "app.cache.ownership", "app.agents.agent_log", "app.protocol.structured", "app.cache.formats", "app.engine.kv_choice",
 ]
 
 

@@ -1,0 +1,147 @@
+"""Warm -> hot: a conversation's stored cache read back into memory, verified whole
+(``load``: when a lease needs it), and after a start the recently used ones brought back
+with their float working copies while the engine is idle (``prefetch``).
+
+A damaged file makes the whole cache a miss and is quarantined, the cache forgotten; a
+file unreadable just now (or one a pool's shared tier did not deliver) is a miss only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, to_working_cache
+from app.cache.checkpoints import CacheLayout, Checkpoint
+from app.cache.files import CacheFiles, FileMissing, FileUnavailable, StoredConversation
+from app.cache.formats import KVFormat
+from app.cache.hot_set import HotSet
+from app.cache.ownership import Ownership
+from app.cache.persist import Forget, Persister
+from app.cache.records import ConversationCache
+from app.store.cache_index import CacheEntry, CacheIndex
+from app.store.history import utcnow
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+# Conversations used this recently come back into memory after a restart (``prefetch``).
+PREFETCH_WINDOW = timedelta(hours=1)
+
+
+class Loader:
+    def __init__(self, *, layout: CacheLayout, dtype: mx.Dtype, kv_format: KVFormat, index: CacheIndex,
+                 files: CacheFiles, memory: HotSet, persister: Persister, ownership: Ownership) -> None:
+        self._layout = layout
+        self._dtype = dtype
+        self._kv_format = kv_format
+        self._index = index
+        self._files = files
+        self._memory = memory  # where what is read goes
+        self._persister = persister  # forgets a damaged cache, in write order
+        self._ownership = ownership
+        self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
+
+    def load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
+        """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
+        entry = self._index.load(conversation_id)
+        if entry is None:
+            return None
+        try:
+            cache, loaded = self._decode(agent_id, conversation_id,
+                                         self._files.read_conversation(entry, self._memory.blocks))
+        except Exception as exc:  # whatever went wrong reading it, the cache is not used now
+            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
+            # having lost the object: nothing says it is damaged, so the row and the writer's
+            # files stay. Anything else is damage: the cache is discarded.
+            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
+                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
+            else:
+                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
+                self._discard(conversation_id, entry)
+            return None
+        for block, data in loaded.items():
+            self._memory.add_block(block, data)
+        self._memory.set_hot(cache)
+        fetched = self._files.take_fetched([entry.record_path, *(block.path for block in entry.blocks)])
+        self._memory.read_from[conversation_id] = "tier" if fetched else "disk"
+        log.info("conversation %s: loaded %d cached tokens from disk", conversation_id, cache.record.n_tokens)
+        return cache
+
+    def prefetch(self) -> bool:
+        """Bring one recently used conversation back from disk, with its float working copy.
+
+        After a restart, the conversations used in the last ``PREFETCH_WINDOW`` (the most
+        recent first, as many as there are working copies; in a pool, this server's agents'
+        only) come back into memory while the engine is idle, so their next turns start as if
+        the server had never stopped. Stops at the first one that does not fit the pool's
+        budget beside what is hot. Returns whether it loaded one (False once none is due).
+        """
+        if self._to_prefetch is None:
+            due = []
+            if self._memory.working_copies > 0:
+                due = self._index.recent(utcnow() - PREFETCH_WINDOW, self._memory.working_copies)
+            self._to_prefetch = deque(due)
+        while self._to_prefetch:
+            agent_id, conversation_id = self._to_prefetch.popleft()
+            if conversation_id in self._memory.caches or not self._ownership.still_mine(agent_id):
+                continue
+            if not self._fits_beside_hot(conversation_id):  # never loaded only to be spilled
+                log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
+                         conversation_id)
+                self._to_prefetch.clear()
+                return False
+            cache = self.load(agent_id, conversation_id)
+            if cache is None:
+                continue
+            blocks = [self._memory.blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
+            working = to_working_cache(blocks, self._layout.n_attention, cache.record.n_tokens, self._dtype,
+                                       self._kv_format)
+            self._memory.add_working_copy(conversation_id, working)  # loaded most recent first
+            if self._memory.pool.over_budget():
+                self._memory.spill(conversation_id, "no room to prefetch it")
+                self._memory.free_arrays(self._memory.pool.evict_free())
+                self._to_prefetch.clear()
+                return False
+            log.info("conversation %s: prefetched with its working copy", conversation_id)
+            return True
+        return False
+
+    def _fits_beside_hot(self, conversation_id: str) -> bool:
+        """Whether the conversation's stored blocks and its float working copy (estimated from
+        the stored bytes: as many values, in the working dtype) fit the pool's budget beside
+        what is in memory now."""
+        entry = self._index.load(conversation_id)
+        if entry is None:
+            return True  # nothing to load: load says so
+        try:  # the record file holds the private tail's KV
+            tail = self._files.local(entry.record_path, fetch=False).stat().st_size
+        except OSError:  # not on this disk (a pool's tier has it): as many bytes a token as the blocks
+            tail = (entry.n_tokens - len(entry.blocks) * BLOCK_TOKENS) * (
+                entry.blocks[0].nbytes // BLOCK_TOKENS if entry.blocks else 0)
+        stored = sum(block.nbytes for block in entry.blocks) + tail
+        working = int(stored / self._kv_format.bytes_per_value * self._dtype.size)
+        pool = self._memory.pool
+        return pool.nbytes + stored + working <= pool.budget_bytes
+
+    def _decode(self, agent_id: str, conversation_id: str,
+                stored: StoredConversation) -> tuple[ConversationCache, dict[str, KVBlock]]:
+        """A conversation's cache and the blocks read for it, as arrays of this model's
+        layers. Raises KeyError or ValueError if the arrays are not its blocks'."""
+        n_layers = self._layout.n_attention
+        blocks = {block: KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS) for block, arrays in stored.blocks.items()}
+        tail = KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens) if stored.tail is not None else None
+        checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
+        if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
+            raise ValueError("a checkpoint does not hold every recurrent layer's state")
+        return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
+                                 stored.salt), blocks
+
+    def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
+        """Quarantine the damaged files of an unusable cache and forget the cache."""
+        self._files.quarantine_damaged(entry)
+        self._persister.submit(Forget(conversation_id))
