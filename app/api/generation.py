@@ -271,6 +271,7 @@ class GenerationResource:
             if self._dialect.render_stream_error is not None:
                 yield self._dialect.render_stream_error(status_of(exc), str(exc))
         except GeneratorExit:
+            rendered.close()
             job.cancel()
             self._agents.fail(turn.request_id, turn.target, "cancelled", "client disconnected", status="cancelled")
             raise
