@@ -20,7 +20,7 @@ from app.api.body import read_json
 from app.api.cache_provenance import provenance
 from app.api.generation import GenerationResource
 from app.errors import InvalidRequest, SemanticError
-from app.protocol import anthropic
+from app.protocol import anthropic, direct
 from app.protocol.validation import validate
 from app.store.history import new_conversation_id
 from app.store.agents import AgentView
@@ -29,10 +29,6 @@ from app.types import MAX_TTL_SECONDS, SESSION_ID_PATTERN, Finished, GenerationR
 
 if TYPE_CHECKING:
     from app.engine.surface import EngineSurface
-
-SAMPLING_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "stream", "metadata",
-                   "tools", "tool_choice", "thinking", "speculate", "output_format", "output_config", "mcp_servers",
-                   "container")
 
 log = logging.getLogger(__name__)
 
@@ -217,51 +213,13 @@ class AgentGenerateResource:
 
         def full_body() -> dict[str, Any]:
             new = _object(read_json(req))
-            if not isinstance(new.get("messages"), list) or not new["messages"]:
-                raise InvalidRequest("messages: a non-empty list of the new messages is required", "messages")
-            fresh = new.get("new_conversation", False)
-            if not isinstance(fresh, bool):
-                raise InvalidRequest("new_conversation: expected a boolean", "new_conversation")
             history: list[dict[str, Any]] = []
-            if not fresh:  # continue the latest conversation: its stored turns come first
-                _refuse_foreign(agent_id, self._agents.latest_protocols(agent_id))
-                history = [shaped for m in self._agents.history(agent_id, latest_only=True)
-                           if (shaped := _direct_shape(m["role"], m["content"])) is not None]
-            body = {k: new[k] for k in SAMPLING_FIELDS if k in new}
-            body.setdefault("model", "default")
-            body.setdefault("max_tokens", self._default_max_tokens)
-            if agent.metadata.get("system_prompt"):
-                body["system"] = agent.metadata["system_prompt"]
-            body["messages"] = history + new["messages"]
-            return body
+            if not direct.starts_conversation(new):  # continue the latest conversation: its stored turns come first
+                direct.refuse_foreign(agent_id, self._agents.latest_protocols(agent_id))
+                history = direct.replay((m["role"], m["content"])
+                                        for m in self._agents.history(agent_id, latest_only=True))
+            return direct.request_body(new, history, agent.metadata.get("system_prompt"), self._default_max_tokens)
 
         reuse = self._generation.respond(req, resp, full_body, AgentKey(agent_id, "direct"))
         if reuse is not None and isinstance(resp.media, dict):  # a stream has the header alone
             resp.media = {**resp.media, "cache": provenance(reuse)}
-
-
-_BLOCK_TYPES = {"text", "tool_use", "tool_result"}
-
-
-def _refuse_foreign(agent_id: str, protocols: set[str]) -> None:
-    """400 naming why, when the conversation a direct turn would continue was written through
-    another API. A direct turn can rebuild only its own conversations: the Anthropic API's
-    system prompt and tools, the Responses API's instructions and parts, and the OpenAI and
-    Ollama APIs' tools are kept as digests only, and their system messages and tool turns
-    have no direct-API shape, so replaying them would silently send the model another prompt."""
-    foreign = sorted(protocols - {"direct"})
-    if foreign:
-        raise InvalidRequest(
-            f"agent {agent_id!r}: its latest conversation was made through the {foreign[0]} API, whose system "
-            "prompt, tools and message parts a direct turn cannot rebuild; continue it through that API",
-            "messages")
-
-
-def _direct_shape(role: str, content: Any) -> dict[str, Any] | None:
-    """A stored direct-API message in the shape the direct API's messages take (Anthropic's),
-    or None to leave it out (system text: the agent's system prompt applies)."""
-    if isinstance(content, list):
-        content = [part for part in content if isinstance(part, dict) and part.get("type") in _BLOCK_TYPES]
-    if role not in ("user", "assistant") or not content:
-        return None
-    return {"role": role, "content": content}

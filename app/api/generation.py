@@ -20,9 +20,10 @@ from app.api.body import read_json
 from app.api.cache_provenance import CACHE_HEADER, header_value
 from app.api.errors import status_of
 from app.api.metrics import Metrics
-from app.api.sse import SseStream
+from app.api.sse import Frames, SseStream
 from app.errors import ContextTooLong, SemanticError
 from app.pool.haproxy import REPLY_ID_HEADER
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
@@ -79,16 +80,15 @@ class Dialect:
     parse: Callable[[Any, RequestOptions], ParsedTurn]
     named_agent: Callable[[Mapping[str, str], ParsedTurn], AgentKey | None]
     new_id: Callable[[], str]
-    render_message: Callable[[str, ParsedTurn, str, Finished], dict[str, Any]]
-    reply_messages: Callable[[str, ParsedTurn, str], list[dict[str, Any]]]  # the reply as the client resends it
+    # A whole reply's text, built once: the response body, what history keeps, what to store.
+    whole_reply: Callable[[str, ParsedTurn, str, Finished], Reply]
     message_digest: Callable[[dict[str, Any]], str]  # a message's identity as the model sees it
-    render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Iterator[bytes]]
+    # The stream's bytes, and the Reply it sent once generation finished (before its closing bytes).
+    render_stream: Callable[[str, ParsedTurn, Iterator[GenerationEvent]], Frames]
     # An error once the stream started; None: the stream renders it itself, then raises it again.
     render_stream_error: Callable[[int, str], bytes] | None
     error_types: Mapping[int, str]
     history_entry: Callable[[dict[str, Any]], tuple[str, Any]] = chat_entry  # (role, content) history keeps
-    # The response object to keep with the turn (the Responses API's ``store``); None: nothing.
-    stored_response: Callable[[str, ParsedTurn, str, Finished], dict[str, Any] | None] | None = None
     stream_media_type: str = "text/event-stream"  # what render_stream's bytes are (Ollama: NDJSON)
 
 
@@ -140,9 +140,9 @@ class GenerationResource:
             resp.set_header("cache-control", "no-cache")
             resp.stream = SseStream(self._stream(turn, job, chain([first], events)), job.cancel)
             return reuse
-        text, finished = self._collect(turn, job, client_gone)
+        reply, finished = self._collect(turn, job, client_gone)
         resp.set_header(CACHE_HEADER, header_value(finished.reuse))
-        resp.media = self._dialect.render_message(turn.message_id, turn.parsed, text, finished)
+        resp.media = reply.body
         return finished.reuse
 
     def _first_event(self, turn: Turn, job: GenerationJob, events: Iterator[GenerationEvent]) -> GenerationEvent:
@@ -210,52 +210,60 @@ class GenerationResource:
             self._engine.check_fits(prompt, model)
         return parsed, model, prompt, target
 
-    def _record(self, turn: Turn, text: str, finished: Finished) -> None:
+    def _record(self, turn: Turn, reply: Reply, finished: Finished) -> None:
         parsed = turn.parsed
-        # A prefilled reply (a final assistant message) and its continuation are one message.
+        # A prefilled reply (a final assistant message) and its continuation are one message (the reply's).
         received = parsed.raw_messages[:-1] if parsed.prefill else parsed.raw_messages
-        replies = self._dialect.reply_messages(turn.message_id, parsed, parsed.prefill + text)
         entry = self._dialect.history_entry
         messages = [StoredMessage(*entry(m), digest) for m, digest in zip(received, parsed.message_digests)]
-        messages += [StoredMessage(*entry(r), self._dialect.message_digest(r)) for r in replies]
+        messages += [StoredMessage(*entry(r), self._dialect.message_digest(r)) for r in reply.history]
         reuse = finished.reuse
         if reuse is not None and reuse.offset is not None:
             reuse = replace(reuse, part=locate_part(parsed.parts, turn.prompt.text, reuse.offset))
-        keep = self._dialect.stored_response
-        body = keep(turn.message_id, parsed, text, finished) if keep is not None else None
+        body = reply.stored
         stored = StoredReply(turn.message_id, body.get("previous_response_id"), body) if body is not None else None
         self._agents.complete(turn.request_id, turn.target, messages, finished, reuse, stored)
         self._metrics.observe(turn.protocol, finished)
         _log_turn(turn, finished, reuse)
 
-    def _collect(self, turn: Turn, job: GenerationJob, client_gone: Callable[[], bool] | None) -> tuple[str, Finished]:
+    def _collect(self, turn: Turn, job: GenerationJob,
+                 client_gone: Callable[[], bool] | None) -> tuple[Reply, Finished]:
         parts: list[str] = []
         try:
             for event in job.events(client_gone):
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):
-                    text = "".join(parts)
-                    self._record(turn, text, event)
-                    return text, event
+                    reply = self._dialect.whole_reply(turn.message_id, turn.parsed, "".join(parts), event)
+                    self._record(turn, reply, event)
+                    return reply, event
         except SemanticError as exc:
             self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
             raise
         raise AssertionError("engine events ended without Finished")
 
     def _stream(self, turn: Turn, job: GenerationJob, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-        parts: list[str] = []
+        finished: list[Finished] = []
 
         def observed() -> Iterator[GenerationEvent]:
             for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, Finished):
-                    self._record(turn, "".join(parts), event)
+                if isinstance(event, Finished):
+                    finished.append(event)
                 yield event
 
+        rendered = self._dialect.render_stream(turn.message_id, turn.parsed, observed())
         try:
-            yield from self._dialect.render_stream(turn.message_id, turn.parsed, observed())
+            out = next(rendered, None)
+            while out is not None:
+                if isinstance(out, Reply):  # what the stream sent, before its closing bytes
+                    try:
+                        self._record(turn, out, finished[-1])
+                    except SemanticError as exc:  # the renderer ends the stream as its protocol does, or raises
+                        out = rendered.throw(exc)
+                        continue
+                else:
+                    yield out
+                out = next(rendered, None)
         except SemanticError as exc:
             # The status line is gone; report in-stream, as the protocols do.
             log.error("stream %s failed: %s", turn.request_id, exc)
@@ -263,6 +271,7 @@ class GenerationResource:
             if self._dialect.render_stream_error is not None:
                 yield self._dialect.render_stream_error(status_of(exc), str(exc))
         except GeneratorExit:
+            rendered.close()
             job.cancel()
             self._agents.fail(turn.request_id, turn.target, "cancelled", "client disconnected", status="cancelled")
             raise

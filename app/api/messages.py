@@ -9,8 +9,9 @@ import falcon
 from app.agents.identity import AgentKey, anthropic_agent
 from app.api.body import read_json
 from app.api.generation import Dialect, parse_for_model, render_turn
-from app.api.sse import frame, keep_alive
+from app.api.sse import Frames, frame, keep_alive
 from app.protocol import anthropic
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn
 from app.types import GenerationEvent, Heartbeat, RequestOptions
 
@@ -22,7 +23,7 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
     return anthropic_agent(headers, parsed.session_id)
 
 
-def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
+def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Frames:
     heartbeats: list[Heartbeat] = []  # the one a ping answers (the renderer pulls it just before)
 
     def seen() -> Iterator[GenerationEvent]:
@@ -31,7 +32,11 @@ def _stream(message_id: str, parsed: ParsedTurn, events: Iterator[GenerationEven
                 heartbeats.append(event)
             yield event
 
-    for name, data in anthropic.render_events(message_id, parsed, seen()):
+    for item in anthropic.render_events(message_id, parsed, seen()):
+        if isinstance(item, Reply):
+            yield item
+            continue
+        name, data = item
         if name == "ping" and heartbeats:
             heartbeat = heartbeats.pop()
             if heartbeat.n_prompt:  # the prefill's progress, as a comment beside the protocol's ping
@@ -43,8 +48,7 @@ ANTHROPIC = Dialect(
     parse=anthropic.parse_request,
     named_agent=_named_agent,
     new_id=anthropic.new_message_id,
-    render_message=anthropic.render_message,
-    reply_messages=lambda message_id, parsed, text: [anthropic.reply_message(message_id, parsed, text)],
+    whole_reply=anthropic.whole_reply,
     message_digest=anthropic.message_digest,
     render_stream=_stream,
     render_stream_error=lambda status, message: frame("error", anthropic.render_error(status, message)),

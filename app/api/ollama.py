@@ -22,8 +22,10 @@ from app.agents.identity import AgentKey, openai_agent
 from app.api.body import read_json
 from app.api.generation import Dialect, GenerationResource
 from app.api.health import model_entries
+from app.api.sse import Frames
 from app.errors import InvalidRequest, SemanticError
 from app.protocol import ollama, openai
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import validate
 from app.settings import Settings
@@ -44,21 +46,20 @@ def _line(value: dict[str, Any]) -> bytes:
 
 
 def _dialect(chat: bool) -> Dialect:
-    def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
-        if chat:
-            return ollama.render_chat(completion_id, parsed, text, finished, time.time())
-        return ollama.render_generate(parsed, text, finished, time.time())
+    def whole_reply(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> Reply:
+        build = ollama.chat_reply if chat else ollama.generate_reply
+        return build(completion_id, parsed, text, finished, time.time())
 
-    def render_stream(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
+    def render_stream(completion_id: str, parsed: ParsedTurn,
+                      events: Iterator[GenerationEvent]) -> Frames:
         for value in ollama.render_lines(completion_id, parsed, events, chat, time.time):
-            yield _line(value)
+            yield value if isinstance(value, Reply) else _line(value)
 
     return Dialect(
         parse=ollama.parse_chat if chat else ollama.parse_generate,
         named_agent=_named_agent,
         new_id=openai.new_completion_id,
-        render_message=render_message,
-        reply_messages=lambda message_id, parsed, text: [openai.reply_message(message_id, parsed, text)],
+        whole_reply=whole_reply,
         message_digest=openai.message_digest,
         render_stream=render_stream,
         render_stream_error=lambda status, message: _line(ollama.render_error(status, message)),

@@ -20,12 +20,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import __version__
-from app.api.agents import SAMPLING_FIELDS, CreateAgent, ForkAgent
+from app.api.agents import CreateAgent, ForkAgent
 from app.api.errors import RENDERERS, STATUS
 from app.api.middleware import OPEN_PATHS, protocol_of
 from app.api.people_page import FILES as PAGE_FILES
 from app.errors import InvalidRequest
 from app.protocol.anthropic import MessagesBody
+from app.protocol.direct import SAMPLING_FIELDS
 from app.protocol.ollama import OllamaChatBody, OllamaGenerateBody, OllamaShowBody
 from app.protocol.completions import CompletionBody
 from app.protocol.openai import ChatBody

@@ -4,10 +4,11 @@ GET /v1/responses upgrades to the WebSocket transport (``app.api.responses_socke
 ``response.create`` message is served by ``ResponsesResource.respond`` as a POST would be.
 
 Generation is the shared lifecycle (``app.api.generation``) with the Responses dialect.
-``previous_response_id`` is resolved here, before it: the stored response's history
-(its conversation's messages up to its output) goes in front of the new input, and the
-request belongs to that response's agent and thread, so the conversation and its cache
-continue as if the client had resent everything.
+``previous_response_id`` is resolved before it (``app.protocol.responses.continue_from``):
+the stored response's history (its conversation's messages up to its output) goes in front
+of the new input, and the request belongs to that response's agent and thread
+(``response_agent``), so the conversation and its cache continue as if the client had
+resent everything.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from app.agents.identity import AgentKey, responses_agent
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.generation import Dialect, GenerationResource
-from app.api.sse import frame
-from app.errors import InvalidRequest
+from app.api.sse import Frames, frame, framed
 from app.protocol import responses, responses_output
 from app.protocol.turn import ParsedTurn
 from app.store.responses import ResponsePoint
@@ -32,61 +32,48 @@ def _named_agent(headers: Mapping[str, str], parsed: ParsedTurn) -> AgentKey | N
     return responses_agent(headers)
 
 
-def _stream(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-    for event in responses_output.render_events(response_id, parsed, events):
-        yield frame(event["type"], event)
+def _stream(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Frames:
+    return framed(responses_output.render_events(response_id, parsed, events), lambda e: frame(e["type"], e))
 
 
 RESPONSES = Dialect(
     parse=responses.parse_request,
     named_agent=_named_agent,
     new_id=responses_output.new_response_id,
-    render_message=responses_output.render_response,
-    reply_messages=responses_output.history_items,
+    whole_reply=responses_output.whole_reply,
     message_digest=responses.item_digest,
     render_stream=_stream,
     render_stream_error=None,  # response.failed carries the response: render_events sends it
     error_types={400: "invalid_request_error", 429: "rate_limit_exceeded", 529: "server_error",
                  500: "server_error", 503: "server_error"},
     history_entry=responses_output.history_entry,
-    stored_response=responses_output.stored_response,
 )
-
-
-def input_items(value: Any) -> list[Any]:
-    """A request's ``input`` as a list of items (a string is one user message).
-
-    Raises:
-        InvalidRequest: neither a string nor a list.
-    """
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}] if value else []
-    if not isinstance(value, list):
-        raise InvalidRequest("input: Input should be a valid string or list", "input")
-    return value
 
 
 PointLookup = Callable[[str], ResponsePoint]  # a response id -> the history it continues; raises NotFound
 
 
+def response_agent(headers: Mapping[str, str], point: ResponsePoint | None) -> AgentKey | None:
+    """The agent and thread a Responses API request belongs to, in this order: the agent of
+    the response it continues (``point``), in the thread the request names, else that
+    response's; the agent its headers name (``responses_agent``); None: the agent service
+    finds its conversation by content."""
+    named = responses_agent(headers)
+    # A warm-up's point (WebSocket) may have no agent: the request's own headers or content find it.
+    if point is not None and point.agent_id:
+        return AgentKey(point.agent_id, "responses", named.thread if named else point.thread)
+    return named
+
+
 def continued(received: Any, headers: Mapping[str, str], lookup: PointLookup) -> tuple[Any, AgentKey | None]:
     """A decoded request body with ``previous_response_id``'s history (``lookup``) in front of
-    its input, and the agent and thread that continue it (None: the request's own, as usual).
+    its input, and the agent and thread it belongs to (``response_agent``).
 
     Raises:
         InvalidRequest, NotFound.
     """
-    previous = received.get("previous_response_id") if isinstance(received, dict) else None
-    if previous is None:
-        return received, None
-    if not isinstance(previous, str):
-        raise InvalidRequest("previous_response_id: Input should be a valid string", "previous_response_id")
-    point = lookup(previous)
-    new = input_items(received.get("input", ""))
-    named = responses_agent(headers)
-    # A warm-up's point (WebSocket) has no agent yet: the request's own headers or content find it.
-    agent = AgentKey(point.agent_id, "responses", named.thread if named else point.thread) if point.agent_id else None
-    return {**received, "input": [*point.items, *new]}, agent
+    body, point = responses.continue_from(received, lookup)
+    return body, response_agent(headers, point)
 
 
 class ResponsesResource:

@@ -37,17 +37,16 @@ from websockets.protocol import OPEN
 from websockets.server import ServerProtocol
 from websockets.sync.connection import Connection
 
-from app.agents.identity import responses_agent
 from app.agents.service import AgentService
 from app.api.body import read_json
 from app.api.errors import status_of
 from app.api.generation import GenerationResource
 from app.api.middleware import RequestContextMiddleware
-from app.api.responses import RESPONSES, continued, input_items
-from app.api.sse import SseStream
+from app.api.responses import RESPONSES, continued
+from app.api.sse import Frames, SseStream, framed
 from app.errors import InvalidRequest, SemanticError
 from app.http_server import TAKE_SOCKET
-from app.protocol import responses_output
+from app.protocol import responses, responses_output
 from app.protocol.turn import ParsedTurn
 from app.store.responses import ResponsePoint
 from app.types import GenerationEvent
@@ -60,9 +59,9 @@ log = logging.getLogger(__name__)
 DONE = frozenset({"response.completed", "response.incomplete"})  # a generated response's last event
 
 
-def _messages(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[bytes]:
-    for event in responses_output.render_events(response_id, parsed, events):
-        yield json.dumps(event, separators=(",", ":")).encode()
+def _messages(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Frames:
+    return framed(responses_output.render_events(response_id, parsed, events),
+                  lambda event: json.dumps(event, separators=(",", ":")).encode())
 
 
 # The Responses dialect with each event a WebSocket message's JSON instead of an SSE frame.
@@ -187,10 +186,9 @@ class _Session:
         finally:
             stream.close()  # cancels generation if the connection went away
         if final is not None:
-            output = [item for item in final["output"] if item.get("type") != "reasoning"]  # as history keeps it
-            thread = agent.thread if agent else (named.thread if (named := responses_agent(req.headers)) else None)
-            self._latest = ResponsePoint(final["id"], req.context.agent or "", "", thread,
-                                         (*input_items(resolved.get("input", "")), *output))
+            output = responses_output.kept_items(final["output"])  # as history keeps it
+            self._latest = ResponsePoint(final["id"], req.context.agent or "", "", agent.thread if agent else None,
+                                         (*responses.input_items(resolved.get("input", "")), *output))
 
     def _warm_up(self, req: falcon.Request, body: dict[str, Any]) -> None:
         resolved, agent = continued(body, req.headers, self._lookup)
@@ -199,7 +197,7 @@ class _Session:
         for event in responses_output.render_warmup(response_id, parsed):
             self._send(event)
         self._latest = ResponsePoint(response_id, agent.agent_id if agent else "", "", agent.thread if agent else None,
-                                     tuple(input_items(resolved.get("input", ""))))
+                                     tuple(responses.input_items(resolved.get("input", ""))))
         log.info("WebSocket %s: request %s warm-up %s", self.name, req.context.request_id, response_id)
 
     def _send(self, event: dict[str, Any]) -> None:

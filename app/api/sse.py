@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
+from app.errors import SemanticError
+from app.protocol.reply import Reply
 from app.types import Heartbeat
 
 
@@ -21,6 +23,24 @@ def keep_alive(heartbeat: Heartbeat) -> bytes:
     if heartbeat.n_prompt:
         return f": prefill {heartbeat.n_ready}/{heartbeat.n_prompt} prompt tokens\n\n".encode()
     return b": keep-alive\n\n"
+
+
+# A dialect's stream: its bytes, and the Reply it sent once generation finished (before its closing bytes).
+Frames = Generator[bytes | Reply, None, None]
+
+
+def framed(items: Generator[Any, None, None], render: Callable[[Any], bytes]) -> Frames:
+    """``items`` as ``render`` writes each, a ``Reply`` passed as it is. An error thrown in (the
+    reply's recording failed) goes on to ``items``, which may end the stream its own way."""
+    end = object()
+    item = next(items, end)
+    while item is not end:
+        try:
+            yield item if isinstance(item, Reply) else render(item)
+        except SemanticError as exc:
+            item = items.throw(exc)
+            continue
+        item = next(items, end)
 
 
 class SseStream:

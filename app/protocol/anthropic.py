@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import claude_code, structured, tool_format, tools
-from app.protocol.reply import THINK_END, THINK_START, ReplyParser, Thinking, parse_reply
+from app.protocol.reply import THINK_END, THINK_START, Reply, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, OutputConstraint,
@@ -479,7 +479,25 @@ def reply_message(message_id: str, parsed: ParsedTurn, text: str) -> dict[str, A
 
 def render_message(message_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
     """The non-streaming response body."""
+    return _message_body(message_id, parsed, content_blocks(message_id, parsed, text), finished)
+
+
+def whole_reply(message_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> Reply:
+    """The non-streaming reply: its body and what history keeps, from one parse of ``text``."""
     blocks = content_blocks(message_id, parsed, text)
+    return Reply(_history(message_id, parsed, blocks, text), body=_message_body(message_id, parsed, blocks, finished))
+
+
+def _history(message_id: str, parsed: ParsedTurn, blocks: list[dict[str, Any]], text: str) -> tuple[dict[str, Any]]:
+    """The reply as history keeps it: its ``blocks``; a prefilled reply (a final assistant message
+    sent by the client) is the prefill and ``text`` as one message, read as one."""
+    if parsed.prefill:
+        return (reply_message(message_id, parsed, parsed.prefill + text),)
+    return ({"role": "assistant", "content": blocks},)
+
+
+def _message_body(message_id: str, parsed: ParsedTurn, blocks: list[dict[str, Any]],
+                  finished: Finished) -> dict[str, Any]:
     return {
         "id": message_id,
         "type": "message",
@@ -497,7 +515,8 @@ Event = tuple[str, dict[str, Any]]
 
 
 class _Blocks:
-    """Content block bookkeeping for a stream: indexes, and which block is open."""
+    """Content block bookkeeping for a stream: indexes, which block is open, and the blocks
+    sent so far, whole (``content``: what ``content_blocks`` gives for the whole reply)."""
 
     def __init__(self, message_id: str) -> None:
         self._message_id = message_id
@@ -505,11 +524,13 @@ class _Blocks:
         self.open: str | None = None  # type of the open block
         self._thinking = ""
         self.used_tool = False
+        self.content: list[dict[str, Any]] = []
 
-    def _start(self, block: dict[str, Any]) -> Iterator[Event]:
+    def _start(self, block: dict[str, Any], whole: dict[str, Any]) -> Iterator[Event]:
         yield from self.stop()
         self.index += 1
         self.open = block["type"]
+        self.content.append(whole)
         yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
 
     def _delta(self, delta: dict[str, Any]) -> Event:
@@ -517,41 +538,48 @@ class _Blocks:
 
     def stop(self) -> Iterator[Event]:
         if self.open == "thinking":
+            self.content[-1]["signature"] = _signature(self._thinking)
             yield self._delta({"type": "signature_delta", "signature": _signature(self._thinking)})
         if self.open is not None:
             self.open = None
             yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
 
     def start_text(self) -> Iterator[Event]:
-        yield from self._start({"type": "text", "text": ""})
+        yield from self._start({"type": "text", "text": ""}, {"type": "text", "text": ""})
 
     def text(self, text: str) -> Iterator[Event]:
         if self.open != "text":
             yield from self.start_text()
+        self.content[-1]["text"] += text
         yield self._delta({"type": "text_delta", "text": text})
 
     def thinking(self, text: str) -> Iterator[Event]:
         if self.open != "thinking":
             self._thinking = ""
-            yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+            yield from self._start({"type": "thinking", "thinking": "", "signature": ""},
+                                   {"type": "thinking", "thinking": ""})
         self._thinking += text
+        self.content[-1]["thinking"] += text
         yield self._delta({"type": "thinking_delta", "thinking": text})
 
     def tool(self, call: tools.ToolCall) -> Iterator[Event]:
         self.used_tool = True
-        yield from self._start({"type": "tool_use", "id": _tool_id(self._message_id, self.index + 1),
-                                "name": call.name, "input": {}})
+        tool_id = _tool_id(self._message_id, self.index + 1)
+        yield from self._start({"type": "tool_use", "id": tool_id, "name": call.name, "input": {}},
+                               {"type": "tool_use", "id": tool_id, "name": call.name, "input": call.arguments})
         yield self._delta({"type": "input_json_delta",
                            "partial_json": json.dumps(call.arguments, ensure_ascii=False)})
         yield from self.stop()
 
 
 def render_events(message_id: str, parsed: ParsedTurn,
-                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[Event]:
-    """Engine events -> (event name, data) pairs of Anthropic's SSE stream."""
+                  events: Iterator[Started | TextDelta | Finished | Heartbeat]) -> Iterator[Event | Reply]:
+    """Engine events -> (event name, data) pairs of Anthropic's SSE stream; once generation
+    finished, the ``Reply`` the stream sent, before its closing events."""
     structured = parsed.parse_tools or parsed.parse_thinking
     parser = ReplyParser.for_turn(parsed)
     blocks = _Blocks(message_id)
+    texts: list[str] = []  # the reply's text (a prefilled reply's history reads it whole)
 
     def parts(found: list[Any]) -> Iterator[Event]:
         for part in found:
@@ -578,12 +606,15 @@ def render_events(message_id: str, parsed: ParsedTurn,
                 yield from blocks.start_text()
             yield "ping", {"type": "ping"}
         elif isinstance(event, TextDelta):
+            texts.append(event.text)
             yield from parts(parser.feed(event.text))
         else:
-            yield from parts(parser.finish())
+            closing = list(parts(parser.finish()))
             if blocks.index < 0:
-                yield from blocks.start_text()
-            yield from blocks.stop()
+                closing += blocks.start_text()
+            closing += blocks.stop()
+            yield Reply(_history(message_id, parsed, blocks.content, "".join(texts)))
+            yield from closing
             yield "message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": _stop_reason(event, blocks.used_tool), "stop_sequence": event.stop_sequence},

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol.openai import FINISH_REASONS, usage
+from app.protocol.reply import Reply
 from app.protocol.turn import CacheMode, Completion, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, Finished, Heartbeat, RequestOptions,
@@ -120,18 +121,27 @@ def message_digest(message: dict[str, Any]) -> str:
     return content_digest(str(message["role"]), str(message["content"]))
 
 
-def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
-    return {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": parsed.model,
-            "choices": [{"text": text, "index": 0, "logprobs": None,
-                         "finish_reason": FINISH_REASONS[finished.stop_reason]}],
-            "usage": usage(finished)}
+def _history(text: str) -> tuple[dict[str, Any]]:
+    """The continuation as history keeps it: an assistant message of its text."""
+    return ({"role": "assistant", "content": text},)
+
+
+def whole_reply(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> Reply:
+    """The non-streaming reply: its body and what history keeps."""
+    return Reply(_history(text), body={
+        "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": parsed.model,
+        "choices": [{"text": text, "index": 0, "logprobs": None,
+                     "finish_reason": FINISH_REASONS[finished.stop_reason]}],
+        "usage": usage(finished)})
 
 
 def render_chunks(completion_id: str, parsed: ParsedTurn,
                   events: Iterator[Started | TextDelta | Finished | Heartbeat],
-                  ) -> Iterator[dict[str, Any] | str | Heartbeat]:
-    """Engine events -> ``text_completion`` chunks, then the ``[DONE]`` marker; a heartbeat as it came."""
+                  ) -> Iterator[dict[str, Any] | str | Heartbeat | Reply]:
+    """Engine events -> ``text_completion`` chunks, then the ``[DONE]`` marker; a heartbeat as it
+    came; once generation finished, the ``Reply`` the chunks sent, before the last one."""
     created = int(time.time())
+    texts: list[str] = []
 
     def chunk(text: str, finish: str | None) -> dict[str, Any]:
         return {"id": completion_id, "object": "text_completion", "created": created, "model": parsed.model,
@@ -142,8 +152,10 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
             yield event
         elif isinstance(event, TextDelta):
             if event.text:
+                texts.append(event.text)
                 yield chunk(event.text, None)
         elif isinstance(event, Finished):
+            yield Reply(_history("".join(texts)))
             yield chunk("", FINISH_REASONS[event.stop_reason])
             if parsed.include_usage:
                 yield {"id": completion_id, "object": "text_completion", "created": created, "model": parsed.model,

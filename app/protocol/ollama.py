@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import openai, structured
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn
 from app.protocol.validation import ModelName, validate
 from app.types import Finished, GenerationEvent, RequestOptions, TokenLogprob
@@ -284,19 +285,21 @@ def _logprobs(parsed: ParsedTurn, entries: Sequence[TokenLogprob]) -> dict[str, 
     return {"logprobs": [openai.logprob_entry(e) for e in entries]} if parsed.sampling.logprobs is not None else {}
 
 
-def render_chat(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished, now: float) -> dict[str, Any]:
-    """The non-streamed ``/api/chat`` answer."""
-    message = chat_message(openai.reply_message(completion_id, parsed, text))
-    return {"model": parsed.model, "created_at": timestamp(now), "message": message,
-            "done_reason": done_reason(finished), "done": True, **stats(finished),
-            **_logprobs(parsed, finished.logprobs)}
+def chat_reply(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished, now: float) -> Reply:
+    """The non-streamed ``/api/chat`` answer, and its message as history keeps it (OpenAI's shape)."""
+    message = openai.reply_message(completion_id, parsed, text)
+    return Reply((message,), body={"model": parsed.model, "created_at": timestamp(now),
+                                   "message": chat_message(message), "done_reason": done_reason(finished),
+                                   "done": True, **stats(finished), **_logprobs(parsed, finished.logprobs)})
 
 
-def render_generate(parsed: ParsedTurn, text: str, finished: Finished, now: float) -> dict[str, Any]:
-    """The non-streamed ``/api/generate`` answer (no ``context``: see ``parse_generate``)."""
-    return {"model": parsed.model, "created_at": timestamp(now), "response": text,
-            "done_reason": done_reason(finished), "done": True, **stats(finished),
-            **_logprobs(parsed, finished.logprobs)}
+def generate_reply(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished, now: float) -> Reply:
+    """The non-streamed ``/api/generate`` answer (no ``context``: see ``parse_generate``), and
+    the reply as history keeps it (OpenAI's shape)."""
+    return Reply((openai.reply_message(completion_id, parsed, text),),
+                 body={"model": parsed.model, "created_at": timestamp(now), "response": text,
+                       "done_reason": done_reason(finished), "done": True, **stats(finished),
+                       **_logprobs(parsed, finished.logprobs)})
 
 
 def render_load(model: str, chat: bool, now: float) -> dict[str, Any]:
@@ -306,10 +309,11 @@ def render_load(model: str, chat: bool, now: float) -> dict[str, Any]:
 
 
 def render_lines(completion_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent], chat: bool,
-                 clock: Any) -> Iterator[dict[str, Any]]:
+                 clock: Any) -> Iterator[dict[str, Any] | Reply]:
     """Engine events -> the stream's objects: ``done: false`` ones with the reply's text
     (``message`` for chat, ``response`` for generate; tool calls whole, once parsed), then
-    the ``done: true`` one with the reason and the stats. ``clock()`` is the time now."""
+    the ``done: true`` one with the reason and the stats; the ``Reply`` (OpenAI's message)
+    as ``openai.render_chunks`` gives it. ``clock()`` is the time now."""
     finished: list[Finished] = []
 
     def kept() -> Iterator[GenerationEvent]:
@@ -319,6 +323,9 @@ def render_lines(completion_id: str, parsed: ParsedTurn, events: Iterator[Genera
             yield event
 
     for chunk in openai.render_chunks(completion_id, parsed, kept()):
+        if isinstance(chunk, Reply):
+            yield chunk
+            continue
         if not isinstance(chunk, dict) or not chunk["choices"]:
             continue  # a keep-alive (NDJSON has no comments), [DONE]
         delta = chunk["choices"][0]["delta"]

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest
 from app.protocol import structured, tool_format, tools
-from app.protocol.reply import ReplyParser, parse_reply
+from app.protocol.reply import Reply, ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
 from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, MAX_TTL_SECONDS, ChatMessage, Finished,
@@ -418,6 +418,11 @@ def reply_message(completion_id: str, parsed: ParsedTurn, text: str) -> dict[str
             calls.append(_tool_call(completion_id, len(calls), part))
         elif isinstance(part, str):
             texts.append(part)
+    return _assistant(texts, calls)
+
+
+def _assistant(texts: list[str], calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message of a reply's ``texts`` and tool ``calls`` (``_tool_call``'s)."""
     content = "".join(texts)
     if not calls:
         return {"role": "assistant", "content": content}
@@ -442,7 +447,17 @@ def render_logprobs(parsed: ParsedTurn, entries: tuple[TokenLogprob, ...]) -> di
 
 
 def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any]:
+    return _completion(completion_id, parsed, reply_message(completion_id, parsed, text), finished)
+
+
+def whole_reply(completion_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> Reply:
+    """The non-streaming reply: its body and what history keeps, from one parse of ``text``."""
     message = reply_message(completion_id, parsed, text)
+    return Reply((message,), body=_completion(completion_id, parsed, message, finished))
+
+
+def _completion(completion_id: str, parsed: ParsedTurn, message: dict[str, Any],
+                finished: Finished) -> dict[str, Any]:
     return {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": parsed.model,
         "choices": [{"index": 0, "message": message, "logprobs": render_logprobs(parsed, finished.logprobs),
@@ -453,24 +468,26 @@ def render_message(completion_id: str, parsed: ParsedTurn, text: str, finished: 
 
 def render_chunks(completion_id: str, parsed: ParsedTurn,
                   events: Iterator[Started | TextDelta | Finished | Heartbeat],
-                  ) -> Iterator[dict[str, Any] | str | Heartbeat]:
+                  ) -> Iterator[dict[str, Any] | str | Heartbeat | Reply]:
     """Engine events -> ``chat.completion.chunk`` objects, then the ``[DONE]`` marker; a
-    heartbeat as it came."""
+    heartbeat as it came; once generation finished, the ``Reply`` the chunks sent, before
+    the last ones."""
     created = int(time.time())
     parser = ReplyParser.for_turn(parsed)
-    n_calls = 0
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
 
     def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
         return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": parsed.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
     def deltas(parts: list[Any]) -> Iterator[dict[str, Any]]:
-        nonlocal n_calls
         for part in parts:
             if isinstance(part, tools.ToolCall):
-                yield chunk({"tool_calls": [{"index": n_calls, **_tool_call(completion_id, n_calls, part)}]}, None)
-                n_calls += 1
+                calls.append(_tool_call(completion_id, len(calls), part))
+                yield chunk({"tool_calls": [{"index": len(calls) - 1, **calls[-1]}]}, None)
             elif isinstance(part, str) and part:
+                texts.append(part)
                 yield chunk({"content": part}, None)
 
     for event in events:
@@ -486,8 +503,10 @@ def render_chunks(completion_id: str, parsed: ParsedTurn,
                 chunks[0]["choices"][0]["logprobs"] = render_logprobs(parsed, event.logprobs)
             yield from chunks
         else:
-            yield from deltas(parser.finish())
-            yield chunk({}, _finish_reason(event, n_calls > 0))
+            closing = list(deltas(parser.finish()))
+            yield Reply((_assistant(texts, calls),))
+            yield from closing
+            yield chunk({}, _finish_reason(event, bool(calls)))
             if parsed.include_usage:
                 yield {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                        "model": parsed.model, "choices": [], "usage": usage(event)}

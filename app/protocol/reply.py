@@ -6,12 +6,16 @@ in the generic format of ``app.protocol.tools`` or the model's own
 (``app.protocol.tool_format``). ``ReplyParser`` splits text arriving
 in arbitrary pieces into those parts, holding back only what could still be
 the start of a tag.
+
+``Reply`` is a finished reply as its protocol built it, once per turn: the whole
+response, or what a stream sent (its renderer yields it among its events, before the
+stream's closing ones). The API records it as it is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from app.protocol.tool_format import ToolSpec, call_parser
 from app.protocol.tools import partial_suffix
@@ -30,6 +34,15 @@ class Thinking:
 
 
 Part = Union[str, Thinking, ToolCall]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A finished reply as its protocol built it: what history keeps and what the client got whole."""
+
+    history: tuple[dict[str, Any], ...]  # the reply's messages as the client sends them back
+    body: dict[str, Any] | None = None  # the whole response (None: it went out as a stream)
+    stored: dict[str, Any] | None = None  # the response object to keep with the turn (Responses API ``store``)
 
 
 class ReplyParser:

@@ -26,6 +26,8 @@ reply back into items (calls with their kind and namespace).
 
 History keeps each input item as received, identified by the digest of what the model
 sees of it alone; a reply's items are digested the same way when resent.
+``continue_from`` expands ``previous_response_id`` before parsing: the stored response's
+history (its input and output items) goes in front of the request's input.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Callable, Literal, Mapping, Protocol, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -494,9 +496,50 @@ def _echo(body: dict[str, Any], parsed: ResponsesBody) -> dict[str, Any]:
             "user": body.get("user"), "store": parsed.store is not False}
 
 
+def input_items(value: Any) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message).
+
+    Raises:
+        InvalidRequest: neither a string nor a list.
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}] if value else []
+    if not isinstance(value, list):
+        raise InvalidRequest("input: Input should be a valid string or list", "input")
+    return value
+
+
+class History(Protocol):
+    """What a stored response continues from: its input and output items, as history keeps them."""
+
+    @property
+    def items(self) -> tuple[Any, ...]: ...
+
+
+Point = TypeVar("Point", bound=History)
+
+
+def continue_from(body: Any, lookup: Callable[[str], Point]) -> tuple[Any, Point | None]:
+    """A decoded request body with the history of the response its ``previous_response_id``
+    names (``lookup``) in front of its input, and what ``lookup`` found; a body that names
+    none comes back as it is, with None.
+
+    Raises:
+        InvalidRequest: ``previous_response_id`` or ``input`` of the wrong type. What
+            ``lookup`` raises (NotFound: no such stored response).
+    """
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if previous is None:
+        return body, None
+    if not isinstance(previous, str):
+        raise InvalidRequest("previous_response_id: Input should be a valid string", "previous_response_id")
+    point = lookup(previous)
+    return {**body, "input": [*point.items, *input_items(body.get("input", ""))]}, point
+
+
 def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
     """Validate a decoded JSON body (``input`` already holds ``previous_response_id``'s
-    history: ``app.api.responses`` puts it there). Without ``max_output_tokens`` the reply
+    history: ``continue_from`` puts it there). Without ``max_output_tokens`` the reply
     is bounded by ``options.default_max_tokens``. With ``options.fit``, Codex's optional
     prompt sections are left out (``app.protocol.codex``).
 

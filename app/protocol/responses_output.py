@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Generator, Iterator, Sequence
 
 from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, NotFound, Overloaded, SemanticError
 from app.protocol import openai, tools
-from app.protocol.reply import ReplyParser, Thinking, parse_reply
+from app.protocol.reply import Reply, ReplyParser, Thinking, parse_reply
 from app.protocol.responses import ResponsesDetails
 from app.protocol.turn import ParsedTurn
 from app.types import Finished, GenerationEvent, Heartbeat, Started, TextDelta, TokenLogprob
@@ -115,8 +115,13 @@ def reply_items(response_id: str, parsed: ParsedTurn, text: str,
 
 
 def history_items(response_id: str, parsed: ParsedTurn, text: str) -> list[dict[str, Any]]:
-    """The reply's items as history keeps them (and the client resends them): reasoning left out."""
-    return [item for item in reply_items(response_id, parsed, text) if item["type"] != "reasoning"]
+    """The reply's items as history keeps them (and the client resends them)."""
+    return list(kept_items(reply_items(response_id, parsed, text)))
+
+
+def kept_items(output: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Output items as history keeps them: reasoning left out."""
+    return tuple(item for item in output if item["type"] != "reasoning")
 
 
 def history_entry(item: dict[str, Any]) -> tuple[str, Any]:
@@ -162,9 +167,11 @@ def render_response(response_id: str, parsed: ParsedTurn, text: str, finished: F
                            reply_items(response_id, parsed, text, logprobs), finished)
 
 
-def stored_response(response_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> dict[str, Any] | None:
-    """The response object to keep (``store``, true unless the request said false)."""
-    return render_response(response_id, parsed, text, finished) if _details(parsed).store else None
+def whole_reply(response_id: str, parsed: ParsedTurn, text: str, finished: Finished) -> Reply:
+    """The non-streaming reply from one parse of ``text``: the response object, what history
+    keeps, and the object to keep (``store``, true unless the request said false)."""
+    body = render_response(response_id, parsed, text, finished)
+    return Reply(kept_items(body["output"]), body=body, stored=body if _details(parsed).store else None)
 
 
 def error_code(exc: SemanticError) -> str | None:
@@ -307,8 +314,11 @@ class _Stream:
         yield from self.close()
 
 
-def render_events(response_id: str, parsed: ParsedTurn, events: Iterator[GenerationEvent]) -> Iterator[dict[str, Any]]:
-    """Engine events -> Responses API stream events (each a dict with its ``type``).
+def render_events(response_id: str, parsed: ParsedTurn,
+                  events: Iterator[GenerationEvent]) -> Generator[dict[str, Any] | Reply, None, None]:
+    """Engine events -> Responses API stream events (each a dict with its ``type``); once
+    generation finished, the ``Reply`` the stream sent (its last event's response object to
+    keep), before its closing events.
 
     An error from ``events`` ends the stream with ``response.failed`` and is raised again
     (the caller records it)."""
@@ -324,11 +334,13 @@ def render_events(response_id: str, parsed: ParsedTurn, events: Iterator[Generat
                 stream.logprobs += event.logprobs if parsed.sampling.logprobs is not None else ()
                 yield from stream.parts(parser.feed(event.text))
             elif isinstance(event, Finished):
-                yield from stream.parts(parser.finish())
-                yield from stream.finish()
+                closing = [*stream.parts(parser.finish()), *stream.finish()]
                 status = _status(parsed, event)
-                yield stream.lifecycle(f"response.{'incomplete' if status == 'incomplete' else 'completed'}",
-                                       status, event)
+                last = stream.lifecycle(f"response.{'incomplete' if status == 'incomplete' else 'completed'}",
+                                        status, event)
+                yield Reply(kept_items(stream.output), stored=last["response"] if _details(parsed).store else None)
+                yield from closing
+                yield last
             else:
                 assert isinstance(event, Started)
     except SemanticError as exc:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.protocol import anthropic, openai, responses, responses_output, structured, tool_format
-from app.protocol.reply import ReplyParser, Thinking
+from app.protocol.reply import Reply, ReplyParser, Thinking
 from app.types import Finished, RequestOptions, Started, TextDelta, ToolCall, ToolSyntax
 from support.grammar_check import allows, allows_start
 
@@ -176,7 +176,7 @@ def test_anthropic_tool_use_block_whole_and_streamed() -> None:
     blocks = anthropic.content_blocks("msg_1", parsed, REPLY)
     assert [b["type"] for b in blocks] == ["text", "tool_use"]
     assert blocks[1]["name"] == "get_weather" and blocks[1]["input"] == CALL.arguments
-    streamed = list(anthropic.render_events("msg_1", parsed, events(REPLY, CUTS)))
+    streamed = [e for e in anthropic.render_events("msg_1", parsed, events(REPLY, CUTS)) if not isinstance(e, Reply)]
     deltas = [d["delta"] for name, d in streamed if name == "content_block_delta"]
     assert "".join(d.get("text", "") for d in deltas) == "Checking.\n"
     assert [json.loads(d["partial_json"]) for d in deltas if d["type"] == "input_json_delta"] == [CALL.arguments]
@@ -209,7 +209,8 @@ def test_responses_function_call_whole_and_streamed() -> None:
     rest = REPLY[len("Checking.\n") + len(parsed.reply_prefix):]
     items = responses_output.reply_items("resp_1", parsed, rest)
     assert [i["type"] for i in items] == ["function_call"] and json.loads(items[0]["arguments"]) == CALL.arguments
-    streamed = list(responses_output.render_events("resp_1", parsed, events(rest, [1, 5, 13, 40])))
+    streamed = [e for e in responses_output.render_events("resp_1", parsed, events(rest, [1, 5, 13, 40]))
+                if not isinstance(e, Reply)]
     done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
     assert [i["type"] for i in done] == ["function_call"] and done[0]["name"] == "get_weather"
     assert json.loads(done[0]["arguments"]) == CALL.arguments

@@ -5,6 +5,7 @@ import pytest
 
 from app.errors import InvalidRequest
 from app.protocol import anthropic
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn
 from app.types import ChatMessage, Finished, RequestOptions, Started, TextDelta
 
@@ -76,7 +77,7 @@ def test_malformed_bodies_name_the_field(body: Any, field: str) -> None:
 def test_stream_events_follow_anthropic_order() -> None:
     finished = Finished("end_turn", None, 10, 0, 10, 3, 0.1, 0.2)
     events = [Started(10, 0, 10), TextDelta("a"), TextDelta("b"), finished]
-    names = [name for name, _ in anthropic.render_events("msg_1", parse(BASE), iter(events))]
+    names = [e[0] for e in anthropic.render_events("msg_1", parse(BASE), iter(events)) if not isinstance(e, Reply)]
     assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
 
@@ -133,7 +134,7 @@ def test_streamed_tool_call_split_anywhere_is_one_tool_use_block() -> None:
     finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
     for cut in range(len(REPLY) + 1):
         events = [Started(10, 0, 10), TextDelta(REPLY[:cut]), TextDelta(REPLY[cut:]), finished]
-        out = list(anthropic.render_events("msg_1", request, iter(events)))
+        out = [e for e in anthropic.render_events("msg_1", request, iter(events)) if not isinstance(e, Reply)]
         starts = [d["content_block"] for n, d in out if n == "content_block_start"]
         assert [b["type"] for b in starts] == ["text", "tool_use"], cut
         assert starts[1]["name"] == "Bash"
@@ -169,13 +170,56 @@ def test_thinking_becomes_thinking_blocks_when_asked() -> None:
     assert plain["content"] == [{"type": "text", "text": THOUGHT}]
     for cut in range(len(THOUGHT) + 1):
         events = [Started(10, 0, 10), TextDelta(THOUGHT[:cut]), TextDelta(THOUGHT[cut:]), finished]
-        out = list(anthropic.render_events("msg_1", thinking, iter(events)))
+        out = [e for e in anthropic.render_events("msg_1", thinking, iter(events)) if not isinstance(e, Reply)]
         deltas = [d["delta"] for n, d in out if n == "content_block_delta"]
         assert "".join(d.get("thinking", "") for d in deltas) == "Two plus two is four."
         assert "".join(d.get("text", "") for d in deltas) == "The answer is 4."
         assert [d["type"] for d in deltas if d["type"] != "thinking_delta"][0] == "signature_delta"
         assert [d["content_block"]["type"] for n, d in out if n == "content_block_start"] == ["thinking", "text"]
         assert [d["index"] for n, d in out if n == "content_block_stop"] == [0, 1]
+
+
+def sent_blocks(out: list[Any]) -> list[dict[str, Any]]:
+    """The content blocks a stream's events sent, whole."""
+    blocks: list[dict[str, Any]] = []
+    for name, data in (e for e in out if not isinstance(e, Reply)):
+        if name == "content_block_start":
+            blocks.append(dict(data["content_block"]))
+        elif name == "content_block_delta":
+            delta, block = data["delta"], blocks[data["index"]]
+            if delta["type"] == "input_json_delta":
+                block["input"] = json.loads(delta["partial_json"])
+            else:
+                key = delta["type"].removesuffix("_delta")
+                block[key] = block[key] + delta[key]
+    return blocks
+
+
+@pytest.mark.parametrize("fields,reply", [
+    ({"tools": TOOLS}, REPLY), ({"tools": TOOLS}, "  \n" + REPLY), ({}, REPLY), ({}, ""),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, THOUGHT),
+    ({"messages": [*BASE["messages"], {"role": "assistant", "content": "Sure:"}]}, " yes."),  # a prefill
+])
+def test_the_stream_records_the_reply_it_sent(fields: dict[str, Any], reply: str) -> None:
+    """The ``Reply`` a stream yields holds the blocks it sent (history keeps them: the client
+    sends them back), before the closing events; a prefilled reply is the prefill and the reply
+    as one message. Cut where it is whole, a stream's blocks are the whole reply's."""
+    request = parse({**BASE, **fields})
+    finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
+    whole = anthropic.whole_reply("msg_1", request, reply, finished)
+    assert whole.body is not None and whole.stored is None
+    prefilled = ({"role": "assistant", "content": anthropic.content_blocks("msg_1", request, "Sure: yes.")},)
+    replied = ({"role": "assistant", "content": whole.body["content"]},)
+    assert whole.history == (prefilled if request.prefill else replied)
+    for cut in range(len(reply) + 1):
+        events = [Started(10, 0, 10), TextDelta(reply[:cut]), TextDelta(reply[cut:]), finished]
+        out = list(anthropic.render_events("msg_1", request, iter(events)))
+        (at,) = [i for i, e in enumerate(out) if isinstance(e, Reply)]
+        sent = ({"role": "assistant", "content": sent_blocks(out)},)
+        assert out[at].history == (prefilled if request.prefill else sent), cut
+        assert [e[0] for e in out[at + 1:]][-2:] == ["message_delta", "message_stop"]
+        if cut in (0, len(reply)):
+            assert out[at].history == whole.history
 
 
 def test_tool_choice_forces_a_call() -> None:

@@ -11,6 +11,7 @@ from app.api.chat import _stream as openai_stream
 from app.api.messages import _stream as anthropic_stream
 from app.engine.channel import Job
 from app.protocol import anthropic, openai
+from app.protocol.reply import Reply
 from app.types import (Finished, GenerationRequest, Heartbeat, Prompt, RequestOptions, SamplingParams, Started,
                        TextDelta)
 
@@ -21,8 +22,8 @@ PROGRESS = b": prefill 1024/4249 prompt tokens\n\n"
 
 
 def test_anthropic_pings_only_after_message_start_and_says_the_progress_beside_them() -> None:
-    names = [name for name, _ in anthropic.render_events("msg_1", anthropic.parse_request(BODY, RequestOptions()),
-                                                         iter(EVENTS))]
+    names = [e[0] for e in anthropic.render_events("msg_1", anthropic.parse_request(BODY, RequestOptions()),
+                                                   iter(EVENTS)) if not isinstance(e, Reply)]
     assert names[0] == "message_start"
     assert names.count("ping") == 3  # the one after message_start, then one per heartbeat
     assert names[-1] == "message_stop"

@@ -9,6 +9,7 @@ import pytest
 
 from app.errors import InvalidRequest
 from app.protocol import openai
+from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn
 from app.types import ChatMessage, Finished, RequestOptions, Started, TextDelta
 
@@ -93,6 +94,23 @@ def test_tool_calls_in_the_reply() -> None:
         assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
         assert "".join(d.get("content", "") for d in deltas) == "Checking. "
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("tools,reply", [(WEATHER, REPLY), (WEATHER, "Just text."), (None, REPLY), (None, "")])
+def test_the_stream_records_the_reply_it_sent_as_the_whole_reply_records_it(tools: Any, reply: str) -> None:
+    """The ``Reply`` a stream yields holds the message its chunks sent, the same message the whole
+    reply has, wherever the text was cut; it comes before the finishing chunk."""
+    turn = parse(**({"tools": tools} if tools else {}))
+    whole = openai.whole_reply("chatcmpl-1", turn, reply, FINISHED)
+    assert whole.body is not None and whole.history == (whole.body["choices"][0]["message"],)
+    rendered = openai.render_message("chatcmpl-1", turn, reply, FINISHED)
+    assert whole.body == {**rendered, "created": whole.body["created"]}
+    for cut in range(len(reply) + 1):
+        events = [Started(10, 0, 10), TextDelta(reply[:cut]), TextDelta(reply[cut:]), FINISHED]
+        out = list(openai.render_chunks("chatcmpl-1", turn, iter(events)))
+        (at,) = [i for i, c in enumerate(out) if isinstance(c, Reply)]
+        assert out[at].history == whole.history, cut
+        assert [c["choices"][0]["finish_reason"] for c in out[at + 1:] if isinstance(c, dict)][-1] is not None
 
 
 def test_speculate_extension_turns_speculative_decoding_off_per_request() -> None:

@@ -7,7 +7,8 @@ import sys
 PURE = [
     "app.settings", "app.types", "app.errors", "app.engine.stopping", "app.engine.drafting", "app.engine.blas",
     "app.protocol.anthropic", "app.protocol.validation", "app.agents.identity", "app.protocol.responses",
-    "app.protocol.responses_output", "app.protocol.codex", "app.protocol.ollama", "app.store.responses",
+    "app.protocol.responses_output", "app.protocol.codex", "app.protocol.ollama", "app.protocol.direct",
+    "app.protocol.reply", "app.store.responses",
     "app.catalog.gguf_tokenizer", "app.catalog.gguf_import", "app.store.models",
     "app.store.history", "worker.tasks", "app.cache.records", "app.cache.matcher", "app.cache.hashing",
     "app.cache.pool", "app.engine.token_text", "app.cache.files", "app.store.cache_index", "app.main",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.errors import ContextTooLong, EngineUnavailable, InvalidRequest, Overloaded
+from app.errors import ContextTooLong, EngineUnavailable, InvalidRequest, NotFound, Overloaded
 from app.protocol import codex, responses, tools
 from app.protocol import responses_output as out
+from app.protocol.reply import Reply
 from app.types import Finished, Heartbeat, RequestOptions, Started, TextDelta
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "codex_requests.json").read_text())
@@ -182,9 +184,13 @@ def test_instructions_lead_the_system_message() -> None:
                                                    {"role": "user", "content": "Hi"}])).system_digest
 
 
-def events_for(turn: Any, pieces: list[str], finished: Finished = FINISHED) -> list[dict[str, Any]]:
+def streamed(turn: Any, pieces: list[str], finished: Finished = FINISHED) -> list[dict[str, Any] | Reply]:
     stream = [Started(100, 90, 10), Heartbeat(), *(TextDelta(p) for p in pieces), finished]
     return list(out.render_events(RID, turn, iter(stream)))
+
+
+def events_for(turn: Any, pieces: list[str], finished: Finished = FINISHED) -> list[dict[str, Any]]:
+    return [e for e in streamed(turn, pieces, finished) if not isinstance(e, Reply)]
 
 
 REPLIES = ["Paris.", "  ", "", "Let me look.  \n" + tools.render_call("get_weather", {"city": "Paris"}),
@@ -218,6 +224,24 @@ def test_the_stream_sends_exactly_the_whole_replys_items(reply: str, cuts: list[
         if item["type"] == "reasoning":
             assert texts[item["id"]] == item["content"][0]["text"]
     assert out.render_response(RID, turn, reply, FINISHED)["output"] == items
+
+
+@settings(max_examples=200, deadline=None)
+@given(reply=st.sampled_from(REPLIES), cuts=st.lists(st.integers(0, 200), max_size=8), store=st.booleans())
+def test_the_stream_records_the_reply_it_sent_as_the_whole_reply_records_it(reply: str, cuts: list[int],
+                                                                            store: bool) -> None:
+    turn = parse(body(tools=[WEATHER, PATCH], reasoning={"summary": "auto"}, store=store))
+    bounds = sorted({0, len(reply), *(c for c in cuts if c < len(reply))})
+    items = streamed(turn, [reply[a:b] for a, b in zip(bounds, bounds[1:])])
+    (at,) = [i for i, e in enumerate(items) if isinstance(e, Reply)]
+    sent, last = items[at], items[-1]
+    assert isinstance(sent, Reply) and not isinstance(last, Reply)
+    assert all(not isinstance(e, Reply) and e["type"] != "response.completed" for e in items[:at])  # before the end
+    whole = out.whole_reply(RID, turn, reply, FINISHED)
+    assert sent.history == whole.history == tuple(out.history_items(RID, turn, reply))
+    assert sent.stored == (last["response"] if store else None)
+    assert whole.stored == (whole.body if store else None)
+    assert whole.body is not None and whole.body["output"] == last["response"]["output"]
 
 
 def test_reply_items() -> None:
@@ -287,3 +311,38 @@ def test_speculate_extension_turns_speculative_decoding_off_per_request() -> Non
     assert parse({**body, "speculate": False}).sampling.speculate is False
     with pytest.raises(InvalidRequest):
         parse({**body, "speculate": "no"})
+
+
+@dataclass(frozen=True)
+class StoredPoint:
+    items: tuple[Any, ...]
+
+
+def test_continue_from_puts_the_previous_responses_history_in_front_of_the_input() -> None:
+    """A chain: r2 continued r1, so its history holds r1's; a request continuing r2 gets all of it first."""
+    ask, answer = {"role": "user", "content": "a"}, {"type": "message", "role": "assistant", "content": "A"}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    stored = {"r1": StoredPoint((ask, answer)),
+              "r2": StoredPoint((ask, answer, {"role": "user", "content": "b"}, call))}
+
+    def lookup(response_id: str) -> StoredPoint:
+        if response_id not in stored:
+            raise NotFound(f"response {response_id!r}")
+        return stored[response_id]
+
+    result = {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}
+    expanded, point = responses.continue_from({"model": "m", "previous_response_id": "r2", "input": [result]}, lookup)
+    assert point is stored["r2"]
+    assert expanded == {"model": "m", "previous_response_id": "r2", "input": [*stored["r2"].items, result]}
+    expanded, _ = responses.continue_from({"previous_response_id": "r1", "input": "c"}, lookup)
+    assert expanded["input"] == [ask, answer, {"role": "user", "content": "c"}]
+    assert responses.continue_from({"previous_response_id": "r1"}, lookup)[0]["input"] == [ask, answer]
+    alone = {"model": "m", "input": "c"}
+    assert responses.continue_from(alone, lookup) == (alone, None)  # nothing to continue: as it came
+    with pytest.raises(NotFound):
+        responses.continue_from({"previous_response_id": "r9", "input": "c"}, lookup)
+    for bad, field in (({"previous_response_id": 7}, "previous_response_id"),
+                       ({"previous_response_id": "r1", "input": 7}, "input")):
+        with pytest.raises(InvalidRequest) as info:
+            responses.continue_from(bad, lookup)
+        assert info.value.field == field
