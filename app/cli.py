@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -374,7 +373,7 @@ def cmd_pool_join(settings: Settings, args: argparse.Namespace) -> int:
         if not args.address:
             raise ConfigError("pool join --router: --address HOST:PORT (how the router reaches this server)")
         if args.id:
-            settings = dataclasses.replace(settings, server_id=args.id)
+            settings = settings.model_copy(update={"server_id": args.id})
         entry = pool_join_router(settings, args.router, args.address)
         print(f"server {entry.id} joined the router at {args.router} as {entry.url}: it takes new agents; "
               "placed ones stay")

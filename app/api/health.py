@@ -11,7 +11,8 @@ import falcon
 
 from app import __version__
 from app.agents.service import AgentService
-from app.api.page_key import key_form
+from app.api.page_key import KEY_FORM_PATH
+from app.api.pages import render
 from app.catalog.hf_cache import list_cached
 from app.catalog.registry import list_models
 from app.engine.blas import blas_in_use
@@ -50,13 +51,9 @@ class RootResource:
             resp.media = {"name": "semantic", "version": __version__, **{k: path for k, (path, _) in PAGES.items()},
                           "api_docs": API_DOCS}
             return
-        pages = "".join(f'<li><a href="{path}">{path}</a>: {what}</li>' for path, what in PAGES.values())
-        docs = "".join(f'<li>{route}: <a href="{url}">{url}</a></li>' for route, url in API_DOCS.items())
-        form = key_form() if self._keyed else ""
         resp.content_type = "text/html; charset=utf-8"
-        resp.text = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Semantic</title></head>'
-                     f"<body><h1>Semantic {__version__}</h1>{form}<ul>{pages}</ul><h2>API</h2><ul>{docs}</ul>"
-                     "</body></html>")
+        resp.text = render("root.html", version=__version__, key_form_path=KEY_FORM_PATH if self._keyed else None,
+                           pages=PAGES.values(), api_docs=API_DOCS.items())
 
 
 class HealthResource:

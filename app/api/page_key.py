@@ -1,7 +1,7 @@
 """A browser's way into the server's pages when an ``api_key`` is set.
 
-``GET /`` shows a key form; ``POST /session`` checks the key and sets an HttpOnly,
-SameSite=Strict cookie that holds a token derived from the key (never the key itself).
+``GET /`` shows a key form (templates/root.html); ``POST /session`` checks the key and sets
+an HttpOnly, SameSite=Strict cookie that holds a token derived from the key (never the key itself).
 ``AuthMiddleware`` accepts that cookie for reading ``COOKIE_PAGES`` only, and only on a
 same-origin or typed-in request (``Sec-Fetch-Site``): the API still wants the key in its
 headers, and no other site's page can use the cookie (the browser does not send it
@@ -36,13 +36,6 @@ def cookie_admits(req: falcon.Request, key: bytes) -> bool:
         return False
     offered = req.cookies.get(COOKIE)
     return offered is not None and hmac.compare_digest(offered.encode(), page_token(key).encode())
-
-
-def key_form() -> str:
-    """The form ``GET /`` shows when a key is set."""
-    return (f'<form method="post" action="{KEY_FORM_PATH}"><label>API key '
-            '<input type="password" name="key" autocomplete="current-password" required></label> '
-            "<button>Open the pages</button></form>")
 
 
 class PageKeyResource:

@@ -45,7 +45,7 @@ LLM_D_MATCH = {"prefix": "precise prefix-cache aware", "random": "random"}
 
 
 def setting_default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(Settings) if f.name == name)
+    return Settings.model_fields[name].default
 
 
 def main() -> None:

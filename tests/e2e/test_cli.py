@@ -295,15 +295,13 @@ def test_without_mlx_serve_names_the_extra_to_install(tmp_path: Path) -> None:
 
 
 def test_serve_help_names_every_setting_with_its_flag_and_variable(tmp_path: Path) -> None:
-    from dataclasses import fields
-
     from app.settings import Settings
 
     result = semantic(tmp_path, "serve", "--help", env={"COLUMNS": "100"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    for item in fields(Settings):
-        flag, variable = "--" + item.name.replace("_", "-"), f"SEMANTIC_{item.name.upper()}"
+    for name in Settings.model_fields:
+        flag, variable = "--" + name.replace("_", "-"), f"SEMANTIC_{name.upper()}"
         [start] = [i for i, line in enumerate(lines) if line.lstrip().startswith(flag + " ") or
                    line.lstrip() == flag or line.lstrip().startswith(flag + ",")]
         entry = " ".join(lines[start:start + 8])  # the flag's help, wrapped

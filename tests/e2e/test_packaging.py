@@ -1,4 +1,5 @@
-"""``pip install .`` (not editable) gives a working ``semantic``: the migrations ship inside the package."""
+"""``pip install .`` (not editable) gives a working ``semantic``: the migrations and the pages'
+templates ship inside the package."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def test_a_plain_install_migrates_a_new_database(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=300)
     assert (target / "app" / "migrations" / "env.py").exists()
+    templates = ROOT / "app" / "api" / "templates"
+    assert all((target / p.relative_to(ROOT)).is_file() for p in templates.iterdir()), list(templates.iterdir())
     [license_file] = target.glob("semantic-*.dist-info/licenses/LICENSE")  # pyproject's license = "Apache-2.0"
     assert "Apache License\n                           Version 2.0" in license_file.read_text()
     home = tmp_path / "home"

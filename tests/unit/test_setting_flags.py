@@ -4,7 +4,6 @@ a flag's value reaches the Settings (over the variable), the worker child's incl
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,11 @@ def other_value(name: str, kind: Any, default: Any, tmp_path: Path) -> tuple[lis
 
 def test_every_setting_has_a_serve_flag_named_with_its_variable() -> None:
     options = {a.dest: a for a in serve_parser()._actions if a.option_strings}
-    for item in fields(Settings):
-        action = options[item.name]
-        assert flag_of(item.name) in action.option_strings, item.name
+    for name, item in Settings.model_fields.items():
+        action = options[name]
+        assert flag_of(name) in action.option_strings, name
         shown = action.help.replace("%%", "%")  # as argparse prints it
-        assert f"SEMANTIC_{item.name.upper()}" in shown and item.metadata["doc"] in shown, item.name
+        assert f"SEMANTIC_{name.upper()}" in shown and item.description in shown, name
     # The spellings users already type.
     assert {"--host", "--port", "--model", "--no-worker", "--insecure-no-auth"} <= {
         flag for a in options.values() for flag in a.option_strings}

@@ -53,6 +53,26 @@ def test_every_numeric_setting_has_bounds_its_default_meets() -> None:
         assert low <= getattr(Settings(), name) <= high, name
 
 
+def test_values_read_as_before_the_pydantic_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What app/settings.py's own validator and sources keep: a switch is no number nor a number a
+    switch, text may have spaces around it, only the exact SEMANTIC_* spellings are read, and
+    Settings(...) reads no environment (load_settings does)."""
+    for text, message in (("port = true", "port: expected an integer, got True"),
+                          ("worker = 1", "worker: expected a boolean, got 1")):
+        (tmp_path / "config.toml").write_text(text + "\n")
+        with pytest.raises(ConfigError, match=message):
+            load_settings({"SEMANTIC_HOME": str(tmp_path)})
+    env = {"SEMANTIC_HOME": f" {tmp_path / 'other'} ", "SEMANTIC_WORKER": " false ", "SEMANTIC_PORT": " 81 ",
+           "semantic_threads": "3", "Semantic_Max_Batch": "3"}
+    settings = load_settings(env)
+    assert (settings.home, settings.worker, settings.port) == (tmp_path / "other", False, 81)
+    assert (settings.threads, settings.max_batch) == (Settings().threads, Settings().max_batch)
+    monkeypatch.delenv("SEMANTIC_CONFIG", raising=False)
+    monkeypatch.setenv("SEMANTIC_HOME", str(tmp_path / "env"))
+    monkeypatch.setenv("SEMANTIC_PORT", "9999")
+    assert Settings().port == 8000 and load_settings().port == 9999
+
+
 def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text("prot = 1\n")
     with pytest.raises(ConfigError, match="unknown settings prot"):

@@ -27,7 +27,7 @@ def _health_app(environ, start_response):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def served(tmp_path) -> Iterator[tuple[object, int]]:  # type: ignore[no-untyped-def]
-    settings = Settings(home=tmp_path, port=0, threads=2)
+    settings = Settings.model_construct(home=tmp_path, port=0, threads=2)  # port 0 (any free one) is below the bounds
     server = make_server(_health_app, **waitress_options(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
