@@ -39,7 +39,8 @@ from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.cache.manager import CacheManager  # noqa: E402
 from app.cache.records import CacheRecord  # noqa: E402
 from app.store.db import make_engine, make_session_factory, upgrade  # noqa: E402
-from app.store.history import touch_agent, utcnow  # noqa: E402
+from app.clock import utcnow  # noqa: E402
+from app.store.history import touch_agent  # noqa: E402
 from app.types import Prompt  # noqa: E402
 from benchmarks.common import device, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.synthetic import SHAPES, shape_config  # noqa: E402

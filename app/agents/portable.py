@@ -48,11 +48,12 @@ from app.cache import files as cache_files
 from app.cache.files import CacheFiles
 from app.cache.hashing import BLOCK_TOKENS, block_hash, private_fingerprint
 from app.cache.shared_tier import S3Tier
+from app.clock import utcnow
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
 from app.store import cache_index
 from app.store.db import write_locked
-from app.store.history import new_conversation_id, utcnow
+from app.store.history import new_conversation_id
 from app.store.models import Agent, Conversation, Message
 from app.types import SESSION_ID_PATTERN
 

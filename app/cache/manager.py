@@ -37,8 +37,8 @@ from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.persist import Copy, Forget, Persister, Snapshot
 from app.cache.pool import BlockPool, RecentWithin
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
+from app.clock import utcnow
 from app.store.cache_index import CacheEntry, CacheIndex, SharedCheckpoint
-from app.store.history import utcnow
 from app.types import CacheSource, CacheStats, ForkPoint, Prompt, ReuseReason, ReuseReport
 
 if TYPE_CHECKING:

@@ -25,9 +25,10 @@ from app.cache.files import CacheFiles, StorableCheckpoint
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import ConversationCache
 from app.cache.shared_tier import Upload, Uploader
+from app.clock import utcnow
 from app.store import cache_index, ownership
 from app.store.db import with_retries, write_locked
-from app.store.history import ensure_conversation, utcnow
+from app.store.history import ensure_conversation
 
 if TYPE_CHECKING:
     from app.cache.blocks import KVBlock

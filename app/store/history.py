@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Sequence
 
 from sqlalchemy import select
@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 # Conversations looked at when a request names no agent and is recognised by content.
 CONTENT_CANDIDATES = 50
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def new_conversation_id() -> str:

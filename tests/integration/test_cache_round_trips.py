@@ -88,7 +88,8 @@ def manager(home: Path, n_layers: int, fingerprint: str = "fp-test", agents: tup
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:  # agents must exist (foreign key), as the API ensures
-        from app.store.history import touch_agent, utcnow
+        from app.clock import utcnow
+        from app.store.history import touch_agent
         for agent in agents:
             touch_agent(session, agent, "direct", utcnow())
     return CacheManager(fingerprint=fingerprint, n_layers=n_layers, dtype=mx.float32, blocks_dir=home / "blocks",
@@ -433,7 +434,7 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     computes what a reload from disk would, bit for bit. No room: nothing is loaded."""
     from sqlalchemy import update
 
-    from app.store.history import utcnow
+    from app.clock import utcnow
     from app.store.models import Cache
 
     model = build("llama")

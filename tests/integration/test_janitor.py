@@ -28,7 +28,8 @@ from app.cache.upkeep import run_expire
 from app.main import start_janitor
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from app.store.history import touch_agent
 
 HOUR_AGO = time.time() - 3600
 

@@ -37,8 +37,8 @@ from app.store.history import (
     ensure_conversation,
     start_request,
     touch_agent,
-    utcnow,
 )
+from app.clock import utcnow
 from app.store.models import Request
 
 FINGERPRINT = "5e" * 32  # an archive names its model by a sha256

@@ -20,7 +20,8 @@ from app.cache.shared_tier import S3Tier
 from app.cache.stager import Stager
 from app.types import ForkPoint
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from app.store.history import touch_agent
 from support.servers import free_port
 from support.dbcheck import query
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward

@@ -65,7 +65,8 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     from app.engine.engine import CacheConfig, Engine
     from engines import flush_caches  # tests/support/engines.py: this script's directory is on sys.path
     from app.store.db import make_engine, make_session_factory, upgrade
-    from app.store.history import touch_agent, utcnow
+    from app.clock import utcnow
+    from app.store.history import touch_agent
     from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
     home.mkdir(parents=True, exist_ok=True)

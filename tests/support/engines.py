@@ -11,7 +11,8 @@ from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.engine.model import LoadedModel
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from app.store.history import touch_agent
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
 
