@@ -179,6 +179,19 @@ def fail_request(session: Session, request_id: str, *, status: str, error_type: 
     row.finished_at = now
 
 
+def import_requests(session: Session, rows: Sequence[dict[str, Any]]) -> frozenset[str]:
+    """Add request rows an agent's archive holds (``rows``: each one's column values, checked
+    by the caller), flushed; a row whose id this store holds already is skipped (it stays
+    its owner's). Returns the ids written."""
+    written: set[str] = set()
+    for values in rows:
+        if session.get(Request, values["id"]) is None:
+            session.add(Request(**values))
+            written.add(values["id"])
+    session.flush()
+    return frozenset(written)
+
+
 @dataclass(frozen=True, slots=True)
 class StoredMessage:
     role: str
