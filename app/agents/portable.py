@@ -46,7 +46,7 @@ from app.cache import durable
 from app.cache import files as cache_files
 from app.cache.files import CacheFiles
 from app.cache.hashing import BLOCK_TOKENS, block_hash, private_fingerprint
-from app.cache.shared_tier import S3Tier
+from app.cache.shared_tier import S3Tier, upload_conversation
 from app.clock import utcnow
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
@@ -463,10 +463,8 @@ def _upload(tier: S3Tier, root: Path, plan: _Plan) -> None:
     try:
         for _, _, caches in plan:
             for cache, record, _, rows in caches:
+                # A block this home held already may be another server's file: missing here, skipped.
                 layout = CacheFiles(root, str(cache["fingerprint"]), tier)
-                for path in (layout.local(row.path, fetch=False) for row in rows):
-                    if path.exists():  # a block this home held already may be another server's file
-                        tier.put(layout.key(path), path, once=True)
-                tier.put(layout.key(record), record)
+                upload_conversation(tier, layout.upload([layout.local(row.path, fetch=False) for row in rows], record))
     except Exception as exc:
         log.warning("shared tier: the imported agent's files were not uploaded (%s)", exc)

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.files import CacheFiles, StorableCheckpoint
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import ConversationCache
-from app.cache.shared_tier import Upload, Uploader
+from app.cache.shared_tier import Uploader
 from app.clock import utcnow
 from app.store import cache_index, ownership
 from app.store.db import with_retries, write_locked
@@ -166,9 +166,8 @@ class Persister(threading.Thread):
             if previous is not None and previous.record_path != str(record_path):
                 self._files.local(previous.record_path, fetch=False).unlink(missing_ok=True)
             if self._uploader is not None:
-                files = [*(path for path, _ in written), *(Path(point.path) for point in shared)]
-                self._uploader.submit(Upload(tuple((self._files.key(path), path) for path in files),
-                                             (self._files.key(record_path), record_path)))
+                self._uploader.submit(self._files.upload(
+                    [*(path for path, _ in written), *(Path(point.path) for point in shared)], record_path))
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
@@ -229,10 +228,9 @@ class Persister(threading.Thread):
             ensure_conversation(session, item.conversation_id, item.agent_id, "direct", utcnow())
             cache_index.save_cache(session, item.agent_id, item.conversation_id, fingerprint, entry.n_tokens,
                                    str(record_path), entry.blocks, utcnow(), record_checksum=record_checksum)
-        if self._uploader is not None:
-            blocks = tuple((self._files.key(path), path) for path in (self._files.local(b.path, fetch=False)
-                                                                     for b in entry.blocks) if path.exists())
-            self._uploader.submit(Upload(blocks, (self._files.key(record_path), record_path)))
+        if self._uploader is not None:  # blocks gone from this disk are skipped (the tier holds them)
+            self._uploader.submit(self._files.upload([self._files.local(b.path, fetch=False) for b in entry.blocks],
+                                                     record_path))
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:
