@@ -99,7 +99,7 @@ def find_by_content(session: Session, system_digest: str, digests: Sequence[str]
 def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
                 ttl_seconds: int | None = None, hot_ttl_seconds: int | None = None) -> Agent:
     """Get the agent, creating it on first sight; record the access and any TTL the request sets.
-    (The cache persister may create the row at the same moment: the insert yields to it.)"""
+    (Another request of the same new agent may create the row at the same moment: the insert yields to it.)"""
     insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
                      status="active", metadata_json={})
     agent = session.get_one(Agent, agent_id)
@@ -114,13 +114,15 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
 def ensure_conversation(session: Session, conversation_id: str, agent_id: str, origin: str, now: datetime,
                         system_digest: str | None = None, snapshot: str | None = None,
                         thread: str | None = None) -> None:
-    """Create the agent and the conversation rows if missing (the server's request path and
-    its cache persister both may be first; neither fails on the other's insert)."""
+    """Create the agent and the conversation rows if missing (two requests may be first;
+    neither fails on the other's insert). The one writer of these rows for a turn: the cache
+    persister writes none, and a cache row references its conversation, so this runs before
+    the engine computes the turn (``AgentService.accept``)."""
     insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
                      status="active", metadata_json={})
     insert_or_ignore(session, Conversation, id=conversation_id, agent_id=agent_id, system_digest=system_digest,
                      snapshot=snapshot or None, thread=thread, created_at=now, last_access_at=now)
-    if system_digest is not None:  # the persister may have created it without one
+    if system_digest is not None:  # a row made without one (by an older server's cache persister)
         conversation = session.get_one(Conversation, conversation_id)
         conversation.system_digest = conversation.system_digest or system_digest
         conversation.snapshot = conversation.snapshot or snapshot or None

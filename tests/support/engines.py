@@ -12,7 +12,7 @@ from app.engine.engine import CacheConfig, Engine
 from app.engine.model import LoadedModel
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.clock import utcnow
-from app.store.history import touch_agent
+from app.store.history import ensure_conversation, touch_agent
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
 
@@ -24,9 +24,10 @@ def make_engine_at(home: Path, model_dir: Path, agents: Iterable[str], enabled: 
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
-    with sessions.begin() as session:
+    with sessions.begin() as session:  # as the server's history writer does before a turn runs
         for agent in agents:
             touch_agent(session, agent, "direct", utcnow())
+            ensure_conversation(session, f"{agent}-conversation", agent, "direct", utcnow())
     engine = Engine(catalog or Catalog.single(name, model_dir),
                     CacheConfig(home / "blocks", sessions, budget, enabled, kv_format_for=lambda _model: kv_format))
     engine.start()
