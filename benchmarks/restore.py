@@ -39,7 +39,8 @@ from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.cache.manager import CacheManager  # noqa: E402
 from app.cache.records import CacheRecord  # noqa: E402
 from app.store.db import make_engine, make_session_factory, upgrade  # noqa: E402
-from app.store.history import touch_agent, utcnow  # noqa: E402
+from app.clock import utcnow  # noqa: E402
+from app.store.history import ensure_conversation, touch_agent  # noqa: E402
 from app.types import Prompt  # noqa: E402
 from benchmarks.common import device, print_table, pyplot, save_plot, write_results  # noqa: E402
 from benchmarks.synthetic import SHAPES, shape_config  # noqa: E402
@@ -58,6 +59,7 @@ def _manager(home: Path, n_layers: int, kv_format: Any, dtype: mx.Dtype) -> Cach
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:
         touch_agent(session, "agent", "direct", utcnow())
+        ensure_conversation(session, "conversation", "agent", "direct", utcnow())  # as the API does before a turn
     return CacheManager(fingerprint=FINGERPRINT, n_layers=n_layers, dtype=dtype, blocks_dir=home / "blocks",
                         sessions=sessions, budget_bytes=1 << 40, kv_format=kv_format, working_copies=0)
 

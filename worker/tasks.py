@@ -25,9 +25,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache import upkeep
+from app.clock import utcnow
 from app.store import jobs
 from app.store.db import make_engine, make_session_factory
-from app.store.history import utcnow
 from worker.huey_app import huey, settings
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.errors import InvalidRequest
+from app.store import history, responses
 from app.store.models import Base, Request, StoredResponse
 
 
@@ -47,18 +48,11 @@ def import_log(session: Session, manifest: dict[str, Any], agent_id: str,
         InvalidRequest: a value of the wrong type or length, or a response of a conversation
             the archive does not hold.
     """
-    requests: set[str] = set()
-    n_skipped = 0
-    for data in _listed(manifest, "requests"):
-        values = _checked(Request, data, {"agent_id": agent_id,
-                                          "conversation_id": conversations.get(str(data.get("conversation_id")))})
-        if session.get(Request, values["id"]) is not None:
-            n_skipped += 1
-            continue
-        session.add(Request(**values))
-        requests.add(values["id"])
-    session.flush()  # before the messages and responses that point to them
-    n_responses = 0
+    listed = [_checked(Request, data, {"agent_id": agent_id,
+                                       "conversation_id": conversations.get(str(data.get("conversation_id")))})
+              for data in _listed(manifest, "requests")]
+    requests = history.import_requests(session, listed)  # flushed: messages and responses point to them
+    stored = []
     for data in _listed(manifest, "responses"):
         conversation = conversations.get(str(data.get("conversation_id")))
         if conversation is None:
@@ -68,12 +62,9 @@ def import_log(session: Session, manifest: dict[str, Any], agent_id: str,
             "request_id": data.get("request_id") if data.get("request_id") in requests else None})
         if values["n_messages"] is None or values["n_messages"] < 0 or not isinstance(values["body"], dict):
             raise InvalidRequest("archive: a stored response lacks its message count or its body", "archive")
-        if session.get(StoredResponse, values["id"]) is not None:
-            n_skipped += 1
-            continue
-        session.add(StoredResponse(**values))
-        n_responses += 1
-    return ImportedLog(frozenset(requests), n_responses, n_skipped)
+        stored.append(values)
+    n_responses = responses.import_responses(session, stored)
+    return ImportedLog(requests, n_responses, len(listed) - len(requests) + len(stored) - n_responses)
 
 
 def _values(row: Base) -> dict[str, Any]:

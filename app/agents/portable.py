@@ -36,7 +36,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -47,13 +46,13 @@ from app.cache import durable
 from app.cache import files as cache_files
 from app.cache.files import CacheFiles
 from app.cache.hashing import BLOCK_TOKENS, block_hash, private_fingerprint
-from app.cache.shared_tier import S3Tier
+from app.cache.shared_tier import S3Tier, upload_conversation
+from app.clock import utcnow
 from app.errors import InvalidRequest, NotFound
 from app.store import agents as agents_store
 from app.store import cache_index
 from app.store.db import write_locked
-from app.store.history import new_conversation_id, utcnow
-from app.store.models import Agent, Conversation, Message
+from app.store.history import new_conversation_id
 from app.types import SESSION_ID_PATTERN
 
 FORMAT = "semantic-agent"
@@ -116,12 +115,11 @@ def _export(sessions: sessionmaker[Session], root: Path, agent_id: str, out: IO[
             spool: Path) -> dict[str, Any]:
     files: dict[str, bytes] = {}
     with sessions() as session:
-        agent = session.get(Agent, agent_id)
+        agent = agents_store.get(session, agent_id)
         if agent is None:
             raise NotFound(f"agent {agent_id!r} does not exist")
         conversations = []
-        for conversation in session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
-                                            .order_by(Conversation.created_at, Conversation.id)):
+        for conversation in agents_store.conversations(session, agent_id):
             messages = agents_store.history(session, agent_id, conversation.id)
             caches = []
             for fingerprint, entry in cache_index.conversation_caches(session, conversation.id):
@@ -221,7 +219,7 @@ def _import(sessions: sessionmaker[Session], root: Path, manifest: dict[str, Any
         raise InvalidRequest(f"archive: origin {str(agent.get('origin'))[:80]!r} is not one of "
                              f"{', '.join(sorted(ORIGINS))}", "archive")
     with sessions() as session:  # checked again below, under the write lock
-        taken = session.get(Agent, agent_id) is not None
+        taken = agents_store.get(session, agent_id) is not None
     if taken:
         raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
     written: list[Path] = []  # every file this import wrote, removed if it is refused
@@ -233,7 +231,7 @@ def _import(sessions: sessionmaker[Session], root: Path, manifest: dict[str, Any
             plan.append((conversation, conversation_id,
                          [staging.cache(cache, agent_id, conversation_id) for cache in conversation["caches"]]))
         with write_locked(sessions) as session:
-            if session.get(Agent, agent_id) is not None:
+            if agents_store.get(session, agent_id) is not None:
                 raise InvalidRequest(f"agent {agent_id!r} already exists here (import it --as another id)", "id")
             n_messages, n_tokens = _insert(session, agent, agent_id, plan)
             log_rows = import_log(session, manifest, agent_id, {str(c["id"]): new for c, new, _ in plan})
@@ -425,38 +423,31 @@ def _insert(session: Session, agent: dict[str, Any], agent_id: str, plan: _Plan)
     # content-recognised agent would let a forged archive capture other clients' requests
     # that name no agent (history.find_by_content). Imported, it is reached by its id only.
     origin = "imported" if agent["origin"] == "content" else str(agent["origin"])
-    session.add(Agent(id=agent_id, origin=origin, parent_id=None,
-                      created_at=_parse(agent["created_at"]), last_access_at=now, ttl_seconds=agent["ttl_seconds"],
-                      hot_ttl_seconds=agent["hot_ttl_seconds"], status=str(agent["status"]),
-                      metadata_json=dict(agent["metadata"] or {})))
-    n_messages = n_tokens = 0
-    for conversation, conversation_id, caches in plan:
-        session.add(Conversation(id=conversation_id, agent_id=agent_id, system_digest=conversation["system_digest"],
-                                 snapshot=conversation["snapshot"], thread=conversation["thread"],
-                                 created_at=_parse(conversation["created_at"]),
-                                 last_access_at=_parse(conversation["last_access_at"])))
-        session.flush()
-        session.add_all(Message(agent_id=agent_id, conversation_id=conversation_id, position=int(m["position"]),
-                                role=str(m["role"]), content=m["content"], digest=m["digest"],
-                                created_at=_parse(m["created_at"]))
-                        for m in conversation["messages"])
-        n_messages += len(conversation["messages"])
+    conversations = [agents_store.ArchivedConversation(
+        conversation_id, conversation["system_digest"], conversation["snapshot"], conversation["thread"],
+        _parse(conversation["created_at"]), _parse(conversation["last_access_at"]),
+        tuple(agents_store.ArchivedMessage(int(m["position"]), str(m["role"]), m["content"], m["digest"],
+                                           _parse(m["created_at"])) for m in conversation["messages"]))
+        for conversation, conversation_id, _ in plan]
+    agents_store.add_imported(session, agent_id, origin=origin, created_at=_parse(agent["created_at"]), now=now,
+                              ttl_seconds=agent["ttl_seconds"], hot_ttl_seconds=agent["hot_ttl_seconds"],
+                              status=str(agent["status"]), metadata=dict(agent["metadata"] or {}),
+                              conversations=conversations)
+    n_tokens = 0
+    for _, conversation_id, caches in plan:
         for cache, record, record_checksum, rows in caches:
             cache_index.save_cache(session, agent_id, conversation_id, str(cache["fingerprint"]),
                                    int(cache["n_tokens"]), str(record), rows, now, record_checksum=record_checksum)
             n_tokens += int(cache["n_tokens"])
-    return n_messages, n_tokens
+    return sum(len(c.messages) for c in conversations), n_tokens
 
 
 def _link_requests(session: Session, plan: _Plan, requests: frozenset[str]) -> None:
     """Point each imported message to the request that wrote it, if that request was imported."""
     for conversation, conversation_id, _ in plan:
-        linked = {int(m["position"]): m.get("request_id") for m in conversation["messages"]
-                  if m.get("request_id") in requests}
-        if linked:
-            for message in session.scalars(select(Message).where(Message.conversation_id == conversation_id,
-                                                                 Message.position.in_(linked))):
-                message.request_id = linked[message.position]
+        agents_store.link_requests(session, conversation_id, {
+            int(m["position"]): m["request_id"] for m in conversation["messages"]
+            if m.get("request_id") in requests})
 
 
 def _parse(value: Any) -> datetime:
@@ -472,10 +463,8 @@ def _upload(tier: S3Tier, root: Path, plan: _Plan) -> None:
     try:
         for _, _, caches in plan:
             for cache, record, _, rows in caches:
+                # A block this home held already may be another server's file: missing here, skipped.
                 layout = CacheFiles(root, str(cache["fingerprint"]), tier)
-                for path in (layout.local(row.path, fetch=False) for row in rows):
-                    if path.exists():  # a block this home held already may be another server's file
-                        tier.put(layout.key(path), path, once=True)
-                tier.put(layout.key(record), record)
+                upload_conversation(tier, layout.upload([layout.local(row.path, fetch=False) for row in rows], record))
     except Exception as exc:
         log.warning("shared tier: the imported agent's files were not uploaded (%s)", exc)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Collection, Sequence, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.identity import AgentKey, new_agent
+from app.clock import utcnow
 from app.errors import InvalidRequest, NotFound, StoreBusy
 from app.store import agents as agents_store
 from app.store import cache_index, history, responses
@@ -85,7 +86,7 @@ class AgentService:
         Raises:
             InvalidRequest: the id is taken.
         """
-        now = history.utcnow()
+        now = utcnow()
         with self._sessions.begin() as session:
             if not agents_store.create(session, agent_id, metadata, ttl_seconds, now):
                 raise InvalidRequest(f"id: agent {agent_id!r} already exists", "id")
@@ -104,7 +105,7 @@ class AgentService:
         """
         self.get(source_id)
         with self._sessions.begin() as session:
-            return agents_store.fork(session, source_id, new_id, metadata, at_turn, history.utcnow())
+            return agents_store.fork(session, source_id, new_id, metadata, at_turn, utcnow())
 
     def get(self, agent_id: str) -> agents_store.AgentView:
         """Raises NotFound."""
@@ -159,7 +160,7 @@ class AgentService:
         def write() -> None:
             with self._sessions.begin() as session:
                 history.fail_request(session, request_id, status="rejected", error_type=error_type,
-                                     message=message, now=history.utcnow(), protocol=protocol)
+                                     message=message, now=utcnow(), protocol=protocol)
 
         self._best_effort(write, f"request {request_id}: its rejection")
 
@@ -170,7 +171,7 @@ class AgentService:
             with self._sessions.begin() as session:
                 history.start_request(session, request_id, protocol=protocol, model=model,
                                       served_model=served_model, stream=stream, n_input_tokens=n_input_tokens,
-                                      now=history.utcnow())
+                                      now=utcnow())
 
         with_retries(write, attempts=1)
 
@@ -179,7 +180,7 @@ class AgentService:
         """The engine took the request: the agent (with the TTLs it asks for) and its
         conversation exist from now on (before the engine can store a cache for them);
         a new conversation pins ``snapshot``."""
-        now = history.utcnow()
+        now = utcnow()
 
         def write() -> None:
             with self._sessions.begin() as session:
@@ -197,7 +198,7 @@ class AgentService:
         """Record the outcome, and append to the conversation the messages it does not hold
         yet (``messages`` ends with the reply), with the response object to keep if any
         (Responses API ``store``). A cancelled turn stores no history."""
-        now = history.utcnow()
+        now = utcnow()
         agent_id, conversation_id = target.agent.agent_id, target.conversation_id
 
         def write() -> None:
@@ -221,7 +222,7 @@ class AgentService:
         def write() -> None:
             with self._sessions.begin() as session:
                 history.fail_request(session, request_id, status=status, error_type=error_type, message=message,
-                                     now=history.utcnow(), agent_id=target.agent.agent_id,
+                                     now=utcnow(), agent_id=target.agent.agent_id,
                                      conversation_id=target.conversation_id)
 
         self._best_effort(write, f"request {request_id}: its {status} outcome")

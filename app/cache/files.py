@@ -51,6 +51,7 @@ from safetensors.numpy import save_file
 from app.cache import durable
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import CacheRecord
+from app.cache.shared_tier import Upload
 
 if TYPE_CHECKING:
     from app.cache.records import ConversationCache
@@ -369,6 +370,11 @@ class CacheFiles:
     def key(self, path: Path) -> str:
         """A file's name in the shared tier: its path below the root (``<fingerprint[:16]>/...``)."""
         return path.relative_to(self.root).as_posix()
+
+    def upload(self, blocks: Iterable[Path], record: Path) -> Upload:
+        """A conversation's files (this server's paths) to copy to the shared tier, each under
+        its key: ``blocks``, then ``record`` (``shared_tier.upload_conversation``)."""
+        return Upload(tuple((self.key(path), path) for path in blocks), (self.key(record), record))
 
     def local(self, stored: str | Path, fetch: bool = True) -> Path:
         """Where this server keeps the file an index row names (the row may have been written by

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.cache import files
 from app.cache.upkeep import GRACE_S, delete_unreferenced, orphan_files
-from app.store.history import utcnow
+from app.clock import utcnow
 from app.store.jobs import record_run
 
 if TYPE_CHECKING:

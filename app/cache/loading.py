@@ -22,7 +22,7 @@ from app.cache.ownership import Ownership
 from app.cache.persist import Forget, Persister
 from app.cache.records import ConversationCache
 from app.store.cache_index import CacheEntry, CacheIndex
-from app.store.history import utcnow
+from app.clock import utcnow
 
 if TYPE_CHECKING:
     import mlx.core as mx

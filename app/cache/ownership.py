@@ -13,7 +13,7 @@ import logging
 from typing import Literal
 
 from app.store.cache_index import CacheIndex
-from app.store.history import utcnow
+from app.clock import utcnow
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.files import CacheFiles, StorableCheckpoint
 from app.cache.hashing import BLOCK_TOKENS
 from app.cache.records import ConversationCache
-from app.cache.shared_tier import Upload, Uploader
+from app.cache.shared_tier import Uploader
+from app.clock import utcnow
 from app.store import cache_index, ownership
 from app.store.db import with_retries, write_locked
-from app.store.history import ensure_conversation, utcnow
 
 if TYPE_CHECKING:
     from app.cache.blocks import KVBlock
@@ -153,10 +153,10 @@ class Persister(threading.Thread):
             indexed, previous = with_retries(
                 partial(self._index, cache, record_path, record_checksum, written, snapshot.epoch, shared),
                 INDEX_ATTEMPTS)
-            if indexed is None:  # another server owns the agent now: its cache is the one that counts
+            if indexed is None:  # another server owns the agent now (its cache is the one that counts), or it went
                 record_path.unlink(missing_ok=True)
-                log.warning("conversation %s: not indexed, agent %s is owned by another server since",
-                            cache.conversation_id, cache.agent_id)
+                log.warning("conversation %s: not indexed, agent %s is owned by another server since "
+                            "(or the conversation was deleted)", cache.conversation_id, cache.agent_id)
                 return
             if not indexed:
                 continue
@@ -165,9 +165,8 @@ class Persister(threading.Thread):
             if previous is not None and previous.record_path != str(record_path):
                 self._files.local(previous.record_path, fetch=False).unlink(missing_ok=True)
             if self._uploader is not None:
-                files = [*(path for path, _ in written), *(Path(point.path) for point in shared)]
-                self._uploader.submit(Upload(tuple((self._files.key(path), path) for path in files),
-                                             (self._files.key(record_path), record_path)))
+                self._uploader.submit(self._files.upload(
+                    [*(path for path, _ in written), *(Path(point.path) for point in shared)], record_path))
             return
         raise RuntimeError(f"the block files of conversation {cache.conversation_id} kept being deleted")
 
@@ -194,11 +193,14 @@ class Persister(threading.Thread):
                shared: Sequence[cache_index.SharedCheckpoint] = (),
                ) -> tuple[bool | None, cache_index.CacheEntry | None]:
         """Index the written files in one transaction: (False, None) if a block file was
-        deleted meanwhile, (None, None) if this server
-        no longer owns the agent (pool mode), else (True, the entry it replaced)."""
+        deleted meanwhile, (None, None) if this server no longer owns the agent (pool mode) or
+        the conversation is gone (its rows are the history writer's: created before the turn
+        ran, deleted with its agent), else (True, the entry it replaced)."""
         with write_locked(self._sessions) as session:
             if self._owner is not None and epoch is not None and \
                     not ownership.still_owns(session, cache.agent_id, self._owner, epoch):
+                return None, None
+            if not cache_index.has_conversation(session, cache.conversation_id):
                 return None, None
             # A block file that existed above may have been deleted since by the worker
             # (its row was dropped); under the lock no deleter runs, and after this
@@ -209,7 +211,6 @@ class Persister(threading.Thread):
                     for block, parent, (path, digest) in zip(cache.chain, (None, *cache.chain), written)]
             now = utcnow()
             previous = cache_index.load_cache(session, cache.conversation_id, self._files.fingerprint)
-            ensure_conversation(session, cache.conversation_id, cache.agent_id, "content", now)
             cache_index.save_cache(session, cache.agent_id, cache.conversation_id, self._files.fingerprint,
                                    cache.record.n_tokens, str(record_path), rows, now, record_checksum=record_checksum)
             cache_index.save_block_checkpoints(session, shared)  # in the same transaction as the rows
@@ -217,21 +218,20 @@ class Persister(threading.Thread):
 
     def _copy(self, item: Copy) -> None:
         """In one write-locked transaction, so the source's record cannot be replaced and
-        deleted while it is read, nor its blocks dropped before the copy references them."""
+        deleted while it is read, nor its blocks dropped before the copy references them. The
+        fork's conversation is the history writer's (``store/agents.py``: ``fork``), made first."""
         fingerprint = self._files.fingerprint
         with write_locked(self._sessions) as session:
             entry = cache_index.load_cache(session, item.source, fingerprint)
-            if entry is None:
+            if entry is None or not cache_index.has_conversation(session, item.conversation_id):
                 return
             record_path, record_checksum = self._files.copy_record(entry.record_path, item.agent_id,
                                                                    item.conversation_id, entry.record_checksum)
-            ensure_conversation(session, item.conversation_id, item.agent_id, "direct", utcnow())
             cache_index.save_cache(session, item.agent_id, item.conversation_id, fingerprint, entry.n_tokens,
                                    str(record_path), entry.blocks, utcnow(), record_checksum=record_checksum)
-        if self._uploader is not None:
-            blocks = tuple((self._files.key(path), path) for path in (self._files.local(b.path, fetch=False)
-                                                                     for b in entry.blocks) if path.exists())
-            self._uploader.submit(Upload(blocks, (self._files.key(record_path), record_path)))
+        if self._uploader is not None:  # blocks gone from this disk are skipped (the tier holds them)
+            self._uploader.submit(self._files.upload([self._files.local(b.path, fetch=False) for b in entry.blocks],
+                                                     record_path))
 
     def _forget(self, conversation_id: str) -> None:
         with self._sessions.begin() as session:

@@ -167,6 +167,53 @@ class Upload:
     record: tuple[str, Path]
 
 
+class UploadMemo:
+    """Block keys seen in the tier, and when (oldest first): skipped for ``memo_s``, then put
+    again, since the tier may lose an object (blocks never change, so a put is a no-op while
+    it holds one). Bounded: the oldest beyond ``memo_keys`` are forgotten."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, memo_s: float = UPLOADED_MEMO_S,
+                 memo_keys: int = UPLOADED_MEMO_KEYS) -> None:
+        self._uploaded: OrderedDict[str, float] = OrderedDict()
+        self._clock = clock
+        self._memo_s = memo_s
+        self._memo_keys = memo_keys
+
+    def known(self, key: str) -> bool:
+        """Whether the block was seen in the tier recently enough to skip putting it."""
+        seen = self._uploaded.get(key)
+        return seen is not None and self._clock() - seen < self._memo_s
+
+    def remember(self, key: str) -> None:
+        self._uploaded[key] = self._clock()
+        self._uploaded.move_to_end(key)
+        while len(self._uploaded) > self._memo_keys:
+            self._uploaded.popitem(last=False)
+
+
+def upload_conversation(tier: S3Tier, upload: Upload, memo: UploadMemo | None = None) -> None:
+    """Put a conversation's files in the tier: each block once (``If-None-Match``; skipped
+    while ``memo`` has seen it in the tier; one gone from this disk since is skipped: the
+    janitor saw the tier hold it, or its row went), then the record, last: a record in the
+    tier means its blocks are there. The one upload path of the persister's turns and fork
+    copies (through ``Uploader``) and of an agent's import.
+
+    Raises:
+        Whatever the tier raises (it is down or refused): the caller decides what a failed
+        upload costs.
+    """
+    for key, path in upload.blocks:
+        if memo is not None and memo.known(key):
+            continue
+        try:
+            tier.put(key, path, once=True)
+        except FileNotFoundError:
+            continue
+        if memo is not None:
+            memo.remember(key)
+    tier.put(*upload.record)
+
+
 class Uploader(threading.Thread):
     """Copies what the persister wrote to the shared tier, in order, off every request's path.
 
@@ -181,13 +228,7 @@ class Uploader(threading.Thread):
         self._queue: queue.Queue[Upload | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
-        # Block keys seen in the tier, and when (oldest first): skipped for ``memo_s``, then
-        # put again, since the tier may lose an object (blocks never change, so a put is a no-op
-        # while it holds one). Bounded: the oldest beyond ``memo_keys`` are forgotten.
-        self._uploaded: OrderedDict[str, float] = OrderedDict()
-        self._clock = clock
-        self._memo_s = memo_s
-        self._memo_keys = memo_keys
+        self._memo = UploadMemo(clock, memo_s, memo_keys)
         self.n_failed = 0
 
     def submit(self, upload: Upload) -> None:
@@ -211,28 +252,10 @@ class Uploader(threading.Thread):
             return False
         return True
 
-    def _known(self, key: str) -> bool:
-        """Whether the block was seen in the tier recently enough to skip putting it."""
-        seen = self._uploaded.get(key)
-        return seen is not None and self._clock() - seen < self._memo_s
-
-    def _remember(self, key: str) -> None:
-        self._uploaded[key] = self._clock()
-        self._uploaded.move_to_end(key)
-        while len(self._uploaded) > self._memo_keys:
-            self._uploaded.popitem(last=False)
-
     def run(self) -> None:
         while (upload := self._queue.get()) is not None:
             try:
-                for key, path in upload.blocks:
-                    if not self._known(key):
-                        try:
-                            self._tier.put(key, path, once=True)
-                        except FileNotFoundError:  # gone since: the janitor saw the tier hold it, or its row went
-                            continue
-                        self._remember(key)
-                self._tier.put(*upload.record)  # last: a record in the tier means its blocks are there
+                upload_conversation(self._tier, upload, self._memo)
             except Exception as exc:  # the tier is down or refused: the next turn uploads again
                 self.n_failed += 1
                 log.warning("shared tier: upload of %s failed (%s); the next turn retries", upload.record[0], exc)

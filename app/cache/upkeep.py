@@ -20,9 +20,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache import files
+from app.clock import utcnow
 from app.store import cache_index
 from app.store.db import write_locked
-from app.store.history import utcnow
 from app.store.jobs import maintain_database, record_run
 
 GRACE_S = 600  # a file or unreferenced block this old is no longer being written or reused

@@ -1,10 +1,11 @@
-"""Agent rows, their conversations and history, for the direct agent API. Functions take a Session."""
+"""Agent rows, their conversations and history, for the direct agent API and an agent's
+archive (export reads them, import writes them). Functions take a Session."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import and_, delete, func, select
 from sqlalchemy.orm import Session
@@ -184,3 +185,66 @@ def _first_text(content: Any) -> str:
         content = next((part["text"] for part in content
                         if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]), "")
     return content if isinstance(content, str) else ""
+
+
+# -- an agent's archive (app/agents/portable.py) ------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ArchivedMessage:
+    """A message as an archive holds it, keeping its position, digest and time."""
+
+    position: int
+    role: str
+    content: Any  # JSON as stored
+    digest: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivedConversation:
+    """A conversation as an archive holds it, under the id the import gives it."""
+
+    id: str
+    system_digest: str | None
+    snapshot: str | None
+    thread: str | None
+    created_at: datetime
+    last_access_at: datetime
+    messages: tuple[ArchivedMessage, ...]
+
+
+def get(session: Session, agent_id: str) -> Agent | None:
+    """The agent's row (None: no such agent)."""
+    return session.get(Agent, agent_id)
+
+
+def conversations(session: Session, agent_id: str) -> list[Conversation]:
+    """The agent's conversations, oldest first."""
+    return list(session.scalars(select(Conversation).where(Conversation.agent_id == agent_id)
+                                .order_by(Conversation.created_at, Conversation.id)))
+
+
+def add_imported(session: Session, agent_id: str, *, origin: str, created_at: datetime, now: datetime,
+                 ttl_seconds: int | None, hot_ttl_seconds: int | None, status: str, metadata: dict[str, Any],
+                 conversations: Sequence[ArchivedConversation]) -> None:
+    """An imported agent (no parent: its source lives in another store), used ``now``, and its
+    conversations with their messages, in the caller's transaction."""
+    session.add(Agent(id=agent_id, origin=origin, parent_id=None, created_at=created_at, last_access_at=now,
+                      ttl_seconds=ttl_seconds, hot_ttl_seconds=hot_ttl_seconds, status=status,
+                      metadata_json=metadata))
+    for conversation in conversations:
+        session.add(Conversation(id=conversation.id, agent_id=agent_id, system_digest=conversation.system_digest,
+                                 snapshot=conversation.snapshot, thread=conversation.thread,
+                                 created_at=conversation.created_at, last_access_at=conversation.last_access_at))
+        session.flush()
+        session.add_all(Message(agent_id=agent_id, conversation_id=conversation.id, position=m.position,
+                                role=m.role, content=m.content, digest=m.digest, created_at=m.created_at)
+                        for m in conversation.messages)
+
+
+def link_requests(session: Session, conversation_id: str, linked: dict[int, str]) -> None:
+    """Point the conversation's messages at ``linked``'s positions to the request that wrote each."""
+    if linked:
+        for message in session.scalars(select(Message).where(Message.conversation_id == conversation_id,
+                                                             Message.position.in_(linked))):
+            message.request_id = linked[message.position]

@@ -17,7 +17,7 @@ from sqlalchemy import delete, distinct, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.store import ownership
-from app.store.models import Agent, Block, Cache, CacheBlock
+from app.store.models import Agent, Block, Cache, CacheBlock, Conversation
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,13 @@ def save_cache(session: Session, agent_id: str, conversation_id: str, fingerprin
     cache.record_checksum = record_checksum
     cache.tier = "warm"  # also revives a cache the worker expired while the server held it in memory
     _refresh_ref_counts(session, [*old, *(row.hash for row in blocks)])
+
+
+def has_conversation(session: Session, conversation_id: str) -> bool:
+    """Whether the conversation a cache would belong to exists: the history writer
+    (``history.py``) creates it before the engine computes a cache for it, and a cache row
+    references it (a deleted one takes no cache)."""
+    return session.get(Conversation, conversation_id) is not None
 
 
 def _cache(session: Session, conversation_id: str, fingerprint: str) -> Cache | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Sequence
 
 from sqlalchemy import select
@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 # Conversations looked at when a request names no agent and is recognised by content.
 CONTENT_CANDIDATES = 50
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def new_conversation_id() -> str:
@@ -103,7 +99,7 @@ def find_by_content(session: Session, system_digest: str, digests: Sequence[str]
 def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
                 ttl_seconds: int | None = None, hot_ttl_seconds: int | None = None) -> Agent:
     """Get the agent, creating it on first sight; record the access and any TTL the request sets.
-    (The cache persister may create the row at the same moment: the insert yields to it.)"""
+    (Another request of the same new agent may create the row at the same moment: the insert yields to it.)"""
     insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
                      status="active", metadata_json={})
     agent = session.get_one(Agent, agent_id)
@@ -118,13 +114,15 @@ def touch_agent(session: Session, agent_id: str, origin: str, now: datetime, *,
 def ensure_conversation(session: Session, conversation_id: str, agent_id: str, origin: str, now: datetime,
                         system_digest: str | None = None, snapshot: str | None = None,
                         thread: str | None = None) -> None:
-    """Create the agent and the conversation rows if missing (the server's request path and
-    its cache persister both may be first; neither fails on the other's insert)."""
+    """Create the agent and the conversation rows if missing (two requests may be first;
+    neither fails on the other's insert). The one writer of these rows for a turn: the cache
+    persister writes none, and a cache row references its conversation, so this runs before
+    the engine computes the turn (``AgentService.accept``)."""
     insert_or_ignore(session, Agent, id=agent_id, origin=origin, created_at=now, last_access_at=now,
                      status="active", metadata_json={})
     insert_or_ignore(session, Conversation, id=conversation_id, agent_id=agent_id, system_digest=system_digest,
                      snapshot=snapshot or None, thread=thread, created_at=now, last_access_at=now)
-    if system_digest is not None:  # the persister may have created it without one
+    if system_digest is not None:  # a row made without one (by an older server's cache persister)
         conversation = session.get_one(Conversation, conversation_id)
         conversation.system_digest = conversation.system_digest or system_digest
         conversation.snapshot = conversation.snapshot or snapshot or None
@@ -181,6 +179,19 @@ def fail_request(session: Session, request_id: str, *, status: str, error_type: 
     row.error_type = error_type
     row.error_message = _text(message[:2000])
     row.finished_at = now
+
+
+def import_requests(session: Session, rows: Sequence[dict[str, Any]]) -> frozenset[str]:
+    """Add request rows an agent's archive holds (``rows``: each one's column values, checked
+    by the caller), flushed; a row whose id this store holds already is skipped (it stays
+    its owner's). Returns the ids written."""
+    written: set[str] = set()
+    for values in rows:
+        if session.get(Request, values["id"]) is None:
+            session.add(Request(**values))
+            written.add(values["id"])
+    session.flush()
+    return frozenset(written)
 
 
 @dataclass(frozen=True, slots=True)

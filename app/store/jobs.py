@@ -13,9 +13,9 @@ from typing import Any
 from sqlalchemy import Engine, delete, func, select, text, union
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.clock import utcnow
 from app.errors import StoreBusy
 from app.store.db import is_postgres, with_retries, write_locked
-from app.store.history import utcnow
 from app.store.models import JobRun, Message, Request, StoredResponse
 
 log = logging.getLogger(__name__)

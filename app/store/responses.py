@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -37,6 +37,18 @@ def save(session: Session, response_id: str, *, request_id: str, agent_id: str, 
                                request_id=request_id, previous_response_id=previous_response_id,
                                n_messages=n_messages, status=str(body.get("status", "completed")),
                                model=body.get("model"), body=body, created_at=now))
+
+
+def import_responses(session: Session, rows: Sequence[dict[str, Any]]) -> int:
+    """Add stored responses an agent's archive holds (``rows``: each one's column values,
+    checked by the caller); one whose id this store holds already is skipped (it stays its
+    owner's). Returns how many were written."""
+    n_written = 0
+    for values in rows:
+        if session.get(StoredResponse, values["id"]) is None:
+            session.add(StoredResponse(**values))
+            n_written += 1
+    return n_written
 
 
 def get(session: Session, response_id: str) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import anthropic
 import httpx
 
 from app.store.db import make_engine, make_session_factory
-from app.store.history import utcnow
+from app.clock import utcnow
 from app.cache.upkeep import run_compact, run_evict, run_expire
 from support.servers import ServerProcess, start_server, stop_server
 from support.dbcheck import query

@@ -25,6 +25,7 @@ from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import Prompt
 from support.dbcheck import query
+from support.history_rows import add_conversations
 from support.pool_check import check_pool
 
 VOCAB = 300
@@ -82,15 +83,19 @@ def cold_same_split(model, n_layers: int, prefix: list[int], suffix: list[int], 
     return forward(model, to_working_cache([stored], n_layers, len(prefix), mx.float32, kv_format), suffix)
 
 
+# The conversations each agent's turns use in these tests, test_shared_checkpoints.py's and
+# test_cache_poisoning.py's (a fork's conversation is made by the API, before the copy).
+CONVERSATIONS = {"a": ("a-c", "main", "side", "third", "a-1", "a-2", "c"), "b": ("b-c", "b-1", "other", "neighbour"),
+                 "h": ("honest",), "forked": ("fork",)}
+
+
 def manager(home: Path, n_layers: int, fingerprint: str = "fp-test", agents: tuple[str, ...] = ("a", "b"),
             **options: Any) -> CacheManager:
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
-    with sessions.begin() as session:  # agents must exist (foreign key), as the API ensures
-        from app.store.history import touch_agent, utcnow
-        for agent in agents:
-            touch_agent(session, agent, "direct", utcnow())
+    for agent in agents:  # agents and conversations exist (foreign keys), as the API ensures
+        add_conversations(sessions, agent, CONVERSATIONS.get(agent, (f"{agent}-c",)))
     return CacheManager(fingerprint=fingerprint, n_layers=n_layers, dtype=mx.float32, blocks_dir=home / "blocks",
                         sessions=sessions, budget_bytes=1 << 30, **options)
 
@@ -433,7 +438,7 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     computes what a reload from disk would, bit for bit. No room: nothing is loaded."""
     from sqlalchemy import update
 
-    from app.store.history import utcnow
+    from app.clock import utcnow
     from app.store.models import Cache
 
     model = build("llama")

@@ -19,6 +19,8 @@ from app.cache.records import CacheRecord, ConversationCache
 from app.store import cache_index
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.cache.upkeep import delete_unreferenced
+from app.clock import utcnow
+from app.store.history import ensure_conversation
 from app.store.models import Cache
 from support.store_check import store_problems
 
@@ -39,6 +41,9 @@ def store(tmp_path: Path, store_url: str) -> tuple[Any, CacheFiles, Persister]:
     url = store_url
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
+    with sessions.begin() as session:  # the history writer's rows, made before a turn's cache is stored
+        for conversation in ("c1", "c2"):
+            ensure_conversation(session, conversation, "agent", "direct", utcnow())
     files = CacheFiles(tmp_path / "blocks", "f" * 64)
     return sessions, files, Persister(files, sessions)
 

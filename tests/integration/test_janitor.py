@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.dbcheck import query
+from support.history_rows import add_conversations
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward
 from test_shared_tier import aws_credentials, s3_url, server, stage  # noqa: F401  (fixtures)
 
@@ -28,7 +29,8 @@ from app.cache.upkeep import run_expire
 from app.main import start_janitor
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from app.store.history import touch_agent
 
 HOUR_AGO = time.time() - 3600
 
@@ -67,6 +69,8 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
     sessions = make_session_factory(make_engine(f"sqlite:///{tmp_path / 'pool.db'}"))
     with sessions.begin() as session:
         touch_agent(session, "z", "direct", utcnow(), ttl_seconds=1)
+    add_conversations(sessions, "a", ("c",))  # as the API does before a turn
+    add_conversations(sessions, "z", ("d",))
     kept = _store(a, model, "a", "c", seed=11)
     _store(a, model, "z", "d", seed=12)
     a.close()

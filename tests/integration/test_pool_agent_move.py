@@ -37,8 +37,8 @@ from app.store.history import (
     ensure_conversation,
     start_request,
     touch_agent,
-    utcnow,
 )
+from app.clock import utcnow
 from app.store.models import Request
 
 FINGERPRINT = "5e" * 32  # an archive names its model by a sha256
@@ -68,8 +68,9 @@ def test_an_agent_moves_whole_out_of_a_pool_and_into_one(tmp_path: Path, s3_url:
     tokens = np.random.default_rng(21).integers(0, VOCAB, 600).tolist()
     more = np.random.default_rng(22).integers(0, VOCAB, 30).tolist()
     pool = _store(tmp_path / "pool.db")
-    with pool.begin() as session:
+    with pool.begin() as session:  # as the API does before a turn
         touch_agent(session, "a", "direct", utcnow())
+        ensure_conversation(session, "c", "a", "direct", utcnow())
     server = _manager(pool, tmp_path / "s1" / "blocks", n_layers, S3Tier(s3_url))
     lease = server.lease("a", "c", as_prompt(tokens))
     forward(model, lease.cache, tokens)

@@ -25,7 +25,7 @@ from app.cache.files import CHECKSUM_KEY, QUARANTINE, SHARED_CHECKPOINT_SUFFIX, 
 from app.cache.formats import KV_FORMATS
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory
-from app.store.history import utcnow
+from app.clock import utcnow
 from app.store.models import Block, CacheBlock
 from support.families import HYBRID, build
 from test_cache_round_trips import as_prompt, manager

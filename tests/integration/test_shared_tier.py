@@ -20,7 +20,8 @@ from app.cache.shared_tier import S3Tier
 from app.cache.stager import Stager
 from app.types import ForkPoint
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from support.history_rows import add_conversations
 from support.servers import free_port
 from support.dbcheck import query
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward
@@ -50,8 +51,7 @@ def server(tmp_path: Path, name: str, n_layers: int, tier: S3Tier | None, **opti
     url = f"sqlite:///{tmp_path / 'pool.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
-    with sessions.begin() as session:
-        touch_agent(session, "a", "direct", utcnow())
+    add_conversations(sessions, "a", ("c", "c2", "a-c"))  # as the API does before a turn
     return CacheManager(fingerprint="fp-pool", n_layers=n_layers, dtype=mx.float32, blocks_dir=tmp_path / name / "blocks",
                         sessions=sessions, budget_bytes=1 << 30, tier=tier, **options)
 
@@ -267,8 +267,7 @@ def test_a_restarted_server_prefetches_only_the_agents_it_still_owns(tmp_path: P
     n_layers = len(model.layers)
     rng = np.random.default_rng(6)
     a = server(tmp_path, "a", n_layers, S3Tier(s3_url), owner="a")
-    with a._index.sessions.begin() as session:
-        touch_agent(session, "z", "direct", utcnow())
+    add_conversations(a._index.sessions, "z", ("z-c",))
     tokens = {agent: rng.integers(0, VOCAB, 300).tolist() for agent in ("a", "z")}
     for agent, prompt in tokens.items():
         lease = a.lease(agent, f"{agent}-c", as_prompt(prompt))
@@ -398,8 +397,7 @@ def test_a_fork_on_another_server_copies_the_conversation_up_to_its_point_from_t
     point = ForkPoint(kept=(text[:300],), dropped=text[300:310])  # the fork leaves out tokens 300 on
 
     b = server(tmp_path, "b", n_layers, S3Tier(s3_url))  # nothing of a's on its disk
-    with make_session_factory(make_engine(f"sqlite:///{tmp_path / 'pool.db'}")).begin() as session:
-        touch_agent(session, "forked", "direct", utcnow())
+    add_conversations(make_session_factory(make_engine(f"sqlite:///{tmp_path / 'pool.db'}")), "forked", ("f",))
     assert b.fork("c", "forked", "f", point).wait(60)
     prompt = tokens[:300] + more
     lease = b.lease("forked", "f", as_prompt(prompt))

@@ -6,7 +6,8 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request, utcnow
+from app.clock import utcnow
+from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request
 from app.store.models import Conversation, Message
 
 

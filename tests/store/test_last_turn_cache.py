@@ -7,7 +7,8 @@ from datetime import timedelta
 
 from app.store import overview
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import ensure_conversation, utcnow
+from app.clock import utcnow
+from app.store.history import ensure_conversation
 from app.store.models import Request
 
 

@@ -50,7 +50,8 @@ def test_compaction_retires_only_what_still_needs_a_damaged_file(tmp_path: Path,
     from sqlalchemy import select
 
     from app.store import cache_index
-    from app.store.history import ensure_conversation, utcnow
+    from app.clock import utcnow
+    from app.store.history import ensure_conversation
     from app.cache.upkeep import _damaged_sample, _retire_damaged
     from app.store.models import Cache
 
@@ -101,7 +102,8 @@ def test_prune_keeps_history_and_recent_rows(tmp_path: Path, store_url: str) -> 
 
     from sqlalchemy import select
 
-    from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request, utcnow
+    from app.clock import utcnow
+    from app.store.history import StoredMessage, append_messages, ensure_conversation, start_request
     from app.store.jobs import record_run, run_prune
     from app.store.models import JobRun, Request
 
@@ -131,7 +133,8 @@ def test_compact_cleans_a_pools_server_directories_keeping_copies_of_named_files
 
     from app.cache.upkeep import run_compact
     from app.store import cache_index
-    from app.store.history import ensure_conversation, utcnow
+    from app.clock import utcnow
+    from app.store.history import ensure_conversation
 
     sessions = _store(store_url)
     tag = "f" * 16

@@ -65,7 +65,8 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     from app.engine.engine import CacheConfig, Engine
     from engines import flush_caches  # tests/support/engines.py: this script's directory is on sys.path
     from app.store.db import make_engine, make_session_factory, upgrade
-    from app.store.history import touch_agent, utcnow
+    from app.clock import utcnow
+    from app.store.history import ensure_conversation, touch_agent
     from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
     home.mkdir(parents=True, exist_ok=True)
@@ -74,6 +75,7 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
     sessions = make_session_factory(make_engine(url))
     with sessions.begin() as session:
         touch_agent(session, "crash", "direct", utcnow())
+        ensure_conversation(session, "crash-conv", "crash", "direct", utcnow())  # as the API does before a turn
     engine = Engine(Catalog.single("smollm2", model_dir), CacheConfig(home / "blocks", sessions, 1 << 30))
     engine.start()
     messages = [ChatMessage(m["role"], m["content"]) for m in json.loads(messages_path.read_text())]

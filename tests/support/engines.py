@@ -6,12 +6,15 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from sqlalchemy.orm import Session, sessionmaker
+
 from app.cache.manager import CacheManager
 from app.catalog.registry import Catalog
 from app.engine.engine import CacheConfig, Engine
 from app.engine.model import LoadedModel
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import touch_agent, utcnow
+from app.clock import utcnow
+from app.store.history import ensure_conversation, touch_agent
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 
 
@@ -23,13 +26,22 @@ def make_engine_at(home: Path, model_dir: Path, agents: Iterable[str], enabled: 
     url = f"sqlite:///{home / 'semantic.db'}"
     upgrade(url)
     sessions = make_session_factory(make_engine(url))
-    with sessions.begin() as session:
-        for agent in agents:
-            touch_agent(session, agent, "direct", utcnow())
+    for agent in agents:
+        _accept(sessions, agent)
     engine = Engine(catalog or Catalog.single(name, model_dir),
                     CacheConfig(home / "blocks", sessions, budget, enabled, kv_format_for=lambda _model: kv_format))
     engine.start()
     return engine
+
+
+def _accept(sessions: sessionmaker[Session], agent: str) -> None:
+    """The agent and its conversation (``conv``), as the server's history writer makes them
+    before a turn runs (``AgentService.accept``): the cache persister writes no history rows.
+    (tests/support/history_rows.py does the same for tests of the cache layer; this module
+    is also imported as a script's neighbour, where ``support`` is not a package.)"""
+    with sessions.begin() as session:
+        touch_agent(session, agent, "direct", utcnow())
+        ensure_conversation(session, f"{agent}-conversation", agent, "direct", utcnow())
 
 
 def cache_manager(engine: Engine) -> CacheManager:
@@ -54,7 +66,11 @@ def conv(agent: str | None) -> str | None:
 
 def turn(engine: Engine, agent: str | None, messages: list[ChatMessage], sampling: SamplingParams,
          model: str | None = None) -> tuple[str, Finished]:
-    """One generation to its end (and its cache committed): the reply's text and the Finished event."""
+    """One generation to its end (and its cache committed): the reply's text and the Finished event.
+    The agent and its conversation exist first, as the API makes them (``AgentService.accept``)."""
+    caches = engine._runner._caches
+    if agent is not None and caches is not None and caches.enabled:
+        _accept(caches._index.sessions, agent)
     job = engine.submit(GenerationRequest(f"req-{agent}", engine.render(messages, model=model), sampling, agent,
                                           conv(agent), model=model))
     events = list(job.events())

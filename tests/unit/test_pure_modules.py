@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 PURE = [
-    "app.settings", "app.types", "app.errors", "app.engine.stopping", "app.engine.drafting", "app.engine.blas",
+    "app.settings", "app.types", "app.errors", "app.clock", "app.engine.stopping", "app.engine.drafting", "app.engine.blas",
     "app.protocol.anthropic", "app.protocol.validation", "app.agents.identity", "app.protocol.responses",
     "app.protocol.responses_output", "app.protocol.codex", "app.protocol.ollama", "app.protocol.direct",
     "app.protocol.reply", "app.store.responses",

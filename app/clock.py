@@ -1,0 +1,14 @@
+"""The wall clock the store's rows are stamped with: one home for "now" (naive UTC).
+
+Rows hold naive UTC datetimes (SQLite keeps no time zone); every module that stamps a
+row, or compares a row's time with now, reads this clock.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+
+def utcnow() -> datetime:
+    """Now, in UTC, without a time zone (as the store's columns hold it)."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
