@@ -1,7 +1,7 @@
 """Speculative decoding (prompt-lookup drafts) on agent-shaped replies: what it buys.
 
     .venv/bin/python benchmarks/speculation.py [--max-tokens 160] [--rounds 2] [--temperature 0]
-        [--workloads edit prose]
+        [--workloads edit prose] [--together]
 
 SmolLM2-135M in process (the server's ``Engine``, cache reuse off so every turn is
 cold and computes the same prompt), greedy, four replies an agent writes:
@@ -23,6 +23,11 @@ speculation.png; checks that both outputs are the same token for token.
 ``--temperature T`` above 0 samples instead (exact speculative sampling: the outputs
 differ, their distribution does not; "same" is not checked) and writes
 speculation-tT.json / .png.
+
+``--together`` sends the workloads at once instead, so they decode side by side (with
+speculation on, in one forward pass a step, each row keeping its own share of its draft:
+``speculation.Lanes``; off, in mlx-lm's batch), and reports each reply's whole turn and
+decode tok/s and when the last one ended (speculation-together.json / .png).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -135,8 +141,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--together", action="store_true", help="send the workloads at once")
     args = parser.parse_args()
     engine = start_engine(ensure_embedded(load_settings().models_dir, "smollm2-135m-instruct"))
+    if args.together:
+        try:
+            together(engine, args)
+        finally:
+            engine.stop()
+        return
     try:
         runs = []
         for name in args.workloads:
@@ -171,6 +184,48 @@ def main() -> None:
     plot(runs, name)
 
 
+def together(engine: Engine, args: argparse.Namespace) -> None:
+    """The workloads sent at once, speculation off and on in alternating rounds."""
+    results: dict[str, list[dict]] = {"off": [], "on": []}
+    for round_ in range(args.rounds):
+        for mode in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
+            sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                      speculate=mode == "on")
+            turns: dict[str, dict] = {}
+            started = time.perf_counter()
+
+            def one(name: str, tag: str, sampling: SamplingParams = sampling, turns: dict = turns) -> None:
+                turns[name] = turn(engine, name, sampling, tag)
+
+            threads = [threading.Thread(target=one, args=(name, f"{name}-{mode}-{round_}-together"))
+                       for name in args.workloads]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            results[mode].append({"all_s": time.perf_counter() - started, "turns": turns})
+            print(f"round {round_} {mode}: {results[mode][-1]['all_s']:.1f} s", file=sys.stderr)
+    off, on = (min(results[m], key=lambda r: r["all_s"]) for m in ("off", "on"))
+    runs = []
+    for name in args.workloads:
+        a, b = off["turns"][name], on["turns"][name]
+        runs.append({"workload": name, "n_output": b["n_output"],
+                     "same_output": a["tokens"] == b["tokens"] if args.temperature == 0 else None,
+                     "off_tps": a["decode_tps"], "on_tps": b["decode_tps"], "off_turn_s": a["turn_s"],
+                     "on_turn_s": b["turn_s"], "drafted": b["drafted"], "accepted": b["accepted"],
+                     "acceptance": b["accepted"] / b["drafted"] if b["drafted"] else 0.0})
+    print_table(["reply (all at once)", "tokens", "off tok/s", "on tok/s", "speed-up", "off turn s", "on turn s",
+                 "accepted", "same"],
+                [[r["workload"], r["n_output"], r["off_tps"], r["on_tps"], r["on_tps"] / r["off_tps"],
+                  r["off_turn_s"], r["on_turn_s"], f"{r['accepted']}/{r['drafted']} ({r['acceptance']:.0%})",
+                  r["same_output"]] for r in runs])
+    print(f"all replies ended: off {off['all_s']:.1f} s, on {on['all_s']:.1f} s ({off['all_s'] / on['all_s']:.2f}x)")
+    path = write_results("speculation-together", {"device": device(), "blas": blas_in_use(), "args": vars(args),
+                                                  "all_s": {"off": off["all_s"], "on": on["all_s"]}, "runs": runs})
+    print(f"wrote {path}")
+    plot(runs, "speculation-together")
+
+
 def plot(runs: list[dict], name: str) -> None:
     plt = pyplot()
     if plt is None:
@@ -178,14 +233,17 @@ def plot(runs: list[dict], name: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     names = [r["workload"] for r in runs]
     width = 0.27
-    for i, (key, label) in enumerate((("floor_tps", "mlx-lm generate_step"), ("off_tps", "Semantic, drafts off"),
-                                      ("on_tps", "Semantic, drafts on"))):
-        ax.bar([x + (i - 1) * width for x in range(len(runs))], [r[key] for r in runs], width, label=label)
+    bars = [(key, label) for key, label in (("floor_tps", "mlx-lm generate_step"), ("off_tps", "Semantic, drafts off"),
+                                            ("on_tps", "Semantic, drafts on")) if key in runs[0]]
+    for i, (key, label) in enumerate(bars):
+        ax.bar([x + (i - len(bars) + 2) * width for x in range(len(runs))], [r[key] for r in runs], width,
+               label=label)
     for x, r in enumerate(runs):
         ax.annotate(f"{r['acceptance']:.0%}", (x + width, r["on_tps"]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(runs)), names)
     ax.set_ylabel("decode tok/s (greedy)")
-    ax.set_title("Prompt-lookup speculation, SmolLM2-135M (draft acceptance above)")
+    ax.set_title("Prompt-lookup speculation, SmolLM2-135M" + (", replies at once" if "together" in name else "")
+                 + " (draft acceptance above)", fontsize=9)
     ax.legend(fontsize=7)
     save_plot(fig, name)
 

@@ -11,12 +11,13 @@ Caches of different lengths are left-padded into one ``BatchKVCache`` and the
 padding is masked, so each sequence attends to its own tokens only.
 
 A sequence that may speculate (no logits processors, a cache that trims exactly:
-``speculation.py``; greedy, or sampling, verified by exact speculative sampling) and
-decodes alone leaves the ``GenerationBatch`` for a ``speculation.Lane``: it drafts from its own conversation and
-may get several
-tokens a step. When another sequence joins, the lane goes back into the batch
-(one token a step each); when the batch is down to that sequence again, it
-leaves again. Either way the state moved is the same: the cache of the tokens
+``speculation.py``; greedy, or sampling, verified by exact speculative sampling)
+decodes in ``speculation.Lanes`` while every sequence decoding may: each drafts from
+its own conversation, all are verified in one forward pass, and each gets as many
+tokens a step as its draft earned (a row that found no draft, or whose draft failed,
+gets one). When a sequence that may not speculate joins, the lanes go back into the
+batch (one token a step each); when the batch holds only sequences that may, they
+leave it again. Either way the state moved is the same: the cache of the tokens
 handed out, and the next token, decided and not yet handed out.
 """
 
@@ -33,7 +34,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from app.engine.drafting import DraftLength, PromptLookup
 from app.engine.sampled_drafts import Distribution
-from app.engine.speculation import Lane, can_trim_exactly
+from app.engine.speculation import Lane, Lanes, can_trim_exactly
 
 NO_STOPS = StopSequences()  # the engine decides when a sequence ends (stop tokens, stop strings, cancel)
 NO_LIMIT = 1 << 30
@@ -68,13 +69,13 @@ class DecodeBatch:
         self._max_draft = max_draft
         self._use_cores = use_cores
         self._drafting: dict[int, _Drafting] = {}
-        self._lane: tuple[int, Lane] | None = None
+        self._lanes = Lanes()
         # The normalized log-probabilities ``(vocab,)`` each sequence's token of the last step
         # was drawn from, by uid (the batch's rows: a speculating lane's tokens have none).
         self.logprobs: dict[int, mx.array] = {}
 
     def __len__(self) -> int:
-        return len(self._batch) + (self._lane is not None)
+        return len(self._batch) + len(self._lanes)
 
     def drafts(self, uid: int) -> tuple[int, int]:
         """(draft tokens proposed, accepted) for ``uid`` so far; (0, 0) if it does not speculate."""
@@ -93,9 +94,9 @@ class DecodeBatch:
             drafting = _Drafting(PromptLookup([*context, last_token]), DraftLength(self._max_draft), sampler,
                                  distribution)
             self._drafting[uid] = drafting
-            if not len(self):
-                self._lane = (uid, Lane(cache, last_token, drafting.lookup, drafting.length, silent=1,
-                                        distribution=distribution))
+            if not len(self._batch):
+                self._lanes.add(uid, Lane(last_token, drafting.lookup, drafting.length, silent=1,
+                                          distribution=distribution), cache)
                 return
         self._join(uid, cache, last_token, context, sampler, processors)
 
@@ -113,9 +114,8 @@ class DecodeBatch:
         sequence's verified draft and the token after it)."""
         self._arrange()
         self.logprobs = {}
-        if self._lane is not None:
-            uid, lane = self._lane
-            return [(uid, lane.step(self._model, self._before_forward))]
+        if len(self._lanes):
+            return self._lanes.step(self._model, self._before_forward)
         self._before_forward(len(self._batch))
         with mx.stream(generation_stream):
             responses = self._batch.next()
@@ -140,35 +140,34 @@ class DecodeBatch:
             self._use_cores(rows > 1)
 
     def _arrange(self) -> None:
-        """A speculating sequence decodes in a lane when alone, in the batch otherwise."""
-        if self._lane is not None and len(self._batch):
-            uid, lane = self._lane
-            self._lane = None
-            drafting = self._drafting[uid]
-            if not lane.silent:  # a lane that never stepped joins as it would have at ``add``
-                drafting.owed = lane.pending
-            self._join(uid, lane.cache, lane.pending, lane.lookup.tokens[:-1], drafting.sampler, ())
-        elif self._lane is None and len(self._batch) == 1 and self._batch.uids[0] in self._drafting:
-            uid = self._batch.uids[0]
-            drafting = self._drafting[uid]
-            if drafting.owed is not None:  # hand out its owed token from the batch first
-                return
+        """Speculating sequences decode in lanes while no other sequence decodes, in the batch otherwise."""
+        if len(self._lanes) and len(self._batch):
+            for uid in list(self._lanes.uids):
+                lane, cache = self._lanes.remove(uid)
+                drafting = self._drafting[uid]
+                if not lane.silent:  # a lane that never stepped joins as it would have at ``add``
+                    drafting.owed = lane.pending
+                self._join(uid, cache, lane.pending, lane.lookup.tokens[:-1], drafting.sampler, ())
+        elif not len(self._lanes) and len(self._batch) and all(
+                uid in self._drafting and self._drafting[uid].owed is None for uid in self._batch.uids):
             with mx.stream(generation_stream):
-                cache = self._batch.extract_cache(0)
-                # NOTE: mlx-lm 0.32.2 (pinned) keeps the token it sampled last, not fed yet, here.
-                pending = int(self._batch._next_tokens[0].item())
+                caches = [self._batch.extract_cache(i) for i in range(len(self._batch))]
+                # NOTE: mlx-lm 0.32.2 (pinned) keeps the tokens it sampled last, not fed yet, here.
+                pending: list[int] = self._batch._next_tokens.tolist()  # type: ignore[assignment]
+                uids = list(self._batch.uids)
                 self._batch.filter([])
-            drafting.lookup.extend([pending])
-            self._lane = (uid, Lane(cache, pending, drafting.lookup, drafting.length,
-                                    distribution=drafting.distribution))
+            for uid, cache, token in zip(uids, caches, pending):
+                drafting = self._drafting[uid]
+                drafting.lookup.extend([token])
+                self._lanes.add(uid, Lane(token, drafting.lookup, drafting.length,
+                                          distribution=drafting.distribution), cache)
 
     def remove(self, uid: int, n_unused: int = 0) -> list[KVCache]:
         """Take ``uid`` out; returns its cache (one ``KVCache`` per layer) without the last
         ``n_unused`` tokens it was handed (those after its end, in a verified draft)."""
         self._drafting.pop(uid, None)
-        if self._lane is not None and self._lane[0] == uid:
-            cache = self._lane[1].cache
-            self._lane = None
+        if uid in self._lanes.uids:
+            cache = self._lanes.remove(uid)[1]
         else:
             index = self._batch.uids.index(uid)
             with mx.stream(generation_stream):

@@ -37,6 +37,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from app.engine.drafting import DraftLength, PromptLookup
+from app.engine.ragged_cache import RaggedBatchKVCache, compacted
 from app.engine.sampled_drafts import Distribution, accept_sampled
 
 
@@ -55,15 +56,12 @@ def greedy_tokens(logits: mx.array) -> mx.array:
 
 @dataclass
 class Lane:
-    """One sequence decoding on its own cache, drafting from its own history.
+    """One speculating sequence's state: ``lookup`` holds every token in its cache and then
+    ``pending``. ``silent``: how many of the next tokens fed are not handed out (a sequence
+    that starts here feeds its last prompt token first, as ``GenerationBatch`` does when it
+    joins). ``distribution``: what it samples from (None: greedy), with ``rng`` drawing the
+    acceptances and tokens."""
 
-    ``lookup`` holds every token in ``cache`` and then ``pending``. ``silent``: how many
-    of the next tokens fed are not handed out (a sequence that starts here feeds its
-    last prompt token first, as ``GenerationBatch`` does when it joins). ``distribution``:
-    what it samples from (None: greedy), with ``rng`` drawing the acceptances and tokens.
-    """
-
-    cache: list[Any]
     pending: int
     lookup: PromptLookup
     length: DraftLength
@@ -71,22 +69,16 @@ class Lane:
     distribution: Distribution | None = None
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
 
-    def step(self, model: nn.Module, before_forward: Any = None) -> list[int]:
-        """Feed ``pending`` and a draft; returns the tokens handed out (now in the cache).
-
-        ``before_forward(rows)``, if given, is called with the number of positions about to
-        be fed (the engine picks its core split from it).
-        """
+    def propose(self) -> list[int]:
+        """This step's draft (maybe none)."""
         want = self.length.want()
-        draft = self.lookup.draft(want) if want else []
+        return self.lookup.draft(want) if want else []
+
+    def settle(self, logits: mx.array, draft: list[int]) -> tuple[int, list[int]]:
+        """Verify ``draft`` from the logits ``(len(draft) + 1, vocab)`` at the positions fed
+        (``pending`` and the draft): (how many draft tokens hold, the tokens handed out)."""
         fed = [self.pending, *draft]
-        if before_forward is not None:
-            before_forward(len(fed))
-        with mx.stream(generation_stream):
-            n, after = self._verify(model(mx.array([fed]), cache=self.cache)[0], draft)
-        if n < len(draft):
-            for layer in self.cache:
-                layer.trim(len(draft) - n)
+        n, after = self._verify(logits, draft)
         self.length.update(len(draft), n)
         self.pending = after
         self.lookup.extend([*draft[:n], self.pending])
@@ -94,11 +86,11 @@ class Lane:
         if self.silent:
             dropped, self.silent = min(self.silent, len(out)), max(0, self.silent - len(out))
             out = out[dropped:]
-        return out
+        return n, out
 
     def _verify(self, logits: mx.array, draft: list[int]) -> tuple[int, int]:
-        """(how many draft tokens hold, the token after them) from the logits ``(len(draft) + 1,
-        vocab)`` at each position fed: greedily, or by exact speculative sampling."""
+        """(how many draft tokens hold, the token after them): greedily, or by exact
+        speculative sampling."""
         if self.distribution is not None:
             return accept_sampled(np.array(self.distribution(logits.astype(mx.float32))), draft, self.rng)
         predicted: list[int] = greedy_tokens(logits).tolist()  # type: ignore[assignment]  # one row of ints
@@ -106,3 +98,102 @@ class Lane:
         while n < len(draft) and draft[n] == predicted[n]:
             n += 1
         return n, predicted[n]
+
+
+class Lanes:
+    """Speculating sequences decoding together: one forward pass a step feeds each its
+    ``pending`` token and its draft, padded to the longest (``[pending, *draft, pad...]``),
+    and each keeps what its own verification accepts.
+
+    One sequence decodes on its own cache (a ``KVCache`` per layer, cut back with
+    ``trim``); several share a ``RaggedBatchKVCache`` per layer, where each row drops its
+    own rejected and padding positions (``trim_rows``). Rows join and leave by extract and
+    merge, which also clears the holes; so does a step after which a row holds more than
+    ``MAX_HOLES`` of them.
+    """
+
+    MAX_HOLES = 256
+
+    def __init__(self) -> None:
+        self.uids: list[int] = []
+        self._lanes: list[Lane] = []
+        self._cache: list[Any] = []  # per layer: one row's KVCache, or several rows' RaggedBatchKVCache
+        self._holes: list[int] = []  # per row
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def lane(self, uid: int) -> Lane:
+        return self._lanes[self.uids.index(uid)]
+
+    def add(self, uid: int, lane: Lane, cache: list[Any]) -> None:
+        """``uid`` decodes here from now on; ``cache`` holds every token of its ``lookup`` but ``pending``."""
+        if not self.uids:
+            self._cache = cache
+        else:
+            self._rebuild([*self._caches(), cache])
+        self.uids.append(uid)
+        self._lanes.append(lane)
+        self._holes = [0] * len(self.uids)
+
+    def remove(self, uid: int) -> tuple[Lane, list[Any]]:
+        """Take ``uid`` out: its state and its own cache (a ``KVCache`` per layer)."""
+        index = self.uids.index(uid)
+        lane = self._lanes.pop(index)
+        self.uids.pop(index)
+        self._holes.pop(index)
+        if not self.uids:
+            cache, self._cache = self._own(index), []
+            return lane, cache
+        cache = self._own(index)
+        if len(self.uids) == 1:
+            self._cache = self._own(1 - index)
+        else:
+            rest = [i for i in range(len(self.uids) + 1) if i != index]
+            for layer in self._cache:
+                layer.filter(rest)
+        return lane, cache
+
+    def step(self, model: nn.Module, before_forward: Any = None) -> list[tuple[int, list[int]]]:
+        """Feed every row its ``pending`` token and a draft; returns (uid, the tokens handed out)."""
+        drafts = [lane.propose() for lane in self._lanes]
+        width = 1 + max(len(draft) for draft in drafts)
+        fed = [[lane.pending, *draft] + [lane.pending] * (width - 1 - len(draft))
+               for lane, draft in zip(self._lanes, drafts)]
+        if before_forward is not None:
+            before_forward(len(fed) * width)
+        out, drops = [], []
+        with mx.stream(generation_stream):
+            logits = model(mx.array(fed), cache=self._cache)
+            for row, (lane, draft) in enumerate(zip(self._lanes, drafts)):
+                n, tokens = lane.settle(logits[row, :len(draft) + 1], draft)
+                out.append((self.uids[row], tokens))
+                drops.append(width - 1 - n)
+            self._trim(drops)
+        return out
+
+    def _trim(self, drops: list[int]) -> None:
+        if len(self.uids) == 1:
+            if drops[0]:
+                for layer in self._cache:
+                    layer.trim(drops[0])
+            return
+        for layer in self._cache:
+            layer.trim_rows(drops)
+        least = min(drops)
+        self._holes = [holes + drop - least for holes, drop in zip(self._holes, drops)]
+        if max(self._holes) > self.MAX_HOLES:
+            self._rebuild(self._caches())
+            self._holes = [0] * len(self.uids)
+
+    def _own(self, index: int) -> list[Any]:
+        """Row ``index``'s cache on its own (one ``KVCache`` per layer, without holes)."""
+        if not isinstance(self._cache[0], RaggedBatchKVCache):
+            return self._cache
+        return [layer.extract(index) for layer in self._cache]
+
+    def _caches(self) -> list[list[Any]]:
+        return [self._own(index) for index in range(len(self.uids))]
+
+    def _rebuild(self, caches: list[list[Any]]) -> None:
+        self._cache = [compacted([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]

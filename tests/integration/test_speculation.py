@@ -28,7 +28,7 @@ from app.engine.batch import DecodeBatch, prefill
 from app.engine.engine import CacheConfig, Engine
 from app.engine.model import load_model
 from app.engine.sampled_drafts import token_distribution
-from app.engine.speculation import can_trim_exactly
+from app.engine.speculation import Lanes, can_trim_exactly
 from app.store.db import make_engine, make_session_factory, upgrade
 from app.types import ChatMessage, Finished, GenerationRequest, SamplingParams, TextDelta
 from support.engines import cache_manager, wait_idle
@@ -211,3 +211,52 @@ def test_only_caches_that_trim_exactly_speculate() -> None:
     assert not can_trim_exactly([KVCache(), ArraysCache(2)])  # recurrent state: no drafts
     assert not can_trim_exactly([CacheList(ArraysCache(2), KVCache())])  # falcon_h1's layers
     assert not can_trim_exactly([])
+
+
+@pytest.mark.parametrize("max_holes", [Lanes.MAX_HOLES, 2])
+def test_sequences_drafting_together_each_keep_their_own_draft(smollm2_dir: Path, max_holes: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences speculate in one forward pass a step (``Lanes``): the copy reply
+    and the tool call greedily, the story sampled at 0.3. Each row accepts its own
+    share of its draft (the others' rows drop theirs as holes), so the greedy rows hand
+    out what each hands out decoding alone without drafts, and every row's cache handed
+    back is its prompt's and its tokens' (as a fresh prefill computes it). With
+    ``max_holes`` 2 the rows are rebuilt without holes almost every step."""
+    monkeypatch.setattr(Lanes, "MAX_HOLES", max_holes)
+    loaded = load_model("smollm2", smollm2_dir)
+    model = loaded.model
+    prompts = {name: loaded.tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in PROMPTS[name]], add_generation_prompt=True)
+        for name in PROMPTS}
+    wanted = {"copy": 41, "tool": 24, "prose": 24}
+    temperature = {"copy": 0.0, "tool": 0.0, "prose": 0.3}
+
+    def decode(names: list[str], max_draft: int) -> tuple[dict[str, list[int]], dict[str, list[KVCache]],
+                                                         dict[str, int]]:
+        batch = DecodeBatch(model, max_draft)
+        for uid, name in enumerate(names):
+            cache = [KVCache() for _ in model.layers]
+            prefill(model, cache, prompts[name][:-1])
+            batch.add(uid, cache, prompts[name][-1], prompts[name][:-1], make_sampler(temp=temperature[name]), [],
+                      speculate=True, distribution=token_distribution(temperature[name]))
+        tokens: dict[str, list[int]] = {name: [] for name in names}
+        while any(len(tokens[name]) < wanted[name] for name in names):
+            for uid, step in batch.step():
+                tokens[names[uid]] += step
+        accepted = {name: batch.drafts(uid)[1] for uid, name in enumerate(names)}  # every row decoding
+        caches = {name: batch.remove(uid, len(tokens[name]) - wanted[name]) for uid, name in enumerate(names)}
+        return {name: tokens[name][:wanted[name]] for name in names}, caches, accepted
+
+    names = list(PROMPTS)
+    together, caches, accepted = decode(names, 8)
+    assert accepted["copy"] >= 10 and accepted["tool"] > 0, accepted  # drafts kept beside each other
+    for name in ("copy", "tool"):
+        alone, _, _ = decode([name], 0)
+        assert together[name] == alone[name], name
+    for name in names:
+        fresh = [KVCache() for _ in model.layers]
+        prefill(model, fresh, [*prompts[name], *together[name]])
+        for a, b in zip(caches[name], fresh):
+            assert a.offset == b.offset == len(prompts[name]) + wanted[name]
+            n = b.offset
+            assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-2).item(), name

@@ -238,16 +238,25 @@ def test_no_module_import_points_up_or_closes_a_circle() -> None:
     assert import_graph.bad_edges(graph) == {}
 
 
+def _imports_mlx_at_module_level(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    return any(name.split(".")[0] in ("mlx", "mlx_lm") for name in names)
+
+
 def test_mlx_is_imported_at_module_level_only_where_layout_says() -> None:
     allowed_cache = {"blocks.py", "checkpoints.py"}  # KV blocks and recurrent-state checkpoints
     for path in (ROOT / "app").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-        if any(name.split(".")[0] in ("mlx", "mlx_lm") for name in names):
+        if _imports_mlx_at_module_level(path):
             where = path.relative_to(ROOT / "app")
             assert where.parts[0] == "engine" or (where.parts[0] == "cache" and where.name in allowed_cache), where
+    text = (ROOT / "docs" / "layout.md").read_text()
+    listed = re.search(r"MLX is imported at module level only by `app/engine/` \(([^)]*)\)", text)
+    assert listed is not None, "docs/layout.md no longer lists the engine modules that import MLX"
+    named = set(re.findall(r"`(\w+\.py)`", listed.group(1)))
+    assert named == {path.name for path in (ROOT / "app" / "engine").glob("*.py") if _imports_mlx_at_module_level(path)}
 
 
 # -- the benchmarks --------------------------------------------------------------------------
