@@ -33,7 +33,10 @@ class RaggedBatchKVCache(BatchKVCache):
     @property
     def n_holes(self) -> int:
         """The most holes any row has."""
-        return 0 if self._holes is None else int(self._holes.sum(axis=1).max().item())
+        if self._holes is None:
+            return 0
+        most: int = self._holes.sum(axis=1).max().item()  # type: ignore[assignment]  # an int count
+        return most
 
     def trim_rows(self, counts: Sequence[int]) -> None:
         """Drop the last ``counts[i]`` tokens of row ``i`` (each at most what the last
@@ -74,8 +77,8 @@ class RaggedBatchKVCache(BatchKVCache):
         cache = super().extract(idx)
         if self._holes is None:
             return cache
-        padding = int(self.left_padding[idx].item())
-        row = self._padded_holes(self._idx)[idx, padding:].tolist()
+        padding: int = self.left_padding[idx].item()  # type: ignore[assignment]  # an int
+        row: list[bool] = self._padded_holes(self._idx)[idx, padding:].tolist()  # type: ignore[assignment]
         kept = mx.array([i for i, hole in enumerate(row) if not hole])
         if kept.size == cache.keys.shape[2]:
             return cache

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.cache.ownership import Ownership
 from app.store.cache_index import CacheIndex
 from app.store.db import make_engine, make_session_factory, upgrade
-from app.store.history import utcnow
+from app.clock import utcnow
 
 
 @pytest.fixture
