@@ -357,6 +357,15 @@ class StoredConversation:
     salt: str | None = None  # some of its data is an import's (``records.ConversationCache.salt``)
 
 
+def claimed_checksum(path: Path) -> str | None:
+    """The checksum the file at ``path`` claims in its metadata (None: no file there, or
+    metadata that cannot be read)."""
+    try:
+        return read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
+    except DamagedFile:
+        return None
+
+
 class CacheFiles:
     """One model's cache files (``fingerprint``) under ``root``: where each lives, here and
     in a pool's shared ``tier``, and their contents both ways."""
@@ -428,10 +437,7 @@ class CacheFiles:
         checksum the block's row holds); returns (path, the checksum of the file now there).
         Any other file there is replaced, never adopted (as ``write_block``)."""
         path = self.checkpoint_path(block)
-        try:
-            claimed = read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
-        except DamagedFile:
-            claimed = None
+        claimed = claimed_checksum(path)
         if claimed is not None and claimed == indexed:
             return path, claimed
         arrays, dtypes = point.to_numpy("")
@@ -472,10 +478,7 @@ class CacheFiles:
         refused import, a forger) is never adopted: ``data`` replaces it.
         """
         path = self.block_path(block)
-        try:
-            claimed = read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
-        except DamagedFile:
-            claimed = None
+        claimed = claimed_checksum(path)
         if claimed is not None and claimed == indexed:
             return path, claimed
         arrays = data.to_numpy()
