@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from support.servers import ServerProcess, start_server, stop_server
+from support.archives import pack, unpack
 from support.dbcheck import query
 from test_cli import semantic
 
@@ -108,23 +109,6 @@ def test_an_archive_of_this_homes_own_blocks_shares_them(server: ServerProcess, 
     assert _turn(here, "baker-back", NEXT)["usage"]["cache_read_input_tokens"] > 300
 
 
-def _members(archive_path: Path) -> tuple[dict, dict[str, bytes]]:
-    with tarfile.open(archive_path) as archive:
-        members = {m.name: archive.extractfile(m).read() for m in archive.getmembers()}
-    return json.loads(members.pop("agent.json")), members
-
-
-def _pack(target: Path, manifest: dict, members: dict[str, bytes]) -> Path:
-    """An archive of ``members``, ``manifest``'s sha256 list made to match them."""
-    manifest["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in members.items()}
-    with tarfile.open(target, "w") as archive:
-        for name, data in [("agent.json", json.dumps(manifest).encode()), *members.items()]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return target
-
-
 def _forged(source: Path, target: Path, scratch: Path) -> Path:
     """The archive with every block's KV data replaced by noise and every checksum recomputed
     (each file's own, the manifest's block checksums and its sha256 list): it verifies."""
@@ -132,7 +116,7 @@ def _forged(source: Path, target: Path, scratch: Path) -> Path:
 
     from app.cache import files
 
-    manifest, members = _members(source)
+    manifest, members = unpack(source)
     rng = np.random.default_rng(1)
     checksums = {}
     for name in [n for n in members if n.startswith("blocks/")]:
@@ -146,7 +130,7 @@ def _forged(source: Path, target: Path, scratch: Path) -> Path:
         for cache in conversation["caches"]:
             for block in cache["blocks"]:
                 block["checksum"] = checksums[block["hash"]]
-    return _pack(target, manifest, members)
+    return pack(target, manifest, members)
 
 
 def test_a_forged_archive_serves_its_own_agent_and_no_other(
@@ -181,13 +165,13 @@ def test_forged_digests_never_capture_a_request_that_names_no_agent(other: Serve
     [(system_digest, first_digest)] = query(other.db_path, (
         "SELECT c.system_digest, m.digest FROM conversations c JOIN messages m ON m.conversation_id = c.id "
         "WHERE c.agent_id = 'probe' AND m.position = 0"))
-    manifest, members = _members(exported)
+    manifest, members = unpack(exported)
     manifest["agent"]["origin"] = "content"
     conversation = manifest["conversations"][0]
     conversation["system_digest"], conversation["messages"] = system_digest, conversation["messages"][:1]
     conversation["messages"][0]["digest"] = first_digest
     conversation["last_access_at"] = "2099-01-01T00:00:00"
-    result = semantic(other.home, "agents", "import", str(_pack(tmp_path / "digests.tar", manifest, members)),
+    result = semantic(other.home, "agents", "import", str(pack(tmp_path / "digests.tar", manifest, members)),
                       "--as", "digest-forger")
     assert result.returncode == 0, result.stderr
     assert query(other.db_path, "SELECT origin FROM agents WHERE id = 'digest-forger'") == [("imported",)]
@@ -202,11 +186,11 @@ def test_forged_digests_never_capture_a_request_that_names_no_agent(other: Serve
 def test_a_refused_import_leaves_no_file(tmp_path: Path, exported: Path) -> None:
     """An archive that verifies but whose rows contradict each other (two messages at one
     position) is refused with a 2 and a line, after its files were written: none stays."""
-    manifest, members = _members(exported)
+    manifest, members = unpack(exported)
     messages = manifest["conversations"][0]["messages"]
     messages[1]["position"] = messages[0]["position"]
     home = tmp_path / "home"
-    result = semantic(home, "agents", "import", str(_pack(tmp_path / "twice.tar", manifest, members)))
+    result = semantic(home, "agents", "import", str(pack(tmp_path / "twice.tar", manifest, members)))
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "contradict" in result.stderr and "Traceback" not in result.stderr
     assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]
@@ -301,10 +285,10 @@ def test_an_archive_with_a_sparse_or_oversized_member_is_refused_unread(tmp_path
 
 
 def test_an_archive_with_a_foreign_origin_is_refused(tmp_path: Path, exported: Path) -> None:
-    manifest, members = _members(exported)
+    manifest, members = unpack(exported)
     manifest["agent"]["origin"] = "../../etc"
     home = tmp_path / "home"
-    result = semantic(home, "agents", "import", str(_pack(tmp_path / "origin.tar", manifest, members)))
+    result = semantic(home, "agents", "import", str(pack(tmp_path / "origin.tar", manifest, members)))
     assert result.returncode == 2 and "origin '../../etc' is not one of" in result.stderr, result.stderr
     assert query(home / "semantic.db", "SELECT count(*) FROM agents") == [(0,)]
 

@@ -5,10 +5,6 @@ blocks are tested end to end in e2e/test_agent_transfer.py."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import tarfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +17,7 @@ from app.cache.hashing import BLOCK_TOKENS, chain_hashes
 from app.cache.records import CacheRecord
 from app.store.db import make_engine, make_session_factory
 from app.types import ForkPoint
+from support.archives import pack, unpack
 from support.dbcheck import query
 from test_cache_round_trips import VOCAB, _record_fields, as_prompt, build, forward, manager, store_turn
 
@@ -101,9 +98,7 @@ def _neighbour(caches, model, tokens: list[int]) -> tuple[int, mx.array]:  # typ
 def _archive_with_a_forged_tail(source: Path, target: Path, scratch: Path) -> Path:
     """``source``'s archive with its record's tail KV replaced by noise, every checksum
     recomputed (the record file's own, the manifest's sha256 list): it verifies."""
-    with tarfile.open(source) as archive:
-        members = {m.name: archive.extractfile(m).read() for m in archive.getmembers()}  # type: ignore[union-attr]
-    manifest = json.loads(members.pop("agent.json"))
+    manifest, members = unpack(source)
     (record_name,) = [n for n in members if n.startswith("records/")]
     (scratch / "in.safetensors").write_bytes(members[record_name])
     arrays, meta = files.read(scratch / "in.safetensors")
@@ -114,13 +109,7 @@ def _archive_with_a_forged_tail(source: Path, target: Path, scratch: Path) -> Pa
               else (rng.standard_normal(a.shape) * 4).astype(a.dtype) for name, a in arrays.items()}
     files.write(scratch / "out.safetensors", forged, meta)
     members[record_name] = (scratch / "out.safetensors").read_bytes()
-    manifest["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in members.items()}
-    with tarfile.open(target, "w") as archive:
-        for name, data in [("agent.json", json.dumps(manifest).encode()), *members.items()]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return target
+    return pack(target, manifest, members)
 
 
 @pytest.mark.parametrize("n_record,who", [(600, "own"), (100, "own"), (600, "copy"), (600, "cut")])
