@@ -123,9 +123,6 @@ class Lanes:
     def __len__(self) -> int:
         return len(self.uids)
 
-    def lane(self, uid: int) -> Lane:
-        return self._lanes[self.uids.index(uid)]
-
     def add(self, uid: int, lane: Lane, cache: list[Any]) -> None:
         """``uid`` decodes here from now on; ``cache`` holds every token of its ``lookup`` but ``pending``."""
         if not self.uids:
