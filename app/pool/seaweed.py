@@ -7,6 +7,7 @@ port); all are given explicitly from a base port so that two pools never collide
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.errors import ConfigError
 
@@ -69,16 +71,62 @@ class LocalS3:
         with log_path.open("ab") as out:
             process = subprocess.Popen(self.command(), env={**os.environ, **self.credentials}, stdout=out,
                                        stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.wait_ready(process, log_path, timeout_s)
+        except ConfigError:
+            stop(process)
+            raise
+        return process
+
+    def wait_ready(self, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60) -> None:
+        """Until S3 answers and the volume server has registered with room for a volume.
+
+        ``weed mini`` sizes its volumes from the disk's free space and keeps 1% of the disk
+        free; on a nearly full disk it starts with room for no volume at all, answers S3, and
+        then fails every upload ("no volume server capacity"), so a pool would run with a tier
+        that stores nothing. That is refused here, naming the disk."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise ConfigError(f"SeaweedFS exited with {process.returncode}; see {log_path}")
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return process
-            except urllib.error.HTTPError:  # it answers (403 without credentials): up
-                return process
-            except OSError:
-                time.sleep(0.2)
-        process.kill()
+            topology = self._topology()
+            if topology is not None and topology.get("DataCenters"):
+                if int(topology.get("Max", 0)) == 0:
+                    disk = shutil.disk_usage(self.root)
+                    raise ConfigError(
+                        f"SeaweedFS has no room for a volume in {self.root}: {disk.free / 2**20:,.0f} MiB free of "
+                        f"{disk.total / 2**20:,.0f} MiB on that disk, and it keeps 1% of a disk free. Free space "
+                        "there, or set SEMANTIC_BLOCK_STORE to another S3 bucket")
+                if self._s3_answers():
+                    return
+            time.sleep(0.2)
         raise ConfigError(f"SeaweedFS did not answer within {timeout_s:.0f} s; see {log_path}")
+
+    def _topology(self) -> dict[str, Any] | None:
+        """The master's view (volume servers and their room), or None until it answers."""
+        try:
+            with urllib.request.urlopen(f"http://{self.ip}:{self.base + 1}/dir/status", timeout=1) as answer:
+                return dict(json.load(answer).get("Topology") or {})
+        except (OSError, ValueError):
+            return None
+
+    def _s3_answers(self) -> bool:
+        try:
+            urllib.request.urlopen(self.endpoint, timeout=1).close()
+        except urllib.error.HTTPError:  # it answers (403 without credentials): up
+            return True
+        except OSError:
+            return False
+        return True
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``: ``weed mini`` can wait out a SIGTERM while its
+    parts retry one another (seen with no room for a volume)."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

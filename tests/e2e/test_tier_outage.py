@@ -79,7 +79,7 @@ def wait_in_tier(tier: S3Tier, db: Path, n_tokens: int, timeout_s: float = 60) -
 
 def test_turns_go_on_while_the_tier_is_down_and_the_write_through_catches_up(
         tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.pool.seaweed import LocalS3
+    from app.pool.seaweed import LocalS3, stop
 
     s3 = LocalS3(tmp_path / "s3", free_port())
     for name, value in s3.credentials.items():
@@ -96,8 +96,7 @@ def test_turns_go_on_while_the_tier_is_down_and_the_write_through_catches_up(
         usage = turn(server.url, history)
         first_blocks = wait_in_tier(tier, server.db_path, usage["input_tokens"] + usage["cache_read_input_tokens"] - 1)
 
-        weed.terminate()
-        weed.wait(timeout=30)
+        stop(weed)
         for n in (2, 3):  # the tier is down: warm from the local cache all the same
             before = newest_cache(server.db_path)[1]
             ask(history, n)
@@ -118,5 +117,4 @@ def test_turns_go_on_while_the_tier_is_down_and_the_write_through_catches_up(
     finally:
         if server is not None:
             stop_server(server)
-        weed.terminate()
-        weed.wait(timeout=30)
+        stop(weed)

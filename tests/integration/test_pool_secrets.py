@@ -18,7 +18,7 @@ import pytest
 from app.errors import ConfigError
 from app.pool.postgres import SUPERUSER
 from app.pool.secrets import pool_secrets
-from app.pool.seaweed import BUCKET, LocalS3
+from app.pool.seaweed import BUCKET, LocalS3, stop
 from support.servers import free_port
 
 OLD_FIXED_KEYS = ("semantic", "semantic-local-pool")
@@ -66,8 +66,7 @@ def test_the_pools_s3_refuses_the_keys_once_fixed_in_the_source(tmp_path: Path) 
             client(*OLD_FIXED_KEYS).put_object(Bucket=BUCKET, Key="probe", Body=b"x")
         client(keys.s3_access_key, keys.s3_secret_key).put_object(Bucket=BUCKET, Key="probe", Body=b"x")
     finally:
-        weed.terminate()
-        weed.wait(timeout=30)
+        stop(weed)
 
 
 def test_a_cluster_made_before_pools_had_secrets_asks_for_the_password_once_started() -> None:

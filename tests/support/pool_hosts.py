@@ -125,18 +125,8 @@ class PoolHosts:
         s3 = LocalS3(self.root / "s3", 8333, ip=address["store"])
         self.credentials = s3.credentials
         self.block_store = s3.block_store
-        hosts.popen("store", s3.command(), {**self.base, **s3.credentials}, self.logs / "s3.log")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(s3.endpoint, timeout=1).close()
-                break
-            except urllib.error.HTTPError:  # 403 without credentials: up
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError((self.logs / "s3.log").read_text()) from None
-                time.sleep(0.2)
+        s3.wait_ready(hosts.popen("store", s3.command(), {**self.base, **s3.credentials}, self.logs / "s3.log"),
+                      self.logs / "s3.log")
         self.pool_env = {**self.base, "SEMANTIC_DATABASE_URL": self.database_url,
                          "SEMANTIC_BLOCK_STORE": s3.block_store, **s3.credentials,
                          "SEMANTIC_MODEL": self.model_dir.name, "SEMANTIC_API_KEY": KEY}
