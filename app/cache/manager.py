@@ -38,7 +38,7 @@ from app.cache.hot_set import HotSet
 from app.cache.loading import Loader
 from app.cache.matcher import PrefixMatch, common_prefix_length, match_prompt
 from app.cache.ownership import Ownership
-from app.cache.persist import Copy, Forget, Persister, Snapshot
+from app.cache.persist import FLUSH_ON_CLOSE_S, STOP_ON_CLOSE_S, Copy, Forget, Persister, Snapshot
 from app.cache.records import CacheRecord, ConversationCache, fork_cut
 from app.cache.shared_prefix import SharedPrefix, shareable
 from app.store.cache_index import CacheIndex
@@ -439,8 +439,8 @@ class CacheManager:
 
     def close(self) -> None:
         """Write what is queued (to disk and the shared tier)."""
-        self._persister.flush(30)
-        self._persister.stop()
+        self._persister.flush(FLUSH_ON_CLOSE_S)
+        self._persister.stop(STOP_ON_CLOSE_S)
 
     def release_agents(self) -> None:
         """In a pool, as the server stops (after ``close``): give up the agents it owns."""

@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A server's shutdown writes what is queued: up to FLUSH_ON_CLOSE_S for the writes to finish
+# (``CacheManager.close``), then up to STOP_ON_CLOSE_S for the writer and the shared tier's
+# uploads to stop; a supervisor waits longer than both before it kills a server.
+FLUSH_ON_CLOSE_S = 30.0
+STOP_ON_CLOSE_S = 30.0
+
 # Snapshots and deletions waiting to be written, at most: past it the engine thread waits
 # for the disk (back-pressure) rather than hold ever more snapshots in memory.
 MAX_QUEUED = 256
@@ -98,12 +104,14 @@ class Persister(threading.Thread):
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything submitted so far is done (written or deleted, and copied to
-        the shared tier if there is one)."""
+        the shared tier if there is one), ``timeout_s`` in all: False if it is not."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             written = self._lock.wait_for(lambda: self._pending == 0, timeout_s)
-        return written and (self._uploader is None or self._uploader.flush(timeout_s))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return written and (self._uploader is None or self._uploader.flush(left))
 
-    def stop(self, timeout_s: float = 30) -> bool:
+    def stop(self, timeout_s: float = STOP_ON_CLOSE_S) -> bool:
         """Write what is queued, then stop, within ``timeout_s`` in all (the shared tier's
         uploads included): False, with a warning naming what is left unwritten, if the disk
         (or the tier) does not keep up. Never blocks longer: a stalled disk cannot hold

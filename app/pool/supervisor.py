@@ -39,7 +39,11 @@ from app.settings import Settings, as_environment, variable_of
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0
+# A server's SIGTERM finishes the requests it runs, then writes its queued caches (up to
+# FLUSH_ON_CLOSE_S + STOP_ON_CLOSE_S, app/cache/persist.py) and releases its agents: a stop
+# waits this long before SIGKILL (before: 30 s, which killed a server still flushing to a slow
+# tier, its agents unreleased).
+STOP_TIMEOUT_S = 90.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +343,7 @@ def pool_drain_router(settings: Settings, server_id: str, router: str) -> bool:
         return False
     _stop_pids([s.pid for s in mine])
     if any(_alive(s.pid) for s in mine):
-        raise ConfigError(f"server {server_id} did not stop within {STOP_TIMEOUT_S:.0f} s")
+        raise ConfigError(f"server {server_id} did not stop within {STOP_TIMEOUT_S:.0f} s: killed (see its log)")
     _write_host_servers(settings, [s for s in _host_servers(settings) if s.id != server_id])
     return True
 
@@ -355,7 +359,8 @@ def pool_drain(settings: Settings, server_id: str) -> None:
     RuntimeAPI(state.admin_socket).set_state(server_id, "maint")
     _stop_pids([entry.pid])
     if _alive(entry.pid):
-        raise ConfigError(f"server {server_id} (pid {entry.pid}) did not stop within {STOP_TIMEOUT_S:.0f} s")
+        raise ConfigError(f"server {server_id} (pid {entry.pid}) did not stop within {STOP_TIMEOUT_S:.0f} s: "
+                          "killed (see its log)")
     current = _running(settings)
     _write_state(settings, replace(current, servers=[s for s in current.servers if s.id != server_id]))
 

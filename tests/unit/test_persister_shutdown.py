@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,35 @@ def test_stop_with_a_stalled_disk_and_a_full_queue_returns_by_its_deadline(tmp_p
         assert "5 cache write(s) not done after 1 s" in caplog.text
     finally:
         disk.set()
+
+
+def test_flush_waits_its_timeout_in_all_not_once_for_the_disk_and_again_for_the_tier(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """``flush(t)`` gives the shared tier's uploads what is left of ``t`` after the disk writes
+    (before: ``t`` again, so a server's shutdown could take 30 s more than its budget)."""
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    files = CacheFiles(tmp_path / "blocks", "f" * 64)
+    monkeypatch.setattr(files, "write_record", lambda _cache: time.sleep(1.5))  # a slow disk
+    given: list[float | None] = []
+
+    class StuckTier:  # the uploads never finish
+        def flush(self, timeout_s: float | None = None) -> bool:
+            given.append(timeout_s)
+            return False
+
+    persister = Persister(files, make_session_factory(make_engine(url)))
+    persister._uploader = StuckTier()  # type: ignore[assignment]
+    persister.start()
+    persister.submit(snapshot("c0"))
+    assert persister.flush(2.0) is False
+    assert given and given[0] is not None and given[0] < 0.6, given
+
+
+def test_a_pool_waits_out_a_servers_whole_shutdown_before_killing_it() -> None:
+    """``pool drain`` / ``down`` SIGKILL a server only after its own shutdown budget (the
+    requests it runs, then the cache writes: flush, then stop); before, 30 s killed a server
+    still flushing to a slow tier, its agents unreleased."""
+    from app.pool.supervisor import STOP_TIMEOUT_S
+
+    assert STOP_TIMEOUT_S >= persist.FLUSH_ON_CLOSE_S + persist.STOP_ON_CLOSE_S + 15
