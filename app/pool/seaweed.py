@@ -45,6 +45,8 @@ class LocalS3:
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     ip: str = "127.0.0.1"
 
+    N_PORTS = 10  # S3, master, volume, filer, admin, their gRPC ports and debug: base .. base + 9
+
     @property
     def endpoint(self) -> str:
         return f"http://{self.ip}:{self.base}"

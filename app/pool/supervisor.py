@@ -142,6 +142,31 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
+def _port_plan(settings: Settings, n_servers: int, port: int) -> list[tuple[int, str]]:
+    """The loopback ports ``pool up --port PORT`` listens on, each with what takes it."""
+    plan = [(port, "the router"), *((port + i, f"server s{i}") for i in range(1, n_servers + 1))]
+    if not settings.database_url:
+        plan.append((port + n_servers + 1, "the pool's PostgreSQL"))
+    if not settings.block_store:
+        plan += [(port + n_servers + 2 + i, "the pool's S3 tier (SeaweedFS)") for i in range(LocalS3.N_PORTS)]
+    return plan
+
+
+def _check_ports(plan: list[tuple[int, str]]) -> None:
+    """Refuse, naming the port and its use, when one of ``plan``'s is taken (before: a
+    taken PostgreSQL port surfaced as pg_ctl's "PID file does not exist")."""
+    if plan[-1][0] > 65535:
+        raise ConfigError(f"--port {plan[0][0]}: the pool needs ports up to {plan[-1][0]}, past 65535")
+    for number, use in plan:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no use
+            try:
+                probe.bind(("127.0.0.1", number))
+            except OSError:
+                raise ConfigError(f"port {number} ({use}) is in use on 127.0.0.1: the pool takes ports "
+                                  f"{plan[0][0]}-{plan[-1][0]}; choose another --port") from None
+
+
 def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affinity") -> int:
     """Start the pool and supervise it until SIGTERM / SIGINT; returns the exit status."""
     if n_servers < 1:
@@ -149,6 +174,7 @@ def pool_up(settings: Settings, n_servers: int, port: int, routing: str = "affin
     running = read_state(settings)
     if running is not None and _alive(running.pid):
         raise ConfigError(f"a pool already runs from {settings.home} (pid {running.pid}, router {running.router})")
+    _check_ports(_port_plan(settings, n_servers, port))
     root = pool_dir(settings)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     haproxy = haproxy_binary()

@@ -22,9 +22,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.pool import NullPool
 
+from app.pool.seaweed import LocalS3
 from app.store.db import make_engine
 from conftest import ROOT
-from support.servers import free_port
+from support.servers import free_ports
 from support.pool_hosts import messages_per_agent
 
 SYSTEM = "You answer hardware store questions in one short sentence. " * 20
@@ -76,7 +77,7 @@ def running_pool(tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPa
     (home / "models").symlink_to(smollm2_dir.parent, target_is_directory=True)
     if config:
         (home / "config.toml").write_text(config)
-    port = free_port()
+    port = free_ports(n_servers + 2 + LocalS3.N_PORTS)  # the router, servers, PostgreSQL, S3
     env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_MODEL": smollm2_dir.name}
     env.pop("SEMANTIC_DATABASE_URL", None)
     log = (tmp_path / "pool.log").open("wb")
@@ -240,3 +241,22 @@ def test_router_config_for_servers_on_other_machines_is_valid_haproxy(tmp_path: 
     assert checked.returncode == 0, checked.stdout + checked.stderr
     refused = semantic(tmp_path, "pool", "router-config", "--server", "s1")
     assert refused.returncode == 2 and "ID=HOST:PORT" in refused.stderr
+
+
+def test_pool_up_refuses_a_taken_port_naming_it_and_its_use(tmp_path: Path) -> None:
+    """Every port the pool will listen on is checked before anything starts (before: a taken
+    PostgreSQL port surfaced as pg_ctl's "PID file ... does not exist")."""
+    import socket
+
+    port = free_ports(3 + LocalS3.N_PORTS)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))  # the PostgreSQL port of a one-server pool
+        taken.listen()
+        env = {**os.environ, "SEMANTIC_HOME": str(tmp_path)}
+        for own in ("SEMANTIC_DATABASE_URL", "SEMANTIC_BLOCK_STORE"):  # the pool's own stores, their ports too
+            env.pop(own, None)
+        done = subprocess.run([sys.executable, "-m", "app", "pool", "up", "--servers", "1", "--port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert f"port {port + 2} (the pool's PostgreSQL) is in use" in done.stderr
+    assert not (tmp_path / "pool" / "state.json").exists()

@@ -15,7 +15,7 @@ import pytest
 
 from app.cache.shared_tier import S3Tier
 from app.cache import files as blockfiles
-from support.servers import free_port, start_server, stop_server
+from support.servers import free_ports, start_server, stop_server
 from support.dbcheck import query
 
 SYSTEM = "You answer garden centre questions in one short sentence. " * 25
@@ -81,7 +81,7 @@ def test_turns_go_on_while_the_tier_is_down_and_the_write_through_catches_up(
         tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from app.pool.seaweed import LocalS3, stop
 
-    s3 = LocalS3(tmp_path / "s3", free_port())
+    s3 = LocalS3(tmp_path / "s3", free_ports(LocalS3.N_PORTS))
     for name, value in s3.credentials.items():
         monkeypatch.setenv(name, value)
     weed = s3.start(tmp_path / "s3.log")

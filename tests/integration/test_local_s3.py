@@ -15,7 +15,7 @@ import pytest
 
 from app.errors import ConfigError
 from app.pool.seaweed import LocalS3
-from support.servers import free_port
+from support.servers import free_ports
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_local_s3_with_no_room_for_a_volume_is_refused_naming_the_disk(small_disk: Path, tmp_path: Path) -> None:
-    s3 = LocalS3(small_disk / "s3", free_port())
+    s3 = LocalS3(small_disk / "s3", free_ports(LocalS3.N_PORTS))
     with pytest.raises(ConfigError, match=r"no room for a volume in .*small/s3: 4 MiB free of 512 MiB"):
         s3.start(tmp_path / "s3.log")
     assert not [line for line in subprocess.run(["pgrep", "-af", "weed mini"], capture_output=True,

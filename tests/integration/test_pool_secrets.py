@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from app.pool.postgres import SUPERUSER
 from app.pool.secrets import pool_secrets
 from app.pool.seaweed import BUCKET, LocalS3, stop
-from support.servers import free_port
+from support.servers import free_port, free_ports
 
 OLD_FIXED_KEYS = ("semantic", "semantic-local-pool")
 
@@ -55,7 +55,7 @@ def test_the_pools_postgres_asks_every_connection_for_the_password(postgres) -> 
 
 def test_the_pools_s3_refuses_the_keys_once_fixed_in_the_source(tmp_path: Path) -> None:
     keys = pool_secrets(tmp_path / "secrets.json")
-    s3 = LocalS3(tmp_path / "s3", free_port(), keys.s3_access_key, keys.s3_secret_key)
+    s3 = LocalS3(tmp_path / "s3", free_ports(LocalS3.N_PORTS), keys.s3_access_key, keys.s3_secret_key)
     weed = s3.start(tmp_path / "s3.log")
     try:
         def client(access: str, secret: str):  # type: ignore[no-untyped-def]

@@ -4,6 +4,7 @@ waited for, and the environment a headless Claude Code needs to talk to one."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,6 +28,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports, below the kernel's ephemeral range
+    (from 32768): a block after ``free_port()``'s port lies in that range, where any outgoing
+    connection may take one of its ports before the process that needs it listens (a pool's
+    PostgreSQL failed to bind so, one run in a few)."""
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - n)
+        probes = [socket.socket() for _ in range(n)]
+        try:
+            for i, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-32767")
 
 
 @dataclass
