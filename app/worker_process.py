@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 
+from app.processes import stop_processes
 from app.settings import Settings, as_environment
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,5 @@ def start_worker(settings: Settings) -> subprocess.Popen[bytes]:
 
 def stop_worker(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
     """Terminate the worker and wait for it (killed if it does not stop in time)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_processes([process], timeout_s)
     log.info("worker stopped (exit %s)", process.returncode)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.errors import ConfigError
+from app.processes import stop_processes
 
 BUCKET = "semantic-blocks"
 
@@ -125,10 +126,4 @@ class LocalS3:
 def stop(process: subprocess.Popen[bytes], timeout_s: float = 10) -> None:
     """SIGTERM, then SIGKILL after ``timeout_s``: ``weed mini`` can wait out a SIGTERM while its
     parts retry one another (seen with no room for a volume)."""
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_processes([process], timeout_s)

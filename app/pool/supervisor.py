@@ -33,6 +33,7 @@ from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
 from app.pool.secrets import pool_secrets
 from app.pool.seaweed import LocalS3
+from app.processes import stop_processes
 from app.redaction import redact
 from app.settings import Settings, as_environment, variable_of
 
@@ -130,16 +131,7 @@ def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
 
 
 def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for process in processes:
-        try:
-            process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_processes(processes, STOP_TIMEOUT_S)
 
 
 def _port_plan(settings: Settings, n_servers: int, port: int) -> list[tuple[int, str]]:
