@@ -283,11 +283,12 @@ def _log_turn(turn: Turn, finished: Finished, reuse: ReuseReport | None) -> None
     rate = (finished.n_output_tokens - 1) / decode_s if finished.n_output_tokens > 1 and decode_s > 0 else 0.0
     agent, conversation = turn.target.agent.agent_id, turn.target.conversation_id
     log.info("request %s agent %s conversation %s: prompt %d tokens (cached %d, new %d), output %d, "
-             "ttft %.2f s (queue %.2f, restore %.2f, prefill %.2f), %.1f tok/s, %s, %s", turn.request_id, agent,
+             "ttft %.2f s (queue %.2f, restore %.2f, prefill %.2f), %.1f tok/s%s, %s, %s", turn.request_id, agent,
              conversation, finished.n_prompt_tokens, finished.n_cached_tokens,
              finished.n_prompt_tokens - finished.n_cached_tokens, finished.n_output_tokens, finished.ttft_s,
-             finished.queue_s, finished.restore_s, finished.prefill_s, rate, reuse.reason if reuse else "-",
-             finished.stop_reason)
+             finished.queue_s, finished.restore_s, finished.prefill_s, rate,
+             f" (drafts {finished.n_draft_accepted}/{finished.n_draft_tokens} kept)" if finished.n_draft_tokens else "",
+             reuse.reason if reuse else "-", finished.stop_reason)
     if reuse is not None and reuse.reason not in ("extend", "exact"):
         where = (f"; stored text parts from the prompt at char {reuse.offset} in {reuse.part}: "
                  f"stored {reuse.stored!r}, new {reuse.new!r}") if reuse.offset is not None else ""

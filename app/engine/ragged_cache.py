@@ -9,7 +9,8 @@ up again would copy the whole cache every step; instead the tokens a row drops b
 fewest any row drops stay where they are, as *holes*: the attention mask hides them, the
 row's ``offset`` (the position its next token is rotated to) no longer counts them, and
 ``extract`` leaves them out. A hole's keys are never read, so a row attends to exactly the
-tokens it kept, at the positions they had: what a cache cut back on its own holds.
+tokens it kept, at the positions they had: what a cache cut back on its own holds. A
+sliding window counts kept tokens only, as the row's own cache would.
 
 Holes cost memory and masked attention work until the rows are extracted and merged
 again (``compacted``), which ``Lanes`` does when they pass a share of the buffer.
@@ -67,11 +68,20 @@ class RaggedBatchKVCache(BatchKVCache):
         return mx.concatenate([self._holes, mx.zeros((self._holes.shape[0], length - have), dtype=mx.bool_)],
                               axis=1)
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: object) -> mx.array:
-        mask = super().make_mask(N, return_array=return_array, **kwargs)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs: object) -> mx.array:
+        """The causal mask of the next ``N`` positions, without the holes. A sliding window
+        (``window_size``: Gemma 3's and GPT-OSS's local layers) spans the last ``window_size``
+        tokens a row kept, not buffer positions: holes inside it do not count."""
         if self._holes is None:
+            return super().make_mask(N, return_array=return_array, window_size=window_size, **kwargs)
+        holes = self._padded_holes(self._idx + N)
+        mask = super().make_mask(N, return_array=return_array, **kwargs) & ~holes[:, None, None, :]
+        if window_size is None:
             return mask
-        return mask & ~self._padded_holes(self._idx + N)[:, None, None, :]
+        rank = mx.cumsum((~holes).astype(mx.int32), axis=1)  # kept tokens up to each position
+        distance = rank[:, -N:, None] - rank[:, None, :]  # (rows, N, positions): kept tokens between
+        return mask & (distance < window_size)[:, None]
 
     def extract(self, idx: int) -> KVCache:
         cache = super().extract(idx)

@@ -20,9 +20,10 @@ sampling would give it, and the token after the accepted draft is drawn from the
 residual or, after a wholly accepted draft, from the model's distribution there.
 
 Only sequences without logits processors speculate, and only on caches
-that can be cut back exactly (plain ``KVCache`` per layer): a sliding-window
-``RotatingKVCache`` or a recurrent ``ArraysCache`` (alone or in a ``CacheList``, as
-Falcon-H1 keeps it beside its KV) loses state it cannot get back.
+that can be cut back exactly (plain ``KVCache`` per layer; the engine's working caches
+of sliding-window models are, the model masking by window): a ``RotatingKVCache``
+or a recurrent ``ArraysCache`` (alone or in a ``CacheList``, as Falcon-H1 keeps it
+beside its KV) loses state it cannot get back.
 """
 
 from __future__ import annotations

@@ -72,6 +72,16 @@ def test_a_turn_is_answered_and_its_history_stored(app) -> None:  # type: ignore
     assert chat.status_code == 200 and chat.json["choices"][0]["message"]["content"] == "Hello there."
 
 
+def test_the_request_line_names_the_drafts_kept_when_the_turn_drafted(app, caplog) -> None:  # type: ignore[no-untyped-def]
+    client, engine, _ = app
+    with caplog.at_level(logging.INFO, logger="app.api.generation"):
+        client.simulate_post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-plain"})
+        assert "drafts" not in caplog.text
+        engine.drafts = (68, 41)
+        client.simulate_post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-drafted"})
+    assert "tok/s (drafts 41/68 kept), " in caplog.text
+
+
 def test_time_to_first_token_counts_from_arrival_and_is_stored_and_reported_in_parts(app, caplog) -> None:  # type: ignore[no-untyped-def]
     """The engine's clock starts at the request's arrival (middleware), before the body is
     read and the prompt rendered; the parts it reports are logged, stored and exported."""

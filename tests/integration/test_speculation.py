@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 import pytest
@@ -231,32 +231,77 @@ def test_sequences_drafting_together_each_keep_their_own_draft(smollm2_dir: Path
     wanted = {"copy": 41, "tool": 24, "prose": 24}
     temperature = {"copy": 0.0, "tool": 0.0, "prose": 0.3}
 
-    def decode(names: list[str], max_draft: int) -> tuple[dict[str, list[int]], dict[str, list[KVCache]],
-                                                         dict[str, int]]:
-        batch = DecodeBatch(model, max_draft)
-        for uid, name in enumerate(names):
-            cache = [KVCache() for _ in model.layers]
-            prefill(model, cache, prompts[name][:-1])
-            batch.add(uid, cache, prompts[name][-1], prompts[name][:-1], make_sampler(temp=temperature[name]), [],
-                      speculate=True, distribution=token_distribution(temperature[name]))
-        tokens: dict[str, list[int]] = {name: [] for name in names}
-        while any(len(tokens[name]) < wanted[name] for name in names):
-            for uid, step in batch.step():
-                tokens[names[uid]] += step
-        accepted = {name: batch.drafts(uid)[1] for uid, name in enumerate(names)}  # every row decoding
-        caches = {name: batch.remove(uid, len(tokens[name]) - wanted[name]) for uid, name in enumerate(names)}
-        return {name: tokens[name][:wanted[name]] for name in names}, caches, accepted
-
     names = list(PROMPTS)
-    together, caches, accepted = decode(names, 8)
+    together, caches, accepted = decode(model, prompts, wanted, temperature, names, 8)
     assert accepted["copy"] >= 10 and accepted["tool"] > 0, accepted  # drafts kept beside each other
     for name in ("copy", "tool"):
-        alone, _, _ = decode([name], 0)
+        alone, _, _ = decode(model, prompts, wanted, temperature, [name], 0)
         assert together[name] == alone[name], name
+    assert_caches_are_fresh_prefills(model, prompts, together, caches)
+
+
+# A module long enough that Gemma 3's prompts and replies outgrow its 512-token sliding window.
+LONG_FILE = "".join(f'''def {name}(values, factor={i}):
+    """Return every value of values {verb} by factor."""
+    return [{expr} for v in values]
+
+
+''' for i, (name, verb, expr) in enumerate(
+    (f"{op}_{kind}", verb, expr) for kind in ("ints", "floats", "items", "rows")
+    for op, verb, expr in (("scale", "multiplied", "v * factor"), ("shift", "increased", "v + factor"),
+                           ("lower", "decreased", "v - factor"), ("split", "divided", "v / factor"))))
+
+
+def test_gemma3_drafts_beyond_its_sliding_window_change_nothing(gemma3_dir: Path) -> None:
+    """Gemma 3 270M (real weights; sliding-window layers on every cache, whose mask counts
+    kept tokens only): two copy replies on prompts past the 512-token window decode
+    together with drafts, each row keeping its own share (holes in the other), and each
+    hands out what it hands out alone without drafts; the caches handed back are fresh
+    prefills'. Fails if a row's window counted the other's rejected positions."""
+    loaded = load_model("gemma3", gemma3_dir)
+    model = loaded.model
+    texts = {"copy": f"Here is ops.py:\n```python\n{LONG_FILE}```\nThe same file, with scale_ints renamed to "
+                     f"times_ints:\n```python\n",
+             "tail": f"Here is ops.py:\n```python\n{LONG_FILE}```\nIts last two functions again:\n```python\n"}
+    prompts = {name: loaded.tokenizer.encode(text) for name, text in texts.items()}
+    assert all(len(p) > 600 for p in prompts.values()), [len(p) for p in prompts.values()]
+    wanted = {"copy": 48, "tail": 40}
+    temperature = {"copy": 0.0, "tail": 0.0}
+    names = list(texts)
+    together, caches, accepted = decode(model, prompts, wanted, temperature, names, 8)
+    assert accepted["copy"] >= 10 and accepted["tail"] >= 10, accepted
     for name in names:
+        alone, _, _ = decode(model, prompts, wanted, temperature, [name], 0)
+        assert together[name] == alone[name], name
+    assert_caches_are_fresh_prefills(model, prompts, together, caches)
+
+
+def decode(model: Any, prompts: dict[str, list[int]], wanted: dict[str, int], temperature: dict[str, float],
+           names: list[str], max_draft: int) -> tuple[dict[str, list[int]], dict[str, list[KVCache]], dict[str, int]]:
+    """``names`` decoding together in one ``DecodeBatch`` (drafting: ``max_draft`` > 0), each
+    until it has ``wanted[name]`` tokens: (the tokens, the caches handed back, drafts accepted)."""
+    batch = DecodeBatch(model, max_draft)
+    for uid, name in enumerate(names):
+        cache = [KVCache() for _ in model.layers]
+        prefill(model, cache, prompts[name][:-1])
+        batch.add(uid, cache, prompts[name][-1], prompts[name][:-1], make_sampler(temp=temperature[name]), [],
+                  speculate=True, distribution=token_distribution(temperature[name]))
+    tokens: dict[str, list[int]] = {name: [] for name in names}
+    while any(len(tokens[name]) < wanted[name] for name in names):
+        for uid, step in batch.step():
+            tokens[names[uid]] += step
+    accepted = {name: batch.drafts(uid)[1] for uid, name in enumerate(names)}  # every row decoding
+    caches = {name: batch.remove(uid, len(tokens[name]) - wanted[name]) for uid, name in enumerate(names)}
+    return {name: tokens[name][:wanted[name]] for name in names}, caches, accepted
+
+
+def assert_caches_are_fresh_prefills(model: Any, prompts: dict[str, list[int]], tokens: dict[str, list[int]],
+                                     caches: dict[str, list[KVCache]]) -> None:
+    """Each cache handed back holds its prompt's and its tokens' keys, as a fresh prefill computes them."""
+    for name, handed in caches.items():
         fresh = [KVCache() for _ in model.layers]
-        prefill(model, fresh, [*prompts[name], *together[name]])
-        for a, b in zip(caches[name], fresh):
-            assert a.offset == b.offset == len(prompts[name]) + wanted[name]
+        prefill(model, fresh, [*prompts[name], *tokens[name]])
+        for a, b in zip(handed, fresh):
+            assert a.offset == b.offset == len(prompts[name]) + len(tokens[name])
             n = b.offset
             assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-2).item(), name

@@ -37,6 +37,7 @@ class FakeJob:
     parts: tuple[float, float, float] = (0.002, 0.003, 0.005)  # queue, restore, prefill (seconds)
     reuse: ReuseReport | None = None  # its lease's report (provenance)
     queued: bool = False  # it waits in the queue past a heartbeat before its lease
+    drafts: tuple[int, int] = (0, 0)  # draft tokens proposed, kept
 
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
@@ -48,7 +49,8 @@ class FakeJob:
         yield TextDelta("Hello there.", logprobs)
         queue_s, restore_s, prefill_s = self.parts
         yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01, reuse=self.reuse,
-                       queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s, logprobs=logprobs)
+                       queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s, logprobs=logprobs,
+                       n_draft_tokens=self.drafts[0], n_draft_accepted=self.drafts[1])
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -79,6 +81,7 @@ class FakeEngine:
         self.prefills: tuple[PrefillProgress, ...] = ()
         self.reuse: ReuseReport | None = None  # what its jobs' leases report
         self.queued = False  # its jobs wait in the queue past a heartbeat
+        self.drafts = (0, 0)  # draft tokens its jobs report proposed and kept
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -108,7 +111,7 @@ class FakeEngine:
             raise self.refuse
         self.submitted.append(request)
         self.submitted_at.append(time.perf_counter())
-        return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued)
+        return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued, drafts=self.drafts)
 
     def model_names(self) -> dict[str, str]:
         return {self.model.fingerprint: self.model.name}
