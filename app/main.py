@@ -78,7 +78,7 @@ def _serve(settings: Settings) -> None:
 
     load_fast_blas(settings.blas_library)
     # Imported only now: MLX must see OpenBLAS first.
-    from app.catalog.registry import Catalog
+    from app.catalog.registry import Catalog, configured_model_dir
     from app.cache.shared_tier import S3Tier
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import is_postgres_url, make_engine, make_session_factory, upgrade
@@ -95,10 +95,12 @@ def _serve(settings: Settings) -> None:
     cache = CacheConfig(settings.blocks_dir, sessions, cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations, settings.kv_format_for, scope, tier,
                         settings.effective_server_id if tier is not None else None)
+    draft = configured_model_dir(settings.models_dir, settings.draft_model) if settings.draft_model else None
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
-                    speculative_tokens=settings.speculative_tokens)
+                    speculative_tokens=settings.speculative_tokens,
+                    draft_model=draft)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
         server = make_server(app, **waitress_options(settings))

@@ -74,6 +74,10 @@ class Settings(BaseSettings):
         "(prompt-lookup n-grams) and the model checks them in one forward pass, with the same output token for "
         "token when greedy (temperature 0) and the same distribution when sampling (exact speculative sampling). "
         "0 = off; a request turns it off with speculate false (OpenAI, Anthropic, Responses, direct agent API)."))
+    draft_model: str = Field("", description=(
+        "A smaller model that drafts instead of prompt lookup: a name, a directory or a Hugging Face repo id, as "
+        "model takes them, sharing the served model's vocabulary (Llama 3.2 1B for Llama 3.1 8B). The output is "
+        "the same; each draft token costs one of its forward passes. Empty = drafts from the conversation."))
     max_output_tokens: int = Field(131072, ge=1, le=1 << 24, description=(
         "Upper bound for a request's max_tokens; larger values are a 400."))
     default_max_tokens: int = Field(512, ge=1, le=1 << 24, description=(

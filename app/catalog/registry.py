@@ -259,6 +259,17 @@ class Catalog:
             return ensure_embedded(self.models_dir, name)
 
 
+def configured_model_dir(models_dir: Path, given: str, hf_cache_dir: Path | None = None) -> Path:
+    """The directory of a model a setting names (a name, a directory or a repo id, as
+    ``Catalog.configure`` takes them), importing an embedded model on first use.
+
+    Raises:
+        ConfigError: no such model.
+    """
+    name, path = _configured(models_dir, given, hf_cache_dir)
+    return path if _installed(path) else ensure_embedded(models_dir, name)
+
+
 def _configured(models_dir: Path, given: str, hf_cache_dir: Path | None) -> tuple[str, Path]:
     """The name and directory of a model the configuration names (see ``Catalog.configure``)."""
     if hf_cache.is_repo_id(given):

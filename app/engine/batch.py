@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches, gener
 from mlx_lm.models.cache import CacheList, KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
-from app.engine.drafting import DraftLength, PromptLookup
+from app.engine.drafting import Drafter, DraftLength, PromptLookup
 from app.engine.sampled_drafts import Distribution
 from app.engine.speculation import Lane, Lanes, can_trim_exactly
 
@@ -45,7 +45,7 @@ class _Drafting:
     """A sequence that may speculate: its history (every token in its cache, then its
     next token once known) and its draft length."""
 
-    lookup: PromptLookup
+    lookup: Drafter
     length: DraftLength
     sampler: Callable[[mx.array], mx.array]  # its sampler in the batch
     distribution: Distribution | None  # what it samples from in a lane (None: greedy)
@@ -60,11 +60,15 @@ class DecodeBatch:
         max_draft: the most draft tokens a speculating sequence proposes a step (0: none).
         use_cores: called before each forward pass with whether it has several rows
             (``cores.CoreSplit.use``), or None.
+        drafter: what drafts for a sequence, given its history (a draft model's
+            ``draft_model.ModelDraft``); None: ``drafting.PromptLookup``, in the conversation.
     """
 
     def __init__(self, model: nn.Module, max_draft: int = 0,
-                 use_cores: Callable[[bool], None] | None = None) -> None:
+                 use_cores: Callable[[bool], None] | None = None,
+                 drafter: Callable[[list[int]], Drafter] | None = None) -> None:
         self._model = model
+        self._drafter = drafter
         self._batch = GenerationBatch.empty(model, greedy_sampler)
         self._max_draft = max_draft
         self._use_cores = use_cores
@@ -91,8 +95,9 @@ class DecodeBatch:
         that trims exactly as well); ``distribution``: what ``sampler`` draws from (None: it
         samples greedily), which a sampled draft is verified against."""
         if speculate and self._max_draft > 0 and not processors and can_trim_exactly(cache):
-            drafting = _Drafting(PromptLookup([*context, last_token]), DraftLength(self._max_draft), sampler,
-                                 distribution)
+            history = [*context, last_token]
+            lookup = PromptLookup(history) if self._drafter is None else self._drafter(history)
+            drafting = _Drafting(lookup, DraftLength(self._max_draft), sampler, distribution)
             self._drafting[uid] = drafting
             if not len(self._batch):
                 self._lanes.add(uid, Lane(last_token, drafting.lookup, drafting.length, silent=1,

@@ -17,7 +17,18 @@ off after misses, so prose (where guesses rarely hold) costs almost nothing.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Protocol
+
+
+class Drafter(Protocol):
+    """What proposes a sequence's drafts: its history, and a guess at what follows it
+    (``PromptLookup`` here; ``draft_model.ModelDraft``, a smaller model's guess)."""
+
+    tokens: list[int]
+
+    def extend(self, tokens: Iterable[int]) -> None: ...
+
+    def draft(self, k: int) -> list[int]: ...
 
 
 class PromptLookup:

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,6 +26,7 @@ from app.catalog.registry import Catalog
 from app.engine.admission import Admission
 from app.engine import grammar
 from app.engine.channel import Job
+from app.engine.draft_model import ModelDraft, load_draft_model
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
@@ -64,12 +66,14 @@ class Engine:
 
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
-                 max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8) -> None:
+                 max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8,
+                 draft_model: Path | None = None) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``. ``speculative_tokens``: the
         longest prompt-lookup draft a greedy request proposes a step (0: no speculation;
-        ``speculation.py``)."""
+        ``speculation.py``). ``draft_model``: the directory of a smaller model sharing the
+        served models' vocabulary, which drafts instead (``draft_model.py``)."""
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
@@ -84,7 +88,9 @@ class Engine:
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               admission=self._admission, repetition_penalty=repetition_penalty,
-                              speculative_tokens=speculative_tokens)
+                              speculative_tokens=speculative_tokens,
+                              load_draft=None if draft_model is None else
+                              lambda loaded: partial(ModelDraft, load_draft_model(draft_model, loaded, dtype)))
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

@@ -157,7 +157,7 @@ def backend_name() -> str:
     return device_kind()
 
 
-def _compute_dtype(requested: str) -> Any:
+def compute_dtype(requested: str) -> Any:
     if requested == "auto":
         return mx.float32 if backend_name() == "cpu" else None
     try:
@@ -288,7 +288,7 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
     context = int(config.get("max_position_embeddings") or tokenizer.model_max_length or 4096)
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
-    target = _compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
+    target = compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
     try:
         kv = kv_choice(path, kv_format)
     except InvalidModelFile as exc:
@@ -326,7 +326,7 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
         pending = pool.submit(_timed, load_spec, name, path, dtype, kv_format)
         try:
             model, config = load_weights(path)
-            target = _compute_dtype(dtype)
+            target = compute_dtype(dtype)
             if target is not None:
                 model.set_dtype(target)
             mx.eval(model.parameters())

@@ -5,9 +5,9 @@ A ``Lane`` is a sequence decoding on its own cache outside mlx-lm's
 alone). Its state is the batch's: the cache holds every token handed out so far,
 and ``pending``, the next token, is decided but not yet in the cache nor handed
 out. A step feeds ``[pending, *draft]`` in one forward pass (the draft from
-``drafting.PromptLookup``), takes the greedy token after each position, keeps
-the draft's longest prefix that agrees with them, and trims the cache back over
-the rest (``KVCache.trim``). It hands out ``pending`` and the accepted draft
+``drafting.PromptLookup``, or from a draft model: ``draft_model.ModelDraft``), takes
+the greedy token after each position, keeps the draft's longest prefix that agrees
+with them, and trims the cache back over the rest (``KVCache.trim``). It hands out ``pending`` and the accepted draft
 tokens; the model's own token after them is the new ``pending``. Every token
 handed out is therefore the one greedy decoding would have produced (up to
 float32 rounding between a one-row and a several-row forward pass, as between
@@ -37,7 +37,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from app.engine.drafting import DraftLength, PromptLookup
+from app.engine.drafting import Drafter, DraftLength
 from app.engine.ragged_cache import RaggedBatchKVCache, compacted
 from app.engine.sampled_drafts import Distribution, accept_sampled
 
@@ -64,7 +64,7 @@ class Lane:
     acceptances and tokens."""
 
     pending: int
-    lookup: PromptLookup
+    lookup: Drafter
     length: DraftLength
     silent: int = 0
     distribution: Distribution | None = None

@@ -1,0 +1,125 @@
+"""Draft tokens from a smaller model that shares the served model's vocabulary (MLX).
+
+The ``draft_model`` setting: a small model of the same family (Llama 3.2 1B for Llama
+3.1 8B, Qwen3 0.6B for Qwen3 8B) guesses the next tokens greedily, and the served model
+checks the guess in one forward pass as it checks a prompt-lookup draft
+(``speculation.py``): the output is the one decoding without drafts gives, greedy token
+for token, sampled by exact speculative sampling (a greedy draft is a point mass, so
+``sampled_drafts.accept_sampled`` applies as it is). It drafts where the reply does not
+copy the context; it costs the draft model's forward passes, one per draft token.
+
+A ``ModelDraft`` stands in for ``drafting.PromptLookup`` in a sequence's lane: the same
+history (``tokens``, ``extend``) and ``draft(k)``. It keeps the draft model's own cache of
+the history (one ``KVCache`` per layer, cut back exactly), which trails the history: a
+draft first cuts the tokens the served model rejected, feeds what the history gained since
+(the whole prompt the first time, in chunks), then decodes ``k`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import load_model as load_weights
+from mlx_lm.utils import load_tokenizer
+
+from app.engine.model import LoadedModel, compute_dtype, unsupported_caches
+from app.engine.speculation import greedy_tokens
+from app.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 512  # the most history tokens one draft-model forward pass feeds
+
+
+def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn.Module:
+    """The draft model at ``path`` for ``target``.
+
+    Raises:
+        ConfigError: its vocabulary is not ``target``'s (its tokens would mean other text),
+            or its layers keep state that cannot be cut back (recurrent layers).
+    """
+    tokenizer = load_tokenizer(path)
+    if tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ConfigError(f"draft_model {path}: its vocabulary is not that of {target.name} (a draft model must "
+                          "share the served model's tokenizer, e.g. a smaller model of the same family)")
+    model, config = load_weights(path)
+    kinds = {type(layer).__name__ for layer in model.make_cache()} if hasattr(model, "make_cache") else set()
+    if unsupported_caches(model) or kinds - {"KVCache", "RotatingKVCache"}:
+        raise ConfigError(f"draft_model {path} ({config.get('model_type')}): its layers keep recurrent state, "
+                          "which a rejected draft cannot be cut back from; use an attention-only model")
+    target_dtype = compute_dtype(dtype)
+    if target_dtype is not None:
+        model.set_dtype(target_dtype)
+    mx.eval(model.parameters())
+    log.info("draft model %s loaded for %s (%s, %d layers): it drafts instead of prompt lookup", path, target.name,
+             config.get("model_type"), len(model.layers))
+    return model
+
+
+class ModelDraft:
+    """One sequence's history and the draft model's cache of it."""
+
+    def __init__(self, model: nn.Module, tokens: Iterable[int]) -> None:
+        self._model = model
+        self.tokens: list[int] = list(tokens)
+        self._cache = [KVCache() for _ in model.layers]  # the window masks of sliding layers: the model's
+        self._fed: list[int] = []  # the tokens in the cache: a prefix of the history, then drafted ones
+        self._base = 0  # how many of them were fed from the history (so are still its prefix)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to the history."""
+        self.tokens.extend(tokens)
+
+    def draft(self, k: int) -> list[int]:
+        """The draft model's greedy next ``k`` tokens after the history (none if ``k`` is 0)."""
+        if k <= 0 or not self.tokens:
+            return []
+        kept = self._shared()
+        self._base = kept
+        if kept < len(self._fed):
+            for layer in self._cache:
+                layer.trim(len(self._fed) - kept)
+            del self._fed[kept:]
+        if kept == len(self.tokens):  # the history is all in the cache: feed its last token again
+            for layer in self._cache:
+                layer.trim(1)
+            self._fed.pop()
+            self._base = len(self._fed)
+        out: list[int] = []
+        with mx.stream(generation_stream):
+            rest = self.tokens[len(self._fed):]
+            while len(rest) > CHUNK:
+                self._feed(rest[:CHUNK])
+                rest = rest[CHUNK:]
+            token = self._feed(rest)
+            self._base = len(self._fed)
+            out.append(token)
+            while len(out) < k:
+                out.append(self._feed([token]))
+                token = out[-1]
+        return out
+
+    def _feed(self, tokens: list[int]) -> int:
+        """Feed ``tokens`` into the cache; the greedy token after them."""
+        logits = self._model(mx.array([tokens]), cache=self._cache)[0, -1:]
+        self._fed += tokens
+        token: int = greedy_tokens(logits).item()  # type: ignore[assignment]  # one int
+        return token
+
+    def _shared(self) -> int:
+        """How many leading tokens of the cache the history still has (drafts the served
+        model rejected differ from it)."""
+        n = min(len(self._fed), len(self.tokens))
+        i = self._base
+        while i < n and self._fed[i] == self.tokens[i]:
+            i += 1
+        return i
