@@ -56,6 +56,9 @@ class Metrics:
         self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", registry=r)
         self.cache_read_tokens = Counter("semantic_cache_read_tokens", "Prompt tokens reused from a cache", registry=r)
         self.output_tokens = Counter("semantic_output_tokens", "Generated tokens", registry=r)
+        self.draft_tokens = Counter("semantic_draft_tokens", "Speculative draft tokens proposed", registry=r)
+        self.draft_accepted_tokens = Counter("semantic_draft_accepted_tokens",
+                                             "Speculative draft tokens the model agreed with (kept)", registry=r)
         self.reuse_reasons = Counter("semantic_cache_reuse_reasons", "How cache reuse ended, by reason "
                                      "(app.types.ReuseReason: extend, exact, diverge, sibling, shared, miss, off)",
                                      ["reason"], registry=r)
@@ -98,6 +101,8 @@ class Metrics:
         self.prompt_tokens.inc(finished.n_prompt_tokens)
         self.cache_read_tokens.inc(finished.n_cached_tokens)
         self.output_tokens.inc(finished.n_output_tokens)
+        self.draft_tokens.inc(finished.n_draft_tokens)
+        self.draft_accepted_tokens.inc(finished.n_draft_accepted)
         if finished.reuse is not None:
             self.reuse_reasons.labels(finished.reuse.reason).inc()
         if finished.n_output_tokens:

@@ -72,7 +72,7 @@ def test_a_turn_is_answered_and_its_history_stored(app) -> None:  # type: ignore
     assert chat.status_code == 200 and chat.json["choices"][0]["message"]["content"] == "Hello there."
 
 
-def test_the_request_line_names_the_drafts_kept_when_the_turn_drafted(app, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_the_request_line_and_metrics_count_the_drafts_kept(app, caplog) -> None:  # type: ignore[no-untyped-def]
     client, engine, _ = app
     with caplog.at_level(logging.INFO, logger="app.api.generation"):
         client.simulate_post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-plain"})
@@ -80,6 +80,8 @@ def test_the_request_line_names_the_drafts_kept_when_the_turn_drafted(app, caplo
         engine.drafts = (68, 41)
         client.simulate_post("/v1/chat/completions", json=CHAT, headers={"x-session-id": "s-drafted"})
     assert "tok/s (drafts 41/68 kept), " in caplog.text
+    metrics = client.simulate_get("/metrics").text
+    assert "semantic_draft_tokens_total 68.0" in metrics and "semantic_draft_accepted_tokens_total 41.0" in metrics
 
 
 def test_time_to_first_token_counts_from_arrival_and_is_stored_and_reported_in_parts(app, caplog) -> None:  # type: ignore[no-untyped-def]
