@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences, _merge_caches, gener
 from mlx_lm.models.cache import CacheList, KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
-from app.engine.drafting import Drafter, DraftLength, PromptLookup
+from app.engine.drafting import Drafter, DraftLength, DraftSource, PromptLookup
 from app.engine.sampled_drafts import Distribution
 from app.engine.speculation import Lane, Lanes, can_trim_exactly
 
@@ -49,6 +49,7 @@ class _Drafting:
     length: DraftLength
     sampler: Callable[[mx.array], mx.array]  # its sampler in the batch
     distribution: Distribution | None  # what it samples from in a lane (None: greedy)
+    key: str | None = None  # its conversation (a draft model's drafter is kept by it between turns)
     owed: int | None = None  # its next token, fed on joining the batch, not handed out yet
 
 
@@ -60,15 +61,15 @@ class DecodeBatch:
         max_draft: the most draft tokens a speculating sequence proposes a step (0: none).
         use_cores: called before each forward pass with whether it has several rows
             (``cores.CoreSplit.use``), or None.
-        drafter: what drafts for a sequence, given its history (a draft model's
-            ``draft_model.ModelDraft``); None: ``drafting.PromptLookup``, in the conversation.
+        drafts: where a sequence's drafter comes from (a draft model:
+            ``draft_model.DraftModel``); None: ``drafting.PromptLookup``, in the conversation.
     """
 
     def __init__(self, model: nn.Module, max_draft: int = 0,
                  use_cores: Callable[[bool], None] | None = None,
-                 drafter: Callable[[list[int]], Drafter] | None = None) -> None:
+                 drafts: DraftSource | None = None) -> None:
         self._model = model
-        self._drafter = drafter
+        self._drafts = drafts
         self._batch = GenerationBatch.empty(model, greedy_sampler)
         self._max_draft = max_draft
         self._use_cores = use_cores
@@ -88,16 +89,17 @@ class DecodeBatch:
 
     def add(self, uid: int, cache: list[KVCache], last_token: int, context: Sequence[int],
             sampler: Callable[[mx.array], mx.array], processors: Sequence[Any], speculate: bool = False,
-            distribution: Distribution | None = None) -> None:
+            distribution: Distribution | None = None, key: str | None = None) -> None:
         """Start decoding ``uid``: ``cache`` holds its prompt but ``last_token``, which is fed now.
         ``context`` (the tokens in ``cache``) is what logits processors look back on and drafts
         are looked up in. ``speculate``: it may draft (drafts need no processors and a cache
         that trims exactly as well); ``distribution``: what ``sampler`` draws from (None: it
-        samples greedily), which a sampled draft is verified against."""
+        samples greedily), which a sampled draft is verified against. ``key``: its conversation,
+        whose drafter a draft model keeps between turns."""
         if speculate and self._max_draft > 0 and not processors and can_trim_exactly(cache):
             history = [*context, last_token]
-            lookup = PromptLookup(history) if self._drafter is None else self._drafter(history)
-            drafting = _Drafting(lookup, DraftLength(self._max_draft), sampler, distribution)
+            lookup = PromptLookup(history) if self._drafts is None else self._drafts.drafter(history, key)
+            drafting = _Drafting(lookup, DraftLength(self._max_draft), sampler, distribution, key)
             self._drafting[uid] = drafting
             if not len(self._batch):
                 self._lanes.add(uid, Lane(last_token, drafting.lookup, drafting.length, silent=1,
@@ -170,7 +172,9 @@ class DecodeBatch:
     def remove(self, uid: int, n_unused: int = 0) -> list[KVCache]:
         """Take ``uid`` out; returns its cache (one ``KVCache`` per layer) without the last
         ``n_unused`` tokens it was handed (those after its end, in a verified draft)."""
-        self._drafting.pop(uid, None)
+        drafting = self._drafting.pop(uid, None)
+        if drafting is not None and self._drafts is not None:
+            self._drafts.release(drafting.key, drafting.lookup)
         if uid in self._lanes.uids:
             cache = self._lanes.remove(uid)[1]
         else:

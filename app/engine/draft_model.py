@@ -12,13 +12,16 @@ A ``ModelDraft`` stands in for ``drafting.PromptLookup`` in a sequence's lane: t
 history (``tokens``, ``extend``) and ``draft(k)``. It keeps the draft model's own cache of
 the history (one ``KVCache`` per layer, cut back exactly), which trails the history: a
 draft first cuts the tokens the served model rejected, feeds what the history gained since
-(the whole prompt the first time, in chunks), then decodes ``k`` tokens.
+(the whole prompt the first time, in chunks), then decodes ``k`` tokens. ``DraftModel``
+keeps the drafters of recent conversations between turns (in memory, never stored), so a
+warm turn feeds the draft model its new tokens only, as the served model's prefill does.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections import OrderedDict
 from typing import Iterable
 
 import mlx.core as mx
@@ -29,6 +32,7 @@ from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.engine.model import LoadedModel, compute_dtype, unsupported_caches
+from app.engine.drafting import Drafter
 from app.engine.speculation import greedy_tokens
 from app.errors import ConfigError
 
@@ -62,6 +66,38 @@ def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn
     return model
 
 
+class DraftModel:
+    """A draft model and the drafters of the last ``KEEP`` conversations it drafted for, kept in
+    memory between turns: a conversation's next turn takes its drafter up again and feeds
+    the draft model only what the conversation gained (the reply's tail past the end and
+    anything that differs are cut first). The kept caches are not counted in
+    ``cache_memory_bytes``: each holds its conversation in the draft model's float keys
+    and values."""
+
+    KEEP = 4
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._kept: OrderedDict[str, ModelDraft] = OrderedDict()
+
+    def drafter(self, history: list[int], key: str | None) -> ModelDraft:
+        """The drafter of a sequence whose history is ``history``: the one ``key`` released last, if kept."""
+        kept = self._kept.pop(key, None) if key is not None else None
+        if kept is None:
+            return ModelDraft(self.model, history)
+        kept.restart(history)
+        return kept
+
+    def release(self, key: str | None, drafter: Drafter) -> None:
+        """Keep ``drafter`` for ``key``'s next turn (the least recently released beyond ``KEEP`` go)."""
+        if key is None or not isinstance(drafter, ModelDraft):
+            return
+        self._kept[key] = drafter
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.KEEP:
+            self._kept.popitem(last=False)
+
+
 class ModelDraft:
     """One sequence's history and the draft model's cache of it."""
 
@@ -78,6 +114,12 @@ class ModelDraft:
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to the history."""
         self.tokens.extend(tokens)
+
+    def restart(self, history: Iterable[int]) -> None:
+        """A new history (a later turn of the conversation): the next draft keeps the cache's
+        tokens that begin it and feeds the rest."""
+        self.tokens = list(history)
+        self._base = 0
 
     def draft(self, k: int) -> list[int]:
         """The draft model's greedy next ``k`` tokens after the history (none if ``k`` is 0)."""

@@ -31,6 +31,16 @@ class Drafter(Protocol):
     def draft(self, k: int) -> list[int]: ...
 
 
+class DraftSource(Protocol):
+    """Drafters of another kind than ``PromptLookup`` (a draft model: ``draft_model.DraftModel``),
+    one per decoding sequence; ``key`` names its conversation, whose drafter a later turn may
+    take up again after ``release``."""
+
+    def drafter(self, history: list[int], key: str | None) -> Drafter: ...
+
+    def release(self, key: str | None, drafter: Drafter) -> None: ...
+
+
 class PromptLookup:
     """The token history of one sequence and its n-gram index.
 

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,7 +25,7 @@ from app.catalog.registry import Catalog
 from app.engine.admission import Admission
 from app.engine import grammar
 from app.engine.channel import Job
-from app.engine.draft_model import ModelDraft, load_draft_model
+from app.engine.draft_model import DraftModel, load_draft_model
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
@@ -90,7 +89,7 @@ class Engine:
                               admission=self._admission, repetition_penalty=repetition_penalty,
                               speculative_tokens=speculative_tokens,
                               load_draft=None if draft_model is None else
-                              lambda loaded: partial(ModelDraft, load_draft_model(draft_model, loaded, dtype)))
+                              lambda loaded: DraftModel(load_draft_model(draft_model, loaded, dtype)))
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

@@ -40,7 +40,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from app.cache.manager import CacheManager
 from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
-from app.engine.drafting import Drafter
+from app.engine.drafting import DraftSource
 from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
 from app.engine.model import LoadedModel
 from app.engine.sampling import token_logprobs
@@ -77,11 +77,11 @@ class Runner(threading.Thread):
     def __init__(self, load: Callable[[str], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
                  default: str, max_queue: int, prefill_step_size: int, admission: Admission,
                  repetition_penalty: float = 1.0, speculative_tokens: int = 0,
-                 load_draft: Callable[[LoadedModel], Callable[[list[int]], Drafter]] | None = None) -> None:
+                 load_draft: Callable[[LoadedModel], DraftSource] | None = None) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
-        self._load_draft = load_draft  # a loaded model's drafter, from a draft model (draft_model.py), or None
-        self._drafter: Callable[[list[int]], Drafter] | None = None
+        self._load_draft = load_draft  # a loaded model's draft model (draft_model.py), or None
+        self._drafts: DraftSource | None = None
         self._make_caches = make_caches
         self._default = default
         self._caches: CacheManager | None = None
@@ -216,7 +216,7 @@ class Runner(threading.Thread):
         self._publish()
         try:
             loaded = self._load(name)  # warmed up: load_model's head-dims probe is a forward pass
-            self._drafter = self._load_draft(loaded) if self._load_draft is not None else None
+            self._drafts = self._load_draft(loaded) if self._load_draft is not None else None
             self._caches = self._make_caches(loaded)
             self._batch = self._new_batch(loaded)
             self._loaded = loaded
@@ -325,7 +325,7 @@ class Runner(threading.Thread):
         """An empty batch for ``loaded``; its forward passes of several rows (sequences, or a
         draft's positions) split over both cores (``cores.py``)."""
         return DecodeBatch(loaded.model, self._speculative_tokens,
-                           loaded.cores.use if loaded.cores is not None else None, self._drafter)
+                           loaded.cores.use if loaded.cores is not None else None, self._drafts)
 
     def _step(self) -> None:
         assert self._loaded is not None and self._batch is not None
@@ -413,7 +413,7 @@ class Runner(threading.Thread):
         sampling = sequence.job.request.sampling
         self._batch.add(uid, sequence.cache, sequence.prompt_ids[-1], sequence.context_tokens, sequence.sampler,
                         (*self._processors, *sequence.processors), speculate=sampling.may_draft,
-                        distribution=sequence.distribution)
+                        distribution=sequence.distribution, key=sequence.job.request.conversation_id)
 
     def _finish(self, sequence: Sequence, take_cache: Callable[[], list[Any]]) -> None:
         """End the turn, then commit its cache (``take_cache`` hands it over).

@@ -11,7 +11,6 @@ The server path (``SEMANTIC_DRAFT_MODEL``) is ``tests/e2e/test_draft_model_serve
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from app.engine.batch import DecodeBatch, prefill
-from app.engine.draft_model import ModelDraft, load_draft_model
+from app.engine.draft_model import DraftModel, ModelDraft, load_draft_model
 from app.engine.model import LoadedModel, load_model
 from app.errors import ConfigError
 from support import families
@@ -62,7 +61,7 @@ def decode(target: LoadedModel, names: list[str], draft: object | None, max_draf
            ) -> tuple[dict[str, list[int]], dict[str, list[KVCache]], dict[str, tuple[int, int]]]:
     """``names`` decoding together, greedy, ``N_TOKENS`` each: (tokens, caches handed back,
     (drafted, accepted) per sequence)."""
-    batch = DecodeBatch(target.model, max_draft, drafter=None if draft is None else partial(ModelDraft, draft))
+    batch = DecodeBatch(target.model, max_draft, drafts=None if draft is None else DraftModel(draft))
     prompts = {name: prompt_of(target, name) for name in names}
     for uid, name in enumerate(names):
         cache = [KVCache() for _ in target.model.layers]
@@ -124,6 +123,40 @@ def test_its_history_and_cache_follow_cuts_and_catch_up(target: LoadedModel, smo
         assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
     assert drafter.draft(3) == ModelDraft(draft_model, drafter.tokens).draft(3)  # nothing new: same guess
     assert drafter.draft(0) == []
+
+
+def test_a_conversations_next_turn_feeds_the_draft_model_its_new_tokens_only(
+        target: LoadedModel, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DraftModel`` keeps a conversation's drafter between turns: the next turn's history
+    (the reply as committed, without the token past its end, then the new user text) is fed
+    from where the two part, and the guess is a fresh drafter's. Beyond ``KEEP``
+    conversations the least recently released is dropped."""
+    drafts = DraftModel(load_draft_model(smollm2_dir, target))
+    history = prompt_of(target, "copy")
+    first = drafts.drafter(history, "c1")
+    guess = first.draft(4)
+    first.extend([guess[0], 42])  # handed out: the first guess, then a token past the turn's end
+    drafts.release("c1", first)
+    next_turn = [*history, guess[0], 7, 8, 9, 10]
+    fresh = ModelDraft(drafts.model, next_turn)
+    expected = fresh.draft(3)
+    fed: list[int] = []
+    feed = ModelDraft._feed
+    monkeypatch.setattr(ModelDraft, "_feed", lambda self, tokens: fed.append(len(tokens)) or feed(self, tokens))
+    second = drafts.drafter(next_turn, "c1")
+    assert second is first
+    assert second.draft(3) == expected
+    assert fed == [4, 1, 1]  # the 4 new tokens, then one per guessed token
+    for a, b in zip(second._cache, fresh._cache):
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
+    others = {f"other-{i}": ModelDraft(drafts.model, [1, 2]) for i in range(DraftModel.KEEP)}
+    for key, drafter in others.items():
+        drafts.release(key, drafter)
+    drafts.release("c1", second)  # other-0 goes, the least recently released
+    assert drafts.drafter(next_turn, "c1") is second
+    assert drafts.drafter([1, 2], "other-1") is others["other-1"]
+    assert drafts.drafter([1, 2], "other-0") is not others["other-0"]
 
 
 def test_a_draft_model_of_another_vocabulary_or_with_recurrent_layers_is_refused(
