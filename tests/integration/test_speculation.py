@@ -257,7 +257,8 @@ def test_gemma3_drafts_beyond_its_sliding_window_change_nothing(gemma3_dir: Path
     kept tokens only): two copy replies on prompts past the 512-token window decode
     together with drafts, each row keeping its own share (holes in the other), and each
     hands out what it hands out alone without drafts; the caches handed back are fresh
-    prefills'. Fails if a row's window counted the other's rejected positions."""
+    prefills'. So do the two in a mixed batch, where one may not draft (plain batched steps
+    for both). Fails if a row's window counted the other's rejected positions."""
     loaded = load_model("gemma3", gemma3_dir)
     model = loaded.model
     texts = {"copy": f"Here is ops.py:\n```python\n{LONG_FILE}```\nThe same file, with scale_ints renamed to "
@@ -274,18 +275,26 @@ def test_gemma3_drafts_beyond_its_sliding_window_change_nothing(gemma3_dir: Path
         alone, _, _ = decode(model, prompts, wanted, temperature, [name], 0)
         assert together[name] == alone[name], name
     assert_caches_are_fresh_prefills(model, prompts, together, caches)
+    # Mixed: the copy reply may draft, the other may not, so both take plain batched steps
+    # (mlx-lm's batch, its window over left-padded rows) and hand out the same tokens.
+    mixed, caches, accepted = decode(model, prompts, wanted, temperature, names, 8, plain=frozenset({"tail"}))
+    assert accepted == {"copy": 0, "tail": 0}, accepted
+    assert mixed == together
+    assert_caches_are_fresh_prefills(model, prompts, mixed, caches)
 
 
 def decode(model: Any, prompts: dict[str, list[int]], wanted: dict[str, int], temperature: dict[str, float],
-           names: list[str], max_draft: int) -> tuple[dict[str, list[int]], dict[str, list[KVCache]], dict[str, int]]:
-    """``names`` decoding together in one ``DecodeBatch`` (drafting: ``max_draft`` > 0), each
-    until it has ``wanted[name]`` tokens: (the tokens, the caches handed back, drafts accepted)."""
+           names: list[str], max_draft: int, plain: frozenset[str] = frozenset(),
+           ) -> tuple[dict[str, list[int]], dict[str, list[KVCache]], dict[str, int]]:
+    """``names`` decoding together in one ``DecodeBatch`` (drafting: ``max_draft`` > 0, but not
+    those in ``plain``), each until it has ``wanted[name]`` tokens: (the tokens, the caches
+    handed back, drafts accepted)."""
     batch = DecodeBatch(model, max_draft)
     for uid, name in enumerate(names):
         cache = [KVCache() for _ in model.layers]
         prefill(model, cache, prompts[name][:-1])
         batch.add(uid, cache, prompts[name][-1], prompts[name][:-1], make_sampler(temp=temperature[name]), [],
-                  speculate=True, distribution=token_distribution(temperature[name]))
+                  speculate=name not in plain, distribution=token_distribution(temperature[name]))
     tokens: dict[str, list[int]] = {name: [] for name in names}
     while any(len(tokens[name]) < wanted[name] for name in names):
         for uid, step in batch.step():
