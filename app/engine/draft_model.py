@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
-from app.engine.model import LoadedModel, compute_dtype, unsupported_caches
+from app.engine.model import LoadedModel, compute_dtype
 from app.engine.drafting import Drafter
 from app.engine.speculation import greedy_tokens
 from app.errors import ConfigError
@@ -54,7 +54,7 @@ def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn
                           "share the served model's tokenizer, e.g. a smaller model of the same family)")
     model, config = load_weights(path)
     kinds = {type(layer).__name__ for layer in model.make_cache()} if hasattr(model, "make_cache") else set()
-    if unsupported_caches(model) or kinds - {"KVCache", "RotatingKVCache"}:
+    if kinds - {"KVCache", "RotatingKVCache"}:
         raise ConfigError(f"draft_model {path} ({config.get('model_type')}): its layers keep recurrent state, "
                           "which a rejected draft cannot be cut back from; use an attention-only model")
     target_dtype = compute_dtype(dtype)
@@ -126,7 +126,6 @@ class ModelDraft:
         if k <= 0 or not self.tokens:
             return []
         kept = self._shared()
-        self._base = kept
         if kept < len(self._fed):
             for layer in self._cache:
                 layer.trim(len(self._fed) - kept)
@@ -135,7 +134,6 @@ class ModelDraft:
             for layer in self._cache:
                 layer.trim(1)
             self._fed.pop()
-            self._base = len(self._fed)
         out: list[int] = []
         with mx.stream(generation_stream):
             rest = self.tokens[len(self._fed):]
