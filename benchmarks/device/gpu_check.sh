@@ -7,7 +7,8 @@
 #   bash benchmarks/device/gpu_check.sh stage2   # carry .device/part2: join mlx-cuda-13, install it with mlx, measure
 #   bash benchmarks/device/gpu_check.sh rehearse # here, on the CPU: the same flow on .venv, the tiny shape, small turns
 #
-# .device/ (not committed; its README lists the files) holds the wheels the GPU image lacks,
+# .device/ (not committed; `bash benchmarks/device/bundle.sh` makes it, and its README lists
+# the files) holds the wheels the GPU image lacks,
 # for Python 3.12: mlx and mlx-cuda-13 0.32.4 (the latter split in two halves), mlx-lm
 # 0.32.2, the project's pinned pure-Python dependencies and transformers 5.23.0; and
 # SmolLM2's tokenizer files. The image's own numpy, tokenizers, safetensors, jinja2 and the
@@ -68,6 +69,7 @@ if [ "$MODE" = stage1 ]; then
   rm -rf "$DEV" "$SITE"; mkdir -p "$DEV" "$SITE"
   cp -r .device/part1/. "$DEV"/
   log "copied $(du -sh "$DEV" | cut -f1) to $DEV"
+  if [ -f "$DEV/tokenizer/tokenizer.json.gz" ]; then gunzip -f "$DEV/tokenizer/tokenizer.json.gz"; fi
   phase install-part1 120 "${PIP[@]}" $(ls "$DEV"/*.whl | grep -v '/mlx-[0-9]') || exit 1
   log "stage1 done: now stage2 at once (carry .device/part2)"
   exit 0
@@ -84,7 +86,9 @@ if [ "$MODE" = stage2 ]; then
   WHEEL=$(cd .device/part2 && ls mlx_cuda_13-*.whl.part2 | sed 's/\.part2$//')
   cat "$DEV/$WHEEL.part1" ".device/part2/$WHEEL.part2" > "$DEV/$WHEEL"
   (cd "$DEV" && grep " $WHEEL\$" SHA256SUMS | sha256sum -c -) 2>&1 | tee -a "$LOG" || { log "the joined wheel is not the one split"; exit 1; }
+  shopt -s nullglob
   phase install-part2 150 "${PIP[@]}" "$DEV"/mlx-[0-9]*.whl "$DEV/$WHEEL" .device/part2/*.whl || exit 1
+  shopt -u nullglob
   # The image's NVIDIA libraries (CUDA 13: cublas, cudnn, nccl, nvrtc, cufft, cusolver, runtime).
   NVIDIA=$("$PY" -c "
 import glob, os, sys
