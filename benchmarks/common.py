@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -93,6 +94,22 @@ def save_plot(fig, name: str, directory: Path = RESULTS) -> None:  # type: ignor
     print(f"wrote {directory / f'{name}.png'}")
 
 
+_local = threading.local()
+
+
+def http_client() -> httpx.Client:
+    """This thread's HTTP client, made on first use and kept, as an SDK or a CLI keeps one.
+
+    A streamed turn's clock starts after the client exists: ``httpx.stream`` makes a client
+    per request (an SSL context and a connection pool), 30-60 ms on the 2-core CPU that the
+    server never sees, which made the client's time to first token 10-17% above the
+    server's on short warm turns (docs/benchmarks.md, "On a GPU")."""
+    client = getattr(_local, "client", None)
+    if client is None:
+        client = _local.client = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=8))
+    return client
+
+
 def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                      response_headers: dict[str, str] | None = None) -> tuple[float, str, dict]:
     """POST a streaming Anthropic-shaped request (``/v1/messages``, an agent's
@@ -102,9 +119,10 @@ def anthropic_stream(url: str, body: dict[str, Any], headers: dict[str, str] | N
     Raises:
         RuntimeError: the answer is not a 200 (with its body).
     """
+    client = http_client()
     start = time.perf_counter()
     ttft, text, usage = None, [], {}
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=900, headers=headers) as response:
+    with client.stream("POST", url, json={**body, "stream": True}, timeout=900, headers=headers) as response:
         if response_headers is not None:
             response_headers.update(response.headers)
         if response.status_code != 200:
@@ -148,11 +166,12 @@ def openai_stream_timed(url: str, body: dict[str, Any], headers: dict[str, str] 
     Raises:
         httpx.HTTPStatusError: the answer is not a 2xx.
     """
+    client = http_client()
     start = time.perf_counter()
     ttft = last = None
     text: list[str] = []
     usage: dict = {}
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=1800, headers=headers) as response:
+    with client.stream("POST", url, json={**body, "stream": True}, timeout=1800, headers=headers) as response:
         if response_headers is not None:
             response_headers.update(response.headers)
         if response.is_error:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
+from benchmarks.common import http_client  # noqa: E402
 from benchmarks.multi_turn import user_message  # noqa: E402
 from benchmarks.peers import MLX_LM_MODEL, SCRATCH, end, mlx_lm_server  # noqa: E402
 from conftest import start_server  # noqa: E402
@@ -44,9 +45,10 @@ from conftest import start_server  # noqa: E402
 
 def stream(url: str, body: dict[str, Any]) -> dict[str, float]:
     """One streamed chat completion: arrival time of every content delta, and the end."""
+    client = http_client()
     start = time.perf_counter()
     arrivals: list[float] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=600) as response:
+    with client.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and '"content":"' in line.replace(" ", "") and '"content":""' not in line:

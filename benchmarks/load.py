@@ -23,24 +23,23 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from app.catalog.registry import ensure_embedded  # noqa: E402
 from app.settings import load_settings  # noqa: E402
-from benchmarks.common import print_table, write_results  # noqa: E402
+from benchmarks.common import http_client, print_table, write_results  # noqa: E402
 from conftest import start_server, stop_server  # noqa: E402
 
 
 def client(url: str, i: int, max_tokens: int, barrier: threading.Barrier) -> dict:
     body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": f"Client {i}: name a city and a river."}]}
+    session = http_client()  # made before the burst, as each client's own would be
     barrier.wait()
     start = time.perf_counter()
     ttft = None
-    with httpx.stream("POST", f"{url}/v1/messages", json=body, headers={"x-session-id": f"load-{i}"},
+    with session.stream("POST", f"{url}/v1/messages", json=body, headers={"x-session-id": f"load-{i}"},
                       timeout=1800) as response:
         status = response.status_code
         for line in response.iter_lines():

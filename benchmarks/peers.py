@@ -16,7 +16,9 @@ last short turn.
 
 Recorded per turn: seconds to the first content delta and to the end of the reply, and
 the prompt and cached tokens the server reports (stream_options.include_usage; "-": not
-reported, as Rapid-MLX does when nothing was cached). Per server: cold prefill tokens/s
+reported, as Rapid-MLX does when nothing was cached); for Semantic also its own time to
+first token from its ``requests`` table, against the client's (``server_over_client``; a
+client kept across turns, ``common.http_client``). Per server: cold prefill tokens/s
 (turn 1), decode tokens/s, start-up seconds, and the peak and final resident memory
 (VmHWM, VmRSS of the server's process tree; Linux) of each process. Prints two tables, writes benchmarks/results/peers.json and peers.png
 (--quick: peers-quick.*). --servers measures some servers again and keeps the others'
@@ -43,6 +45,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import statistics
 import shutil
 import subprocess
@@ -247,6 +250,26 @@ def chat(url: str, model: str, messages: list[dict], reply_tokens: int = REPLY_T
             "completion_tokens": usage.get("completion_tokens"), "reply": times.text}
 
 
+def server_ttft(db_path: Path, timeout_s: float = 10) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A probe of Semantic's own account of the turn just ended: the time to first token its
+    ``requests`` row holds (counted from the request's arrival; written when the turn ends),
+    beside the client's: ``server_ttft_s`` and ``server_over_client``."""
+    def probe(record: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with sqlite3.connect(db_path) as db:
+                    row = db.execute("SELECT ttft_ms FROM requests ORDER BY created_at DESC LIMIT 1").fetchone()
+            except sqlite3.Error:
+                row = None
+            if row is not None and row[0] is not None:
+                return {"server_ttft_s": row[0] / 1000, "server_over_client": row[0] / 1000 / record["ttft_s"]}
+            if time.monotonic() > deadline:
+                return {"server_ttft_s": None, "server_over_client": None}
+            time.sleep(0.05)
+    return probe
+
+
 def converse(contender: Contender, conversation: Plan, reply_tokens: int = REPLY_TOKENS) -> dict[str, Any]:
     """The conversation on one server, restarted where the plan says; one record per
     turn and one per process (how it ended, start-up seconds, memory)."""
@@ -319,8 +342,14 @@ def summary(turns: list[dict], processes: list[dict]) -> dict[str, float | None]
             "decode_tps": statistics.median(decode) if decode else None,
             "turns_total_s": sum(t["total_s"] for t in turns),
             "close_gap_s": statistics.median(t["close_gap_s"] for t in turns),
+            "server_over_client": _range([t["server_over_client"] for t in turns if t.get("server_over_client")]),
             "peak_rss_mb": max(p["peak_rss_mb"] for p in processes),
             "rss_after_conversation_mb": processes[0]["rss_mb"]}
+
+
+def _range(values: list[float]) -> list[float] | None:
+    """[min, max] of ``values``, or None when there are none."""
+    return [min(values), max(values)] if values else None
 
 
 def report(conversation: dict, servers: dict[str, dict]) -> None:
@@ -348,10 +377,12 @@ def report(conversation: dict, servers: dict[str, dict]) -> None:
     print_table(headers, rows)
     print()
     print_table(["server", "version", "cold prefill tok/s", "decode tok/s", "turns total s", "stream end gap s",
-                 "start s", "peak RSS MiB", "RSS after conversation MiB"],
+                 "start s", "peak RSS MiB", "RSS after conversation MiB", "its TTFT / client's"],
                 [[NAMES[n], servers[n]["version"], servers[n]["cold_prefill_tps"], servers[n]["decode_tps"],
                   servers[n]["turns_total_s"], servers[n].get("close_gap_s"), servers[n]["processes"][0]["start_s"],
-                  servers[n]["peak_rss_mb"], servers[n]["rss_after_conversation_mb"]] for n in names])
+                  servers[n]["peak_rss_mb"], servers[n]["rss_after_conversation_mb"],
+                  "-" if not servers[n].get("server_over_client")
+                  else "{:.3f}-{:.3f}".format(*servers[n]["server_over_client"])] for n in names])
 
 
 def plot(name: str, conversation: dict, servers: dict[str, dict], directory: Path = RESULTS) -> None:
@@ -431,7 +462,7 @@ def main() -> None:
     contenders = {
         "semantic": Contender("semantic", "smollm2-135m-instruct",
                               lambda: start_server(scratch / "semantic", model_dir, semantic_env),
-                              f"commit {machine()['commit']}"),
+                              f"commit {machine()['commit']}", server_ttft(scratch / "semantic" / "semantic.db")),
         "mlx_lm": Contender("mlx_lm", MLX_LM_MODEL, lambda: mlx_lm_server(model_dir, scratch / "mlx_lm.log"),
                             f"mlx-lm {version('mlx-lm')}"),
         "rapid_mlx": Contender("rapid_mlx", str(model_dir),
