@@ -3,8 +3,10 @@
 The child is ``semantic worker`` in its own process (it never imports MLX). It
 gets SIGINT with the server on Ctrl-C (same process group), is terminated when
 the server stops, and on Linux the kernel kills it if the server dies without
-stopping it (``PR_SET_PDEATHSIG``). Deployments that supervise the worker
-themselves run ``semantic serve --no-worker``.
+stopping it (``PR_SET_PDEATHSIG``). It runs at a lower priority than the server (niceness
+``WORKER_NICENESS``): its start-up (~1 CPU second of imports) and its jobs yield the cores to
+the model's load and to requests. Deployments that supervise the worker themselves run
+``semantic serve --no-worker``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child, between fork and exec
+WORKER_NICENESS = 10  # below the server: its housekeeping never takes a core from a start, a prefill or a decode
+
+
+def _child_setup() -> None:  # runs in the child, between fork and exec
+    os.nice(WORKER_NICENESS)
     if platform.system() == "Linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -33,7 +39,7 @@ def _die_with_parent() -> None:  # runs in the child, between fork and exec
 def start_worker(settings: Settings) -> subprocess.Popen[bytes]:
     """Start ``semantic worker`` with the server's settings (``serve``'s flags included)."""
     process = subprocess.Popen([sys.executable, "-m", "app", "worker"], env={**os.environ, **as_environment(settings)},
-                               preexec_fn=_die_with_parent)
+                               preexec_fn=_child_setup)
     log.info("worker started (pid %d): expire, evict and compact run on their schedules", process.pid)
     return process
 

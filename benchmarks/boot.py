@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/boot.py [--runs 5] [--model DIR] [--baseline TREE] [--name boot]
 
 Each round starts, one after another on the same model directory (default: the embedded
-SmolLM2-135M), ``semantic serve`` on a fresh home (no database, no caches), ``semantic
+SmolLM2-135M), ``semantic serve`` with its defaults (its worker child too) on a fresh home (no database, no caches), ``semantic
 serve`` on a home with a store (a database at head and one conversation's cache on disk,
 made once before the first round by a server that answered one request), and
 ``mlx_lm.server`` (on OpenBLAS through LD_PRELOAD, as Semantic binds it); ``--runs``
@@ -88,8 +88,11 @@ def semantic_argv(model_dir: Path, port: int) -> list[str]:
 
 
 def semantic_env(home: Path) -> dict[str, str]:
-    env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_WORKER": "0"}
-    env.pop("SEMANTIC_CONFIG", None)
+    """A home of its own and every other setting at its default: the Huey worker child runs,
+    as it does for a user's ``semantic serve``."""
+    env = {**os.environ, "SEMANTIC_HOME": str(home)}
+    for name in ("SEMANTIC_CONFIG", "SEMANTIC_WORKER"):
+        env.pop(name, None)
     return env
 
 
