@@ -293,9 +293,13 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
         kv = kv_choice(path, kv_format)
     except InvalidModelFile as exc:
         raise InvalidModelFile(f"{name}: {exc}") from None
+    # The token bytes from the tokenizer just loaded (a fast one's), not from its file read again.
+    backend = getattr(tokenizer._tokenizer, "backend_tokenizer", None)
+    token_bytes = TokenBytes.from_tokenizer(backend, str(path / "tokenizer.json")) if backend is not None \
+        else TokenBytes.from_tokenizer_json(path / "tokenizer.json")
     return ModelSpec(name, path, tokenizer, context, frozenset(stop_ids),
-                     model_fingerprint(path, kv.format.fingerprint),
-                     TokenBytes.from_tokenizer_json(path / "tokenizer.json"), kv_bytes_per_token(config, target.size),
+                     model_fingerprint(path, kv.format.fingerprint), token_bytes,
+                     kv_bytes_per_token(config, target.size),
                      int(config.get("vocab_size") or len(tokenizer.vocab)), kv, tool_syntax(tokenizer))
 
 
