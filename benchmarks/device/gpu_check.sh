@@ -9,12 +9,13 @@
 #
 # .device/ (not committed; `bash benchmarks/device/bundle.sh` makes it, and its README lists
 # the files) holds the wheels the GPU image lacks,
-# for Python 3.12: mlx and mlx-cuda-13 0.32.4 (the latter split in two halves), mlx-lm
+# for Python 3.12: mlx and mlx-cuda-13 0.32.4 (the latter's files as one .tar.xz split in two), mlx-lm
 # 0.32.2, the project's pinned pure-Python dependencies and transformers 5.23.0; and
 # SmolLM2's tokenizer files. The image's own numpy, tokenizers, safetensors, jinja2 and the
 # NVIDIA CUDA 13 libraries (site-packages/nvidia/*/lib: on LD_LIBRARY_PATH, and linked as
 # /tmp/site/nvidia, where libmlx.so's RPATH looks) are used. mlx and mlx-cuda-13 both
-# write mlx/: they are installed by one pip (a second `pip --target --upgrade` replaces the folder).
+# write mlx/: mlx is installed by pip, then mlx-cuda-13's files unpacked over it (a second
+# `pip --target --upgrade` would replace the folder).
 #
 # stage2: prints mx.default_device(), makes the model (benchmarks/synthetic.py), compiles
 # the kernels in process and times that first run (benchmarks/device/warmup.py), then runs
@@ -83,12 +84,15 @@ if [ "$MODE" = stage2 ]; then
     exit 1
   fi
   [ -d .device/part2 ] || { log "no .device/part2 here: carry it (carry: [\".device/part2\"])"; exit 1; }
-  WHEEL=$(cd .device/part2 && ls mlx_cuda_13-*.whl.part2 | sed 's/\.part2$//')
-  cat "$DEV/$WHEEL.part1" ".device/part2/$WHEEL.part2" > "$DEV/$WHEEL"
-  (cd "$DEV" && grep " $WHEEL\$" SHA256SUMS | sha256sum -c -) 2>&1 | tee -a "$LOG" || { log "the joined wheel is not the one split"; exit 1; }
+  STREAM=$(cd .device/part2 && ls mlx_cuda_13-*.tar.xz.part2 | sed 's/\.part2$//')
+  cat "$DEV/$STREAM.part1" ".device/part2/$STREAM.part2" > "$DEV/$STREAM"
+  (cd "$DEV" && grep " $STREAM\$" SHA256SUMS | sha256sum -c -) 2>&1 | tee -a "$LOG" || { log "the joined stream is not the one split"; exit 1; }
   shopt -s nullglob
-  phase install-part2 150 "${PIP[@]}" "$DEV"/mlx-[0-9]*.whl "$DEV/$WHEEL" .device/part2/*.whl || exit 1
+  phase install-part2 150 "${PIP[@]}" "$DEV"/mlx-[0-9]*.whl .device/part2/*.whl || exit 1
   shopt -u nullglob
+  # mlx-cuda-13's files over mlx's (mlx/ holds both), as pip installs them from the wheel.
+  phase unpack-mlx-cuda 120 "$PY" -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2], filter='data')" \
+    "$DEV/$STREAM" "$SITE" || exit 1
   # The image's NVIDIA libraries (CUDA 13: cublas, cudnn, nccl, nvrtc, cufft, cusolver, runtime).
   NVIDIA=$("$PY" -c "
 import glob, os, sys
