@@ -62,7 +62,12 @@ phase() {
 }
 
 # Wheels into $SITE: no dependencies, no index.
-PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+# GPU_CHECK_PIP_ARGS: more pip arguments, for a rehearsal of stage1 and stage2's installs on another
+# Python here (they stop at the device phase): --python-version 3.12 --platform
+# manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 ... --only-binary=:all:
+# shellcheck disable=SC2206
+PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE"
+     ${GPU_CHECK_PIP_ARGS:-})
 
 if [ "$MODE" = stage1 ]; then
   log "stage1 on $(uname -n): $(nvidia-smi -L 2>/dev/null | head -1); $("$PY" --version 2>&1)"
