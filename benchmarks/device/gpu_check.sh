@@ -7,6 +7,16 @@
 #   bash benchmarks/device/gpu_check.sh stage2   # carry .device/part2: join mlx-cuda-13, install it with mlx, measure
 #   bash benchmarks/device/gpu_check.sh rehearse # here, on the CPU: the same flow on .venv, the tiny shape, small turns
 #
+# With the device tool (15 minutes of device time a session; ~8 of them for this):
+#   1. here: bash benchmarks/device/bundle.sh    (~2.5 min; .device/part1 and part2, ~51 MiB each)
+#   2. run  command "bash benchmarks/device/gpu_check.sh stage1"   carry [".device/part1"]  timeout_s 200
+#   3. at once (the machine stays warm ~30 s):
+#      run  command "SEMANTIC_COMMIT=<git rev-parse --short HEAD> bash benchmarks/device/gpu_check.sh stage2"
+#           carry [".device/part2"]  timeout_s 420
+#      The files under $OUT come back: gpu_check.log, gpu-llama3-8b.json/.png, restore-*.json/.png,
+#      warmup.json and both servers' logs; copy the results into benchmarks/results/.
+#   4. give_back unless another call follows at once.
+#
 # .device/ (not committed; `bash benchmarks/device/bundle.sh` makes it, and its README lists
 # the files) holds the wheels the GPU image lacks,
 # for Python 3.12: mlx and mlx-cuda-13 0.32.4 (the latter's files as one .tar.xz split in two), mlx-lm
