@@ -16,12 +16,10 @@ from app.engine.token_text import TextTracker, TokenBytes
 def test_token_bytes_from_the_loaded_tokenizer_are_the_files(fixture: str, request: pytest.FixtureRequest) -> None:
     path: Path = request.getfixturevalue(fixture)
     spec = load_spec(fixture, path)
-    from_file = TokenBytes.from_tokenizer_json(path / "tokenizer.json")
-    n = max(len(from_file._pieces), len(spec.token_bytes._pieces))
-    assert n > 40_000
-    differing = [i for i in range(n) if (from_file._pieces[i:i + 1] or [None]) != (spec.token_bytes._pieces[i:i + 1]
-                                                                                   or [None])]
-    assert not differing, [(i, from_file._pieces[i:i + 1], spec.token_bytes._pieces[i:i + 1]) for i in differing[:5]]
+    ours, from_file = spec.token_bytes._pieces, TokenBytes.from_tokenizer_json(path / "tokenizer.json")._pieces
+    assert len(ours) == len(from_file) > 40_000
+    differing = [i for i, (a, b) in enumerate(zip(ours, from_file)) if a != b]
+    assert not differing, [(i, from_file[i], ours[i]) for i in differing[:5]]
     # And they spell what the tokenizer decodes, special tokens as their text.
     text = "Résumé: naïve café, 東京 — x² ≥ 3 <|im_end|> <end_of_turn>\n\tdone."
     ids = spec.tokenizer.encode(text, add_special_tokens=False)
