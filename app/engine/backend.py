@@ -27,6 +27,8 @@ PREFILL_STEP: dict[Kind, int] = {"cpu": 256, "cuda": 2048, "metal": 2048}
 # memory holds the weights, the activations of a prefill chunk and the caches.
 CACHE_SHARE: dict[Kind, float] = {"cpu": 0.25, "cuda": 0.5, "metal": 0.5}
 MIN_CACHE_BUDGET = 1 << 30  # the budget never goes below 1 GiB, however full the memory
+# The short prefill chunk of a warm-up (a turn's few new tokens on a cached context).
+WARMUP_SHORT_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,20 @@ class Backend:
 def prefill_step(backend: Backend) -> int:
     """The largest prefill chunk on ``backend``, in tokens."""
     return PREFILL_STEP[backend.kind]
+
+
+def warmup_chunks(backend: Backend, step: int) -> tuple[int, ...]:
+    """The forward passes a model loaded on ``backend`` runs before it serves, in tokens, one
+    after another on one cache: on an NVIDIA GPU a full prefill chunk of ``step`` tokens, a short
+    chunk after it and a decode step, so that the first requests do not compile their kernels.
+    mlx-cuda compiles a kernel on its first use per kind of shape (a long prefill, a few tokens,
+    one token) and keeps it in a disk cache: on a fresh H200 the first 8K-token prefill of an
+    8B shape took 61 s, the second 1.0 s, and a server's first 20-token turn 36-48 s
+    (docs/benchmarks.md, "On a GPU"). On the CPU and on Metal, nothing: the head-dims probe's
+    pass is the warm-up (``model.cached_head_dims``) and neither compiles per shape."""
+    if backend.kind != "cuda":
+        return ()
+    return (step, WARMUP_SHORT_TOKENS, 1)
 
 
 def cache_budget(backend: Backend, weights_bytes: int) -> int:

@@ -23,6 +23,7 @@ from app.cache.manager import CacheManager
 from app.cache.stager import Stager
 from app.catalog.registry import Catalog
 from app.engine.admission import Admission
+from app.engine.backend import detect, warmup_chunks
 from app.engine import grammar
 from app.engine.channel import Job
 from app.engine.draft_model import DraftModel, load_draft_model
@@ -82,8 +83,9 @@ class Engine:
         self._specs_lock = threading.Lock()
         self._admission = Admission(cache.budget_bytes, max_batch)
         self._stager = Stager(cache.blocks_dir, cache.sessions, cache.tier)
+        warmup = warmup_chunks(detect(), prefill_step_size)
         self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
-                                                      cache.kv_format_for(name), split_cores),
+                                                      cache.kv_format_for(name), split_cores, warmup=warmup),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               admission=self._admission, repetition_penalty=repetition_penalty,

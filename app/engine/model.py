@@ -253,6 +253,20 @@ def cached_head_dims(model: nn.Module) -> set[int]:
     return {a.shape[-1] for layer in layout.attention(cache) for a in (layer.keys, layer.values)}
 
 
+def warm_up(model: nn.Module, chunks: tuple[int, ...]) -> float:
+    """Forward passes of ``chunks`` tokens, one after another on one throwaway cache (the
+    kernels a prefill, a turn's few new tokens and a decode step use, compiled now: see
+    ``backend.warmup_chunks``); returns the seconds they took."""
+    start = time.perf_counter()
+    layout = CacheLayout.of(model)
+    cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
+    for n in chunks:
+        mx.eval(model(mx.zeros((1, n), dtype=mx.int32), cache=cache))
+    del cache
+    mx.clear_cache()
+    return time.perf_counter() - start
+
+
 def _refuse_unstorable(head_dims: set[int], kv_format: KVFormat) -> None:
     """Raise InvalidModelFile (one line: why) unless ``kv_format`` stores keys and values of
     every width in ``head_dims``: a model that loads never answers every turn from a cache
@@ -310,14 +324,16 @@ def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
 
 
 def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto",
-               split_cores: bool = False, progress: calibration.Progress | None = None) -> LoadedModel:
+               split_cores: bool = False, progress: calibration.Progress | None = None,
+               warmup: tuple[int, ...] = ()) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
     On the CPU backend weights are cast to float32: bf16/fp16 matmuls do not go
     through BLAS there and are an order of magnitude slower. With ``split_cores``,
     batched decode steps split their work over both CPU cores (``cores``).
     ``kv_format`` "auto" on a model not calibrated yet calibrates it first (``calibrate``;
-    ``progress`` is called once per step).
+    ``progress`` is called once per step). ``warmup``: forward passes to run before it serves
+    (``warm_up``; ``backend.warmup_chunks`` chooses them per device).
 
     Raises:
         InvalidModelFile: the directory is missing or not loadable, or the KV format
@@ -355,6 +371,9 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     if used == mx.float32:
         attention.install(model)
     head_dims = cached_head_dims(model)
+    if warmup:
+        log.info("warmed up for the first requests (its kernels compiled or found compiled): forward passes of "
+                 "%s tokens in %.1f s", ", ".join(map(str, warmup)), warm_up(model, warmup))
     if spec.kv.chosen_by == "pending":
         fields["kv"] = calibrate(model, spec.tokenizer, path, head_dims, progress, name)
         fields["fingerprint"] = model_fingerprint(path, fields["kv"].format.fingerprint)

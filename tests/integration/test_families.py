@@ -17,10 +17,12 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
+import mlx.core as mx
 import pytest
 
+from app.cache.blocks import to_working_cache
 from app.engine.engine import Engine
-from app.engine.model import load_model
+from app.engine.model import load_model, warm_up
 from app.errors import InvalidModelFile
 from app.types import ChatMessage, SamplingParams
 from support.engines import make_engine_at, turn
@@ -122,3 +124,27 @@ def test_auto_calibrates_a_hybrid_model_on_its_attention_layers(family_dirs: dic
     assert any(line.startswith("KV format of org/a-hybrid:") for line in calibration), calibration
     assert all("org/a-hybrid" in line and family_dirs["lfm2"].name not in line for line in calibration), calibration
     assert loaded.n_layers == loaded.cache_layout.n_attention == 2
+
+
+@pytest.mark.parametrize("family", [*ATTENTION, *SERVED_HYBRID])
+def test_the_warm_up_before_serving_runs_on_every_family_and_keeps_nothing(
+        family: str, family_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """The warm-up an NVIDIA GPU runs before serving (``backend.warmup_chunks``: a prefill
+    chunk, a short chunk, a decode step) loads and runs on every served family's cache
+    layout, is logged, and leaves the model as it was: a forward pass after another warm-up
+    equals one before it."""
+    with caplog.at_level(logging.INFO, logger="app.engine.model"):
+        loaded = load_model(family, family_dirs[family], kv_format="f32", warmup=(48, 8, 1))
+    assert any(r.getMessage().startswith("warmed up for the first requests") and "48, 8, 1 tokens" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    layout = loaded.layout
+
+    def logits() -> mx.array:  # a prompt on a fresh cache (no tokens yet: its dtype is the model's)
+        cache = layout.assemble(to_working_cache([], layout.n_attention, 0, mx.float32), None)
+        out = loaded.model(mx.array([[5, 6, 7, 8, 9, 10]]), cache=cache)
+        mx.eval(out)
+        return out
+
+    before = logits()
+    assert warm_up(loaded.model, (16, 4, 1)) > 0
+    assert mx.array_equal(before, logits())
