@@ -248,9 +248,14 @@ def cached_head_dims(model: nn.Module) -> set[int]:
     also the model's warm-up (its first forward pass sets up the kernels a prefill chunk
     uses), so a first request does not pay for that and a start runs one pass, not two."""
     layout = CacheLayout.of(model)
-    cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
+    cache = _empty_cache(model, layout)
     mx.eval(model(mx.array([[0, 1, 2, 3]]), cache=cache))
     return {a.shape[-1] for layer in layout.attention(cache) for a in (layer.keys, layer.values)}
+
+
+def _empty_cache(model: nn.Module, layout: CacheLayout) -> list[Any]:
+    """A fresh cache of ``model``'s layout, holding no tokens."""
+    return layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
 
 
 def warm_up(model: nn.Module, chunks: tuple[int, ...]) -> float:
@@ -258,8 +263,7 @@ def warm_up(model: nn.Module, chunks: tuple[int, ...]) -> float:
     kernels a prefill, a turn's few new tokens and a decode step use, compiled now: see
     ``backend.warmup_chunks``); returns the seconds they took."""
     start = time.perf_counter()
-    layout = CacheLayout.of(model)
-    cache = layout.assemble(to_working_cache([], layout.n_attention, 0, _param_dtype(model)), None)
+    cache = _empty_cache(model, CacheLayout.of(model))
     for n in chunks:
         mx.eval(model(mx.zeros((1, n), dtype=mx.int32), cache=cache))
     del cache
