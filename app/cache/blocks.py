@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generator, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,8 @@ from app.cache.formats import DEFAULT_KV_FORMAT, TIME_GROUP, KVFormat
 from app.cache.hashing import BLOCK_TOKENS
 
 SCALE_DTYPE = mx.float16
+
+T = TypeVar("T")
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
 assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
@@ -249,12 +251,21 @@ def to_working_cache(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype:
     With no blocks, an empty cache (one ``KVCache`` per layer: sliding-window
     layers keep every token too, and the model masks by window).
     """
+    return finish(to_working_cache_steps(blocks, n_layers, n_tokens, dtype, kv_format, n_layers))
+
+
+def to_working_cache_steps(blocks: list[KVBlock], n_layers: int, n_tokens: int, dtype: mx.Dtype,
+                           kv_format: KVFormat, layers_per_step: int) -> Generator[None, None, list[KVCache]]:
+    """``to_working_cache`` in steps of ``layers_per_step`` layers, each evaluated before the
+    step yields; returns the cache. The arrays are those one call computes: only when they
+    are evaluated differs (a prefetch gives way to a request between steps)."""
     if n_tokens == 0:
         return [KVCache() for _ in range(n_layers)]
     stored = sum(b.n_tokens for b in blocks)
     room = capacity(stored) - stored  # joined before dequantizing: no float copy to make room
-    return working_cache(n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i, room), kv_format, dtype),
-                         n_tokens)
+    return (yield from working_cache_steps(
+        n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i, room), kv_format, dtype), n_tokens,
+        layers_per_step))
 
 
 def capacity(n_tokens: int) -> int:
@@ -272,15 +283,32 @@ def working_cache(n_layers: int, layer: Callable[[int], tuple[mx.array, mx.array
     """Caches holding the first ``n_tokens`` of each ``layer(i)``'s keys and values, evaluated
     (what follows them in the arrays is room for the next tokens), computed on
     ``working_streams()`` in turn."""
+    return finish(working_cache_steps(n_layers, layer, n_tokens, n_layers))
+
+
+def working_cache_steps(n_layers: int, layer: Callable[[int], tuple[mx.array, mx.array]], n_tokens: int,
+                        layers_per_step: int) -> Generator[None, None, list[KVCache]]:
+    """``working_cache`` in steps of ``layers_per_step`` layers, each evaluated before the step yields."""
     streams = working_streams()
-    cache = []
-    for i in range(n_layers):
-        with mx.stream(streams[i % len(streams)]):
-            keys, values = layer(i)
-        cache.append(KVCache())
-        cache[-1].state = (keys, values, n_tokens)
-    mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+    cache: list[KVCache] = []
+    for start in range(0, n_layers, max(1, layers_per_step)):
+        for i in range(start, min(start + max(1, layers_per_step), n_layers)):
+            with mx.stream(streams[i % len(streams)]):
+                keys, values = layer(i)
+            cache.append(KVCache())
+            cache[-1].state = (keys, values, n_tokens)
+        mx.eval([x for layer in cache[start:] for x in (layer.keys, layer.values)])
+        yield
     return cache
+
+
+def finish(steps: Generator[None, None, T]) -> T:
+    """What a stepwise computation returns, its steps all run now."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def with_room(x: mx.array, n_tokens: int) -> mx.array:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 from datetime import timedelta
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock, to_working_cache
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
 from app.cache.checkpoints import CacheLayout, Checkpoint
 from app.cache.files import CacheFiles, FileMissing, FileUnavailable, StoredConversation
 from app.cache.formats import KVFormat
@@ -26,11 +27,15 @@ from app.clock import utcnow
 
 if TYPE_CHECKING:
     import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
 
 log = logging.getLogger(__name__)
 
 # Conversations used this recently come back into memory after a restart (``prefetch``).
 PREFETCH_WINDOW = timedelta(hours=1)
+# Layers of a prefetched working copy built in one step: two, one on each of the CPU's
+# working streams (``blocks.working_streams``); a request waits for one step at most.
+PREFETCH_LAYERS = 2
 
 
 class Loader:
@@ -45,6 +50,9 @@ class Loader:
         self._persister = persister  # forgets a damaged cache, in write order
         self._ownership = ownership
         self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
+        # The conversation being prefetched and its remaining steps (``prefetch``).
+        self._in_flight: tuple[str, Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]] | None \
+            = None
 
     def load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
@@ -73,14 +81,49 @@ class Loader:
         return cache
 
     def prefetch(self) -> bool:
-        """Bring one recently used conversation back from disk, with its float working copy.
+        """One step of bringing a recently used conversation back from disk, with its float
+        working copy; returns whether it did one (False once none is due).
 
         After a restart, the conversations used in the last ``PREFETCH_WINDOW`` (the most
         recent first, as many as there are working copies; in a pool, this server's agents'
         only) come back into memory while the engine is idle, so their next turns start as if
         the server had never stopped. Stops at the first one that does not fit the pool's
-        budget beside what is hot. Returns whether it loaded one (False once none is due).
+        budget beside what is hot.
+
+        A conversation comes back in steps: its files read and verified (it is hot from then
+        on), then its working copy a few layers at a time (``PREFETCH_LAYERS``). The engine
+        calls this only while idle and runs requests between steps, so a request waits for one
+        step, not for a whole conversation it did not ask for; a request that uses the
+        conversation in flight takes its result (``finish_prefetch``).
         """
+        if self._in_flight is None:
+            self._in_flight = self._next_due()
+            if self._in_flight is None:
+                return False
+        conversation_id, steps = self._in_flight
+        try:
+            next(steps)
+        except StopIteration as done:
+            self._in_flight = None
+            if done.value is not None:
+                cache, working = done.value
+                self._keep(conversation_id, cache, working, within_budget=True)
+        return True
+
+    def finish_prefetch(self, conversation_id: str) -> None:
+        """A lease is about to use ``conversation_id``: if it is the one being prefetched, its
+        remaining steps run now and the lease takes the working copy (nothing is read twice)."""
+        if self._in_flight is None or self._in_flight[0] != conversation_id:
+            return
+        result = finish(self._in_flight[1])
+        self._in_flight = None
+        if result is not None:  # the lease's commit keeps the pool within budget
+            cache, working = result
+            self._keep(conversation_id, cache, working, within_budget=False)
+
+    def _next_due(self) -> tuple[str, Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]] | None:
+        """The next conversation to prefetch and its steps, or None (none is due, or the next
+        does not fit: then none is prefetched after it)."""
         if self._to_prefetch is None:
             due = []
             if self._memory.working_copies > 0:
@@ -94,22 +137,38 @@ class Loader:
                 log.info("conversation %s: no room to prefetch it beside what is in memory; it loads when asked",
                          conversation_id)
                 self._to_prefetch.clear()
-                return False
-            cache = self.load(agent_id, conversation_id)
-            if cache is None:
-                continue
-            blocks = [self._memory.blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
-            working = to_working_cache(blocks, self._layout.n_attention, cache.record.n_tokens, self._dtype,
-                                       self._kv_format)
-            self._memory.add_working_copy(conversation_id, working)  # loaded most recent first
-            if self._memory.pool.over_budget():
-                self._memory.spill(conversation_id, "no room to prefetch it")
-                self._memory.free_arrays(self._memory.pool.evict_free())
-                self._to_prefetch.clear()
-                return False
-            log.info("conversation %s: prefetched with its working copy", conversation_id)
-            return True
-        return False
+                return None
+            return conversation_id, self._prefetching(agent_id, conversation_id)
+        return None
+
+    def _prefetching(self, agent_id: str,
+                     conversation_id: str) -> Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]:
+        """Read the conversation (hot from then on), then build its working copy in steps."""
+        cache = self.load(agent_id, conversation_id)
+        if cache is None:
+            return None
+        yield
+        blocks = [self._memory.blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
+        working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
+                                                    self._dtype, self._kv_format, PREFETCH_LAYERS)
+        return cache, working
+
+    def _keep(self, conversation_id: str, cache: ConversationCache, working: list[KVCache],
+              within_budget: bool) -> None:
+        """Give a prefetched conversation its working copy, unless it changed between the steps
+        (spilled, or dropped from memory): then the copy is not its blocks' any more."""
+        if self._memory.caches.get(conversation_id) is not cache or conversation_id in self._memory.working:
+            log.info("conversation %s: left memory while it was prefetched; its working copy is dropped",
+                     conversation_id)
+            return
+        self._memory.add_working_copy(conversation_id, working)  # loaded most recent first
+        if within_budget and self._memory.pool.over_budget():
+            self._memory.spill(conversation_id, "no room to prefetch it")
+            self._memory.free_arrays(self._memory.pool.evict_free())
+            assert self._to_prefetch is not None
+            self._to_prefetch.clear()
+            return
+        log.info("conversation %s: prefetched with its working copy", conversation_id)
 
     def _fits_beside_hot(self, conversation_id: str) -> bool:
         """Whether the conversation's stored blocks and its float working copy (estimated from

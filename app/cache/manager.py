@@ -249,6 +249,7 @@ class CacheManager:
 
     def _from_source(self, source: ConversationCache, conversation_id: str, n_reused: int, report: ReuseReport,
                      use_working_copy: bool) -> Lease:
+        self._loader.finish_prefetch(source.conversation_id)  # its working copy, if being prefetched
         self._pool.touch(source.conversation_id)
         n_blocks = -(-n_reused // BLOCK_TOKENS)
         blocks = [self._blocks[h] for h in source.chain[:n_blocks]]
@@ -429,8 +430,8 @@ class CacheManager:
     # -- after a start -----------------------------------------------------------------------
 
     def prefetch(self) -> bool:
-        """Bring one recently used conversation back from disk while the engine is idle after a
-        start (``loading.Loader.prefetch``); False once none is due."""
+        """One step of bringing the recently used conversations back from disk while the engine
+        is idle after a start (``loading.Loader.prefetch``); False once none is due."""
         return self.enabled and self._loader.prefetch()
 
     def flush(self, timeout_s: float | None = None) -> bool:

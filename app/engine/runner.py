@@ -254,7 +254,7 @@ class Runner(threading.Thread):
 
     def _idle(self) -> None:
         """Nothing to run: wait for work; caches past their hot TTL go warm meanwhile, and
-        after a start the recently used conversations come back from disk, one at a time."""
+        after a start the recently used conversations come back from disk, a step at a time."""
         assert self._caches is not None
         self._caches.expire_hot()
         prefetched = self._caches.prefetch()

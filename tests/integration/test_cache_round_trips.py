@@ -460,8 +460,8 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     full.close()
 
     reloaded = manager(tmp_path, n_layers)
-    assert reloaded.prefetch() is True
-    assert reloaded.prefetch() is False  # "b-c" was used two hours ago
+    while reloaded.prefetch():  # a step at a time
+        pass
     assert reloaded.record("a-c") is not None and reloaded.record("b-c") is None
     copy = reloaded._working["a-c"]
     more = rng.integers(0, VOCAB, 20).tolist()
@@ -469,3 +469,61 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
     assert (lease.n_reused, lease.report.reason) == (300, "extend") and lease.cache is copy
     assert mx.array_equal(forward(model, lease.cache, more), cold_same_split(model, n_layers, prompts["a"], more))
     reloaded.close()
+
+
+def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restart a conversation comes back in steps: its files, then its working copy a
+    layer at a time here. Another agent's turn runs between two steps, and the prefetch then
+    completes; a turn of the conversation in flight takes the prefetch's result: nothing is read
+    or dequantized twice, and the logits are a cold prefill's through the stored format."""
+    from app.cache import loading
+    from app.cache import manager as manager_module
+
+    monkeypatch.setattr(loading, "PREFETCH_LAYERS", 1)
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(12)
+    caches = manager(tmp_path, n_layers)
+    prompts = {conversation: rng.integers(0, VOCAB, 300).tolist() for conversation in ("main", "side")}
+    for conversation, tokens in prompts.items():  # "side" is the most recent: it comes back first
+        store_turn(caches, model, conversation, tokens)
+    caches.close()
+
+    restarted = manager(tmp_path, n_layers)
+    assert restarted.prefetch() is True  # read and verified: hot, without its working copy yet
+    assert restarted.record("side") is not None and "side" not in restarted._working
+    assert restarted.prefetch() is True and "side" not in restarted._working  # its first layer
+    other = rng.integers(0, VOCAB, 100).tolist()  # another agent's turn, between two steps
+    lease = restarted.lease("b", "b-c", as_prompt(other))
+    assert lease.report.reason == "miss"
+    forward(model, lease.cache, other)
+    restarted.commit(lease, CacheRecord(*_record_fields(other)), lease.cache)
+    steps = 0
+    while restarted.prefetch():
+        steps += 1
+    assert set(restarted._working) >= {"main", "side"} and steps > n_layers
+    for conversation in ("main", "side"):
+        cache = restarted._hot[conversation]
+        blocks = [restarted._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
+        whole = to_working_cache(blocks, n_layers, 300, mx.float32)
+        assert all(mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
+                   for a, b in zip(whole, restarted._working[conversation]))
+    restarted.close()
+
+    again = manager(tmp_path, n_layers)
+    reads: list[str] = []
+    read = again._loader._files.read_conversation
+    monkeypatch.setattr(again._loader._files, "read_conversation",
+                        lambda entry, *args: reads.append(entry.record_path) or read(entry, *args))
+    assert again.prefetch() is True and again.prefetch() is True  # "b-c" read, then its first layer
+    in_flight = again._loader._in_flight
+    assert in_flight is not None and "b-c" not in again._working
+    monkeypatch.setattr(manager_module, "to_working_cache", None)  # the lease must not dequantize again
+    more = rng.integers(0, VOCAB, 20).tolist()
+    lease = again.lease("b", "b-c", as_prompt(other + more))
+    assert (lease.n_reused, lease.report.reason, lease.report.source) == (100, "extend", "disk")
+    assert again._loader._in_flight is None and len(reads) == 1
+    monkeypatch.undo()
+    expected = cold_same_split(model, n_layers, other, more)
+    assert mx.array_equal(forward(model, lease.cache, more), expected)
+    again.close()
