@@ -32,6 +32,13 @@ class EngineUnavailable(SemanticError):
     """The engine thread died or the model could not be loaded."""
 
 
+class ModelLoading(EngineUnavailable):
+    """The model is still loading (after a start, or a swap): not a failure, the client
+    should retry shortly (a 503 with retry-after, which the OpenAI and Anthropic SDKs honor)."""
+
+    retry_after_s = 1
+
+
 class InvalidModelFile(SemanticError):
     """A model file (GGUF or directory) is unreadable or unsupported."""
 

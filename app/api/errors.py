@@ -9,7 +9,7 @@ import falcon
 from sqlalchemy.exc import OperationalError
 
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
-                        MemoryExhausted, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
+                        MemoryExhausted, ModelLoading, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
                         Unauthorized, UnsupportedMediaType)
 from app.protocol import anthropic, ollama, openai, responses_output
 
@@ -60,9 +60,9 @@ def _respond(req: falcon.Request, resp: falcon.Response, status: int, message: s
 
 def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticError, _params: Any) -> None:
     status = status_of(exc)
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, (Overloaded, ModelLoading)):
         resp.set_header("retry-after", str(exc.retry_after_s))
-    if status >= 500:
+    if status >= 500 and not isinstance(exc, ModelLoading):  # loading is logged as the request's 503 only
         log.error("request %s failed: %s", getattr(req.context, "request_id", "-"), exc)
     _respond(req, resp, status, str(exc), exc)
 

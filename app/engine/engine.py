@@ -31,7 +31,7 @@ from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, l
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
-from app.errors import EngineUnavailable, MemoryExhausted
+from app.errors import EngineUnavailable, MemoryExhausted, ModelLoading
 from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Engine:
         """The model a request's ``model`` names (see ``Catalog.resolve``).
 
         Raises:
-            NotFound; EngineUnavailable: the default model is still loading.
+            NotFound; ModelLoading (an EngineUnavailable): the default model is still loading.
         """
         return self._info(self._spec(self._catalog.resolve(requested)))
 
@@ -163,7 +163,7 @@ class Engine:
         if loaded is not None and loaded.name == name:
             return loaded
         if name == self._catalog.default and not self._runner.ready.is_set():
-            raise EngineUnavailable("the model is still loading")  # its first import may be under way
+            raise ModelLoading("the model is still loading")  # its first import may be under way
         with self._specs_lock:
             if name not in self._specs:
                 self._specs[name] = load_spec(name, self._catalog.install(name), self._dtype,

@@ -41,6 +41,7 @@ def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smoll
     server = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", str(smollm2_dir)], cwd=ROOT,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     seen: list[str] = []
+    while_loading = None  # a chat completion sent while the model loads
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and "ok" not in seen:
@@ -48,10 +49,17 @@ def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smoll
                 response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
                 seen.append(response.json()["status"])
                 assert response.status_code == (200 if seen[-1] == "ok" else 503)
+                if seen[-1] == "loading" and (while_loading is None or while_loading.status_code != 503):
+                    while_loading = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                        "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
         assert seen and seen[0] == "loading" and seen[-1] == "ok", seen
+        # Not a failure: a 503 the SDKs retry after the time it names, and no error in the log.
+        assert while_loading is not None and while_loading.status_code == 503, while_loading
+        assert while_loading.headers["retry-after"] == "1"
+        assert while_loading.json()["error"]["message"] == "the model is still loading"
         workers = [pid for pid in children(server.pid) if "app worker" in cmdline(pid)]
         assert len(workers) == 1, [cmdline(p) for p in children(server.pid)]
         # Below the server's priority: its start and its jobs yield the cores to loading and serving.
@@ -69,6 +77,8 @@ def test_loading_then_ready_with_a_worker_child_and_status(tmp_path: Path, smoll
                for pid in workers)
     assert "worker stopped" in (tmp_path / "serve.log").read_text()
     assert "GET /health 503" not in (tmp_path / "serve.log").read_text()  # a probe while loading: DEBUG
+    assert "POST /v1/chat/completions 503" in (tmp_path / "serve.log").read_text()
+    assert " ERROR " not in (tmp_path / "serve.log").read_text()
 
 
 def test_flags_reach_the_server_and_its_worker(tmp_path: Path, smollm2_dir: Path) -> None:
