@@ -1,12 +1,16 @@
 """Boot: seconds from exec to the first served request, Semantic against mlx_lm.server.
 
-    .venv/bin/python benchmarks/boot.py [--runs 5] [--model DIR] [--baseline TREE] [--name boot]
+    .venv/bin/python benchmarks/boot.py [--runs 5] [--model DIR] [--baseline TREE] [--stored-words N]
+        [--name boot]
 
 Each round starts, one after another on the same model directory (default: the embedded
-SmolLM2-135M), ``semantic serve`` with its defaults (its worker child too) on a fresh home (no database, no caches), ``semantic
-serve`` on a home with a store (a database at head and one conversation's cache on disk,
-made once before the first round by a server that answered one request), and
-``mlx_lm.server`` (on OpenBLAS through LD_PRELOAD, as Semantic binds it); ``--runs``
+SmolLM2-135M), ``semantic serve`` with its defaults (its worker child too) on a fresh home
+(no database, no caches), ``semantic serve`` on a home with a store (a database at head
+and one conversation's cache on disk, made once before the first round by a server that
+answered one request: "Hello", or with ``--stored-words N`` a user message of N words;
+each start gets a copy of it, so every start prefetches that conversation while its first
+request arrives), and ``mlx_lm.server`` (on OpenBLAS through LD_PRELOAD, as Semantic binds
+it); ``--runs``
 rounds, the servers alternating. Each start is timed from just before the exec to the
 first answered request: a 1-token greedy chat completion (not streamed), sent again every
 25 ms until one is answered with a 200 (a refused connection or a 503 while the model
@@ -71,6 +75,9 @@ PHASES = {
     "listening_s": re.compile(r"listening on \S+ .*?([\d.]+) s after the process started"),
     "ready_s": re.compile(r" ready, .*\(([\d.]+) s after the process started\)"),
 }
+FIRST_TTFT = re.compile(r"ttft [\d.]+ s \(queue ([\d.]+), restore ([\d.]+), prefill ([\d.]+)\)")
+STORED = re.compile(r"prompt (\d+) tokens")
+WORDS = ("river", "stone", "lantern", "orchard", "harbor", "meadow", "copper", "willow", "signal", "canyon")
 LOADED = re.compile(r"loaded model .* in ([\d.]+) s \(tokenizer and fingerprint ([\d.]+) s, weights ([\d.]+) s")
 
 
@@ -105,13 +112,18 @@ def mlx_lm_env() -> dict[str, str]:
     return {**os.environ, **({"LD_PRELOAD": str(blas)} if blas else {})}
 
 
-def request_body(model: str) -> dict[str, Any]:
-    """The 1-token greedy chat completion every start is timed to."""
-    return {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "temperature": 0}
+def request_body(model: str, content: str = "Hello") -> dict[str, Any]:
+    """The 1-token greedy chat completion every start is timed to (``content``: the one that made the store)."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+
+
+def filler(n_words: int) -> str:
+    """Text of ``n_words`` words (about 4 tokens each on SmolLM2) no other prompt shares."""
+    return " ".join(f"{WORDS[i % len(WORDS)]}{i % 997}" for i in range(n_words))
 
 
 def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_path: Path,
-         cwd: Path = ROOT) -> dict[str, Any]:
+         cwd: Path = ROOT, content: str = "Hello") -> dict[str, Any]:
     """Start a server in ``cwd``, time it to its first answered request, stop it (SIGTERM)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -127,11 +139,13 @@ def boot(argv: Callable[[int], list[str]], env: dict[str, str], model: str, log_
             if time.perf_counter() - began > TIMEOUT_S:
                 raise RuntimeError(f"{argv(port)[:4]} served no request in {TIMEOUT_S:.0f} s; see {log_path}")
             try:
-                reply = httpx.post(f"{url}/v1/chat/completions", json=request_body(model), timeout=60)
+                reply = httpx.post(f"{url}/v1/chat/completions", json=request_body(model, content), timeout=120)
             except httpx.TransportError:
                 refused += 1
                 time.sleep(POLL_S)
                 continue
+            if reply.status_code not in (200, 503):
+                raise RuntimeError(f"{argv(port)[:4]} answered {reply.status_code}: {reply.text[:300]}")
             if reply.status_code == 200:
                 served = time.perf_counter() - began
                 cpu = cpu_seconds(process.pid)
@@ -166,6 +180,9 @@ def phases(log: str) -> dict[str, float]:
         match = pattern.search(log)
         if match:
             found[key] = float(match.group(1))
+    match = FIRST_TTFT.search(log)
+    if match:  # the first request's own account: waiting in the queue, then its prefill
+        found.update(first_queue_s=float(match.group(1)), first_prefill_s=float(match.group(3)))
     match = LOADED.search(log)
     if match:
         found.update(load_s=float(match.group(1)), tokenizer_fingerprint_s=float(match.group(2)),
@@ -173,14 +190,27 @@ def phases(log: str) -> dict[str, float]:
     return found
 
 
-def make_store(model_dir: Path, home: Path, tree: Path = ROOT) -> None:
-    """A home with a store: a server answered one request on it, then stopped."""
-    boot(lambda port: semantic_argv(model_dir, port), semantic_env(home), "default",
-         home.parent / f"make-{home.name}.log", tree)
+def make_store(model_dir: Path, home: Path, tree: Path = ROOT, stored_words: int = 0) -> int:
+    """A home with a store: a server answered one request on it (a user message of
+    ``stored_words`` words, or "Hello"), then stopped. Returns the tokens its cache holds."""
+    log_path = home.parent / f"make-{home.name}.log"
+    boot(lambda port: semantic_argv(model_dir, port), semantic_env(home), "default", log_path, tree,
+         filler(stored_words) if stored_words else "Hello")
+    match = STORED.search(log_path.read_text(errors="replace"))
+    return int(match.group(1)) + 1 if match else 0
+
+
+def start_home(template: Path, home: Path) -> Path:
+    """A copy of the store ``template`` for one start: every start finds the same store (the
+    conversation a start answers would otherwise be the newest one the next start prefetches)."""
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(template, home)
+    return home
 
 
 def summarise(starts: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = [k for k in ("served_s", "cpu_s", "listening_s", "load_s", "tokenizer_fingerprint_s", "weights_s", "ready_s")
+    keys = [k for k in ("served_s", "cpu_s", "listening_s", "load_s", "tokenizer_fingerprint_s", "weights_s", "ready_s",
+                        "first_queue_s", "first_prefill_s")
             if all(k in s for s in starts)]
     return {f"{k}_median": statistics.median(s[k] for s in starts) for k in keys} | \
            {f"{k}_min": min(s[k] for s in starts) for k in keys}
@@ -191,12 +221,13 @@ def report(servers: dict[str, dict[str, Any]]) -> None:
         return summary.get(f"{key}_median", "-")
 
     print_table(["server", "starts", "served s (median)", "served s (min)", "CPU s", "listening s", "model loaded s",
-                 "tokenizer+fingerprint s", "weights s", "ready s"],
+                 "tokenizer+fingerprint s", "weights s", "ready s", "request queued s", "request prefill s"],
                 [[v["label"], len(v["starts"]), v["summary"]["served_s_median"], v["summary"]["served_s_min"],
                   cell(v["summary"], "cpu_s"),
                   cell(v["summary"], "listening_s"), cell(v["summary"], "load_s"),
                   cell(v["summary"], "tokenizer_fingerprint_s"), cell(v["summary"], "weights_s"),
-                  cell(v["summary"], "ready_s")] for k, v in servers.items()])
+                  cell(v["summary"], "ready_s"), cell(v["summary"], "first_queue_s"),
+                  cell(v["summary"], "first_prefill_s")] for k, v in servers.items()])
 
 
 def plot(name: str, servers: dict[str, dict[str, Any]], where: str, commit: str) -> None:
@@ -229,6 +260,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, metavar="TREE",
                         help="also start Semantic from TREE, another commit's files named for it "
                              "(git archive COMMIT | tar -x -C /tmp/boot-COMMIT), in the same rounds")
+    parser.add_argument("--stored-words", type=int, default=0,
+                        help="the store's one conversation: a user message of this many words (about 4 tokens "
+                             "each; default: \"Hello\"), prefetched by a start while its first request arrives")
     parser.add_argument("--name", default="boot", help="the result files' name")
     args = parser.parse_args()
 
@@ -250,13 +284,15 @@ def main() -> None:
         for key in args.servers:
             if key != "mlx_lm":
                 name = SERVERS[key] + (f" ({label})" if prefix else "")
-                home = scratch / f"{prefix}store-home" if key == "semantic_store" else None
+                home = scratch / f"{prefix}store-template" if key == "semantic_store" else None
                 contenders[prefix + key] = (name, label, tree, home)
     if "mlx_lm" in args.servers:
         contenders["mlx_lm"] = (SERVERS["mlx_lm"], f"mlx-lm {version('mlx-lm')}", None, None)
-    for name, _, tree, home in contenders.values():
+    stored_tokens = {}
+    for key, (name, _, tree, home) in contenders.items():
         if home is not None and tree is not None:
-            make_store(model_dir, home, tree)
+            stored_tokens[key] = make_store(model_dir, home, tree, args.stored_words)
+            print(f"{name}: a store of one {stored_tokens[key]}-token conversation", file=sys.stderr)
     starts: dict[str, list[dict[str, Any]]] = {k: [] for k in contenders}
     for run in range(args.runs):
         for key, (name, _, tree, home) in contenders.items():
@@ -264,8 +300,9 @@ def main() -> None:
             if tree is None:
                 result = boot(lambda port: mlx_lm_argv(model_dir, port), mlx_lm_env(), "default_model", log_path)
             else:
-                result = boot(lambda port: semantic_argv(model_dir, port),
-                              semantic_env(home or scratch / f"{key}-home-{run}"), "default", log_path, tree)
+                home_now = start_home(home, scratch / f"{key}-home-{run}") if home else scratch / f"{key}-home-{run}"
+                result = boot(lambda port: semantic_argv(model_dir, port), semantic_env(home_now), "default",
+                              log_path, tree)
             starts[key].append(result)
             print(f"{time.strftime('%H:%M:%S')} {name} run {run + 1}: served in {result['served_s']:.2f} s"
                   + (f" (listening {result['listening_s']:.2f}, ready {result['ready_s']:.2f})"
@@ -273,6 +310,7 @@ def main() -> None:
     servers = {k: {"label": contenders[k][0], "version": contenders[k][1], "starts": v, "summary": summarise(v)}
                for k, v in starts.items()}
     path = write_results(args.name, {"args": {**vars(args), "model": str(model_dir),
+                                              "stored_tokens": stored_tokens,
                                               "baseline": args.baseline and str(args.baseline)},
                                      "device": where, "servers": servers,
                                      # others' work on the machine, 1-minute average (runnable threads)
