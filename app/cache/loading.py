@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from datetime import timedelta
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, to_working_cache_steps
 from app.cache.checkpoints import CacheLayout, Checkpoint
 from app.cache.files import CacheFiles, FileMissing, FileUnavailable, StoredConversation
 from app.cache.formats import KVFormat
@@ -36,6 +37,12 @@ PREFETCH_WINDOW = timedelta(hours=1)
 # Layers of a prefetched working copy built in one step: two, one on each of the CPU's
 # working streams (``blocks.working_streams``); a request waits for one step at most.
 PREFETCH_LAYERS = 2
+# While a prefetch's files are read, the engine looks for requests this often.
+PREFETCH_POLL_S = 0.005
+
+# A prefetch's steps: each yields the read under way (a Future) or None; it returns the
+# conversation put in memory and its working copy, or None.
+Prefetching = Generator["Future[StoredConversation] | None", None, "tuple[ConversationCache, list[KVCache]] | None"]
 
 
 class Loader:
@@ -50,18 +57,28 @@ class Loader:
         self._persister = persister  # forgets a damaged cache, in write order
         self._ownership = ownership
         self._to_prefetch: deque[tuple[str, str]] | None = None  # listed at the first idle moment
-        # The conversation being prefetched and its remaining steps (``prefetch``).
-        self._in_flight: tuple[str, Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]] | None \
-            = None
+        # The conversation being prefetched and its remaining steps (``prefetch``), its files
+        # read on a thread of their own (reading and hashing release the GIL).
+        self._in_flight: tuple[str, Prefetching] | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cache-prefetch")
 
     def load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
-        """Warm -> hot. A damaged or missing file makes the whole cache a miss."""
+        """Warm -> hot. A damaged or missing file makes the whole cache a miss. A conversation
+        being prefetched is not read again: the prefetch finishes first."""
+        self.finish_prefetch(conversation_id)
+        if conversation_id in self._memory.caches:
+            return self._memory.caches[conversation_id]
         entry = self._index.load(conversation_id)
         if entry is None:
             return None
+        return self._take(agent_id, conversation_id, entry,
+                          lambda: self._files.read_conversation(entry, self._memory.blocks))
+
+    def _take(self, agent_id: str, conversation_id: str, entry: CacheEntry,
+              read: Callable[[], StoredConversation]) -> ConversationCache | None:
+        """The conversation ``read`` gives, put in memory (hot), or None: a miss."""
         try:
-            cache, loaded = self._decode(agent_id, conversation_id,
-                                         self._files.read_conversation(entry, self._memory.blocks))
+            cache, loaded = self._decode(agent_id, conversation_id, read())
         except Exception as exc:  # whatever went wrong reading it, the cache is not used now
             # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
             # having lost the object: nothing says it is damaged, so the row and the writer's
@@ -102,12 +119,15 @@ class Loader:
                 return False
         conversation_id, steps = self._in_flight
         try:
-            next(steps)
+            step = next(steps)
         except StopIteration as done:
             self._in_flight = None
             if done.value is not None:
                 cache, working = done.value
                 self._keep(conversation_id, cache, working, within_budget=True)
+            return True
+        if step is not None:  # its files are being read: a short wait, then the engine looks for requests
+            wait([step], PREFETCH_POLL_S)
         return True
 
     def finish_prefetch(self, conversation_id: str) -> None:
@@ -115,13 +135,25 @@ class Loader:
         remaining steps run now and the lease takes the working copy (nothing is read twice)."""
         if self._in_flight is None or self._in_flight[0] != conversation_id:
             return
-        result = finish(self._in_flight[1])
+        steps = self._in_flight[1]
         self._in_flight = None
+        while True:
+            try:
+                step = next(steps)
+            except StopIteration as done:
+                result = done.value
+                break
+            if step is not None:
+                wait([step])
         if result is not None:  # the lease's commit keeps the pool within budget
             cache, working = result
             self._keep(conversation_id, cache, working, within_budget=False)
 
-    def _next_due(self) -> tuple[str, Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]] | None:
+    def close(self) -> None:
+        """Stop the prefetch's reader (a read under way finishes on its own)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+    def _next_due(self) -> tuple[str, Prefetching] | None:
         """The next conversation to prefetch and its steps, or None (none is due, or the next
         does not fit: then none is prefetched after it)."""
         if self._to_prefetch is None:
@@ -141,13 +173,20 @@ class Loader:
             return conversation_id, self._prefetching(agent_id, conversation_id)
         return None
 
-    def _prefetching(self, agent_id: str,
-                     conversation_id: str) -> Generator[None, None, tuple[ConversationCache, list[KVCache]] | None]:
-        """Read the conversation (hot from then on), then build its working copy in steps."""
-        cache = self.load(agent_id, conversation_id)
+    def _prefetching(self, agent_id: str, conversation_id: str) -> Prefetching:
+        """Read the conversation on the reader thread (yielding the read while it runs), put it
+        in memory (hot from then on), then build its working copy in steps."""
+        entry = self._index.load(conversation_id)
+        if entry is None:
+            return None
+        # Every block file, even those in memory now: the engine may let one go meanwhile.
+        reading = self._reader.submit(self._files.read_conversation, entry)
+        while not reading.done():
+            yield reading
+        cache = self._take(agent_id, conversation_id, entry, reading.result)
         if cache is None:
             return None
-        yield
+        yield None
         blocks = [self._memory.blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
         working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
                                                     self._dtype, self._kv_format, PREFETCH_LAYERS)

@@ -440,6 +440,7 @@ class CacheManager:
 
     def close(self) -> None:
         """Write what is queued (to disk and the shared tier)."""
+        self._loader.close()
         self._persister.flush(FLUSH_ON_CLOSE_S)
         self._persister.stop(STOP_ON_CLOSE_S)
 

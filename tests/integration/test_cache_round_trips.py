@@ -10,6 +10,7 @@ same 4-bit cache format.
 from __future__ import annotations
 
 import importlib
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -472,10 +473,11 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
 
 
 def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a restart a conversation comes back in steps: its files, then its working copy a
-    layer at a time here. Another agent's turn runs between two steps, and the prefetch then
-    completes; a turn of the conversation in flight takes the prefetch's result: nothing is read
-    or dequantized twice, and the logits are a cold prefill's through the stored format."""
+    """After a restart a conversation comes back in steps: its files read on a thread of their
+    own, then its working copy a layer at a time here. Another agent's turn runs while the
+    files are read and between two steps, and the prefetch then completes; a turn of the
+    conversation in flight takes the prefetch's result: nothing is read or dequantized twice,
+    and the logits are those of a turn that read the cache itself."""
     from app.cache import loading
     from app.cache import manager as manager_module
 
@@ -489,19 +491,41 @@ def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monk
         store_turn(caches, model, conversation, tokens)
     caches.close()
 
+    def gated(manager: CacheManager) -> tuple[threading.Event, list[str]]:
+        """Hold ``manager``'s reads of conversation files until the event is set; count them."""
+        gate, reads = threading.Event(), []
+        read = manager._loader._files.read_conversation
+
+        def held(entry: Any, *args: Any) -> Any:
+            reads.append(entry.record_path)
+            assert gate.wait(30)
+            return read(entry, *args)
+
+        monkeypatch.setattr(manager._loader._files, "read_conversation", held)
+        return gate, reads
+
+    def turn_of_b(manager: CacheManager, tokens: list[int]) -> None:
+        lease = manager.lease("b", "b-c", as_prompt(tokens))
+        forward(model, lease.cache, tokens[lease.n_reused:])
+        manager.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+
     restarted = manager(tmp_path, n_layers)
-    assert restarted.prefetch() is True  # read and verified: hot, without its working copy yet
-    assert restarted.record("side") is not None and "side" not in restarted._working
+    gate, reads = gated(restarted)
+    assert restarted.prefetch() is True  # "side" is being read
+    other = rng.integers(0, VOCAB, 100).tolist()
+    turn_of_b(restarted, other)  # another agent's turn, while the read waits
+    assert restarted.record("side") is None and len(reads) == 1
+    gate.set()
+    while restarted.record("side") is None:
+        assert restarted.prefetch() is True
+    assert "side" not in restarted._working  # hot, its working copy not built yet
     assert restarted.prefetch() is True and "side" not in restarted._working  # its first layer
-    other = rng.integers(0, VOCAB, 100).tolist()  # another agent's turn, between two steps
-    lease = restarted.lease("b", "b-c", as_prompt(other))
-    assert lease.report.reason == "miss"
-    forward(model, lease.cache, other)
-    restarted.commit(lease, CacheRecord(*_record_fields(other)), lease.cache)
+    history = other + rng.integers(0, VOCAB, 10).tolist()
+    turn_of_b(restarted, history)  # and between two steps
     steps = 0
     while restarted.prefetch():
         steps += 1
-    assert set(restarted._working) >= {"main", "side"} and steps > n_layers
+    assert set(restarted._working) >= {"main", "side"} and steps > n_layers and len(reads) == 2
     for conversation in ("main", "side"):
         cache = restarted._hot[conversation]
         blocks = [restarted._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
@@ -511,19 +535,19 @@ def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monk
     restarted.close()
 
     again = manager(tmp_path, n_layers)
-    reads: list[str] = []
-    read = again._loader._files.read_conversation
-    monkeypatch.setattr(again._loader._files, "read_conversation",
-                        lambda entry, *args: reads.append(entry.record_path) or read(entry, *args))
-    assert again.prefetch() is True and again.prefetch() is True  # "b-c" read, then its first layer
-    in_flight = again._loader._in_flight
-    assert in_flight is not None and "b-c" not in again._working
+    gate, reads = gated(again)
+    assert again.prefetch() is True  # "b-c", the most recent, is being read
+    gate.set()
     monkeypatch.setattr(manager_module, "to_working_cache", None)  # the lease must not dequantize again
     more = rng.integers(0, VOCAB, 20).tolist()
-    lease = again.lease("b", "b-c", as_prompt(other + more))
-    assert (lease.n_reused, lease.report.reason, lease.report.source) == (100, "extend", "disk")
+    lease = again.lease("b", "b-c", as_prompt(history + more))
+    assert (lease.n_reused, lease.report.reason, lease.report.source) == (110, "extend", "disk")
     assert again._loader._in_flight is None and len(reads) == 1
     monkeypatch.undo()
-    expected = cold_same_split(model, n_layers, other, more)
-    assert mx.array_equal(forward(model, lease.cache, more), expected)
+    prefetched = forward(model, lease.cache, more)
     again.close()
+    plain = manager(tmp_path, n_layers)  # no prefetch: the turn reads the cache itself
+    lease = plain.lease("b", "b-c", as_prompt(history + more))
+    assert (lease.n_reused, lease.report.reason) == (110, "extend")
+    assert mx.array_equal(prefetched, forward(model, lease.cache, more))
+    plain.close()
