@@ -107,10 +107,11 @@ class Loader:
         the server had never stopped. Stops at the first one that does not fit the pool's
         budget beside what is hot.
 
-        A conversation comes back in steps: its files read and verified (it is hot from then
-        on), then its working copy a few layers at a time (``PREFETCH_LAYERS``). The engine
-        calls this only while idle and runs requests between steps, so a request waits for one
-        step, not for a whole conversation it did not ask for; a request that uses the
+        A conversation comes back in steps: its files read and verified on a thread of their
+        own (this returns every ``PREFETCH_POLL_S`` meanwhile), then put in memory (hot from
+        then on), then its working copy a few layers at a time (``PREFETCH_LAYERS``). The
+        engine calls this only while idle and runs requests between steps, so a request waits
+        for one step, not for a whole conversation it did not ask for; a request that uses the
         conversation in flight takes its result (``finish_prefetch``).
         """
         if self._in_flight is None:
@@ -183,6 +184,10 @@ class Loader:
         reading = self._reader.submit(self._files.read_conversation, entry)
         while not reading.done():
             yield reading
+        if conversation_id in self._memory.caches:  # a turn stored it meanwhile: memory's is the newer
+            log.info("conversation %s: stored by a turn while it was prefetched; what was read is dropped",
+                     conversation_id)
+            return None
         cache = self._take(agent_id, conversation_id, entry, reading.result)
         if cache is None:
             return None

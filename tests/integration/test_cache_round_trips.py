@@ -551,3 +551,41 @@ def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monk
     assert (lease.n_reused, lease.report.reason) == (110, "extend")
     assert mx.array_equal(prefetched, forward(model, lease.cache, more))
     plain.close()
+
+
+def test_a_turn_stored_while_its_conversation_is_read_back_is_kept(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a restarted server reads a conversation back, a turn of that conversation that
+    started from a sibling's cache stores it anew: what the prefetch read (older) is dropped,
+    not put over the newer cache in memory."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(13)
+    caches = manager(tmp_path, n_layers)
+    prompts = {conversation: rng.integers(0, VOCAB, 300).tolist() for conversation in ("main", "side")}
+    for conversation, tokens in prompts.items():  # "side" comes back first
+        store_turn(caches, model, conversation, tokens)
+    caches.close()
+
+    restarted = manager(tmp_path, n_layers)
+    gate = threading.Event()
+    read = restarted._loader._files.read_conversation
+
+    def held(entry: Any, *args: Any) -> Any:
+        assert gate.wait(30)
+        return read(entry, *args)
+
+    monkeypatch.setattr(restarted._loader._files, "read_conversation", held)
+    assert restarted.prefetch() is True  # "side" is being read
+    monkeypatch.undo()  # the turn's own read of "main" goes straight through
+    tokens = prompts["main"] + rng.integers(0, VOCAB, 40).tolist()
+    lease = restarted.lease("a", "side", as_prompt(tokens))  # "main" shares the most: a sibling's cache
+    assert (lease.n_reused, lease.report.reason) == (300, "sibling")
+    forward(model, lease.cache, tokens[lease.n_reused:])
+    restarted.commit(lease, CacheRecord(*_record_fields(tokens)), lease.cache)
+    gate.set()
+    while restarted.prefetch():
+        pass
+    record = restarted.record("side")
+    assert record is not None and list(record.tokens) == tokens
+    restarted.close()
