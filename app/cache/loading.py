@@ -9,6 +9,8 @@ file unreadable just now (or one a pool's shared tier did not deliver) is a miss
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections import deque
 from datetime import timedelta
 from collections.abc import Callable, Generator
@@ -40,6 +42,10 @@ PREFETCH_LAYERS = 2
 # While a prefetch's files are read, the engine looks for requests this often.
 PREFETCH_POLL_S = 0.005
 
+# The reader thread's niceness above the engine's (Linux): a prefetch is for a turn that may
+# come, a request's prefill for one that is here, and on a small machine they share the cores.
+PREFETCH_NICENESS = 10
+
 # A prefetch's steps: each yields the read under way (a Future) or None; it returns the
 # conversation put in memory and its working copy, or None.
 Prefetching = Generator["Future[StoredConversation] | None", None, "tuple[ConversationCache, list[KVCache]] | None"]
@@ -60,7 +66,7 @@ class Loader:
         # The conversation being prefetched and its remaining steps (``prefetch``), its files
         # read on a thread of their own (reading and hashing release the GIL).
         self._in_flight: tuple[str, Prefetching] | None = None
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cache-prefetch")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cache-prefetch", initializer=_below_requests)
 
     def load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss. A conversation
@@ -248,3 +254,11 @@ class Loader:
         """Quarantine the damaged files of an unusable cache and forget the cache."""
         self._files.quarantine_damaged(entry)
         self._persister.submit(Forget(conversation_id))
+
+
+def _below_requests() -> None:
+    """Lower the calling thread's priority by ``PREFETCH_NICENESS`` (Linux, where niceness is a
+    thread's own; elsewhere it is the whole process's, which is left as it is). Threads it
+    starts (``files.CacheFiles``' block readers) inherit it."""
+    if sys.platform == "linux":
+        os.nice(PREFETCH_NICENESS)
