@@ -49,6 +49,7 @@ from app.cache.hashing import BLOCK_TOKENS
 SCALE_DTYPE = mx.float16
 
 T = TypeVar("T")
+Y = TypeVar("Y")
 
 # Blocks align with mlx-lm's own cache growth step; keep them in lockstep.
 assert QuantizedKVCache.step == BLOCK_TOKENS == KVCache.step
@@ -290,9 +291,10 @@ def working_cache_steps(n_layers: int, layer: Callable[[int], tuple[mx.array, mx
                         layers_per_step: int) -> Generator[None, None, list[KVCache]]:
     """``working_cache`` in steps of ``layers_per_step`` layers, each evaluated before the step yields."""
     streams = working_streams()
+    per_step = max(1, layers_per_step)
     cache: list[KVCache] = []
-    for start in range(0, n_layers, max(1, layers_per_step)):
-        for i in range(start, min(start + max(1, layers_per_step), n_layers)):
+    for start in range(0, n_layers, per_step):
+        for i in range(start, min(start + per_step, n_layers)):
             with mx.stream(streams[i % len(streams)]):
                 keys, values = layer(i)
             cache.append(KVCache())
@@ -302,13 +304,16 @@ def working_cache_steps(n_layers: int, layer: Callable[[int], tuple[mx.array, mx
     return cache
 
 
-def finish(steps: Generator[None, None, T]) -> T:
-    """What a stepwise computation returns, its steps all run now."""
+def finish(steps: Generator[Y, None, T], on_step: Callable[[Y], object] | None = None) -> T:
+    """What a stepwise computation returns, its steps all run now (``on_step`` is given what
+    each step yields)."""
     while True:
         try:
-            next(steps)
+            step = next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+        if on_step is not None:
+            on_step(step)
 
 
 def with_room(x: mx.array, n_tokens: int) -> mx.array:

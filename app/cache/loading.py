@@ -17,7 +17,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
-from app.cache.blocks import BLOCK_TOKENS, KVBlock, to_working_cache_steps
+from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
 from app.cache.checkpoints import CacheLayout, Checkpoint
 from app.cache.files import CacheFiles, FileMissing, FileUnavailable, StoredConversation
 from app.cache.formats import KVFormat
@@ -144,14 +144,7 @@ class Loader:
             return
         steps = self._in_flight[1]
         self._in_flight = None
-        while True:
-            try:
-                step = next(steps)
-            except StopIteration as done:
-                result = done.value
-                break
-            if step is not None:
-                wait([step])
+        result = finish(steps, lambda step: step is not None and wait([step]))
         if result is not None:  # the lease's commit keeps the pool within budget
             cache, working = result
             self._keep(conversation_id, cache, working, within_budget=False)
