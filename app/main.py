@@ -91,7 +91,7 @@ def _serve(settings: Settings) -> None:
     # cache; without one, this server's caches are its own (hashing.scoped_fingerprint).
     tier = S3Tier(settings.block_store) if settings.block_store else None
     scope = settings.effective_server_id if is_postgres_url(settings.db_url) and tier is None else ""
-    prefill_step_size, cache_memory_bytes = _machine_defaults(settings, catalog)
+    prefill_step_size, cache_memory_bytes, speculative_tokens = _machine_defaults(settings, catalog)
     cache = CacheConfig(settings.blocks_dir, sessions, cache_memory_bytes, settings.cache_reuse,
                         settings.max_conversations, settings.kv_format_for, scope, tier,
                         settings.effective_server_id if tier is not None else None)
@@ -99,7 +99,7 @@ def _serve(settings: Settings) -> None:
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
                     max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
-                    speculative_tokens=settings.speculative_tokens,
+                    speculative_tokens=speculative_tokens,
                     draft_model=draft)
     app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
     try:
@@ -155,10 +155,12 @@ def process_age_s() -> float:
         return time.monotonic() - _LOADED_AT
 
 
-def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int]:
-    """The prefill step and the KV memory budget: the settings', or (0) chosen for this
-    machine's backend and the default model's weights. Logged either way."""
-    from app.engine.backend import cache_budget, detect, prefill_step, weights_bytes
+def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, int]:
+    """The prefill step, the KV memory budget and the longest draft: the settings', or (0;
+    unset for the draft) chosen for this machine's backend and the default model's weights.
+    A draft model set drafts with the CPU's length on any backend. Logged either way."""
+    from app.engine.backend import (
+        SPECULATIVE_TOKENS, cache_budget, detect, prefill_step, speculative_tokens, weights_bytes)
 
     backend = detect()
     try:
@@ -167,11 +169,17 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int]:
         weights = 0
     step = settings.prefill_step_size or prefill_step(backend)
     budget = settings.cache_memory_bytes or cache_budget(backend, weights)
-    log.info("backend %s (%s, %.1f GiB): prefill step %d tokens (%s), KV cache memory %.1f GiB (%s)",
+    drafts = settings.speculative_tokens
+    if drafts is None:
+        drafts = SPECULATIVE_TOKENS["cpu"] if settings.draft_model else speculative_tokens(backend)
+    log.info("backend %s (%s, %.1f GiB): prefill step %d tokens (%s), KV cache memory %.1f GiB (%s), %s (%s)",
              backend.kind, backend.name, backend.memory_bytes / 2**30, step,
              "set" if settings.prefill_step_size else "per backend", budget / 2**30,
-             "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights")
-    return step, budget
+             "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights",
+             f"drafts of up to {drafts} tokens" if drafts else "no drafts",
+             "set" if settings.speculative_tokens is not None else "for the draft model" if settings.draft_model
+             else "per backend")
+    return step, budget, drafts
 
 
 STREAM_BUFFER_BYTES = 1 << 30  # above any answer: 1M tokens of context at ~300 bytes of SSE each is 300 MiB

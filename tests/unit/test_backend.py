@@ -3,7 +3,16 @@ tested without the hardware: a CPU, an NVIDIA GPU and an Apple GPU as values."""
 
 from __future__ import annotations
 
-from app.engine.backend import MIN_CACHE_BUDGET, Backend, cache_budget, prefill_step, warmup_chunks
+import logging
+from pathlib import Path
+
+import pytest
+
+from app.catalog.registry import Catalog
+from app.engine.backend import (
+    MIN_CACHE_BUDGET, Backend, cache_budget, prefill_step, speculative_tokens, warmup_chunks)
+from app.main import _machine_defaults
+from app.settings import load_settings
 
 GIB = 1 << 30
 CPU = Backend("cpu", 24 * GIB, "Intel(R) Xeon(R)")
@@ -35,3 +44,31 @@ def test_only_an_nvidia_gpu_warms_up_before_serving() -> None:
     assert warmup_chunks(H200, prefill_step(H200)) == (2048, 32, 1)
     assert warmup_chunks(H200, 512) == (512, 32, 1)  # a prefill_step_size that was set
     assert warmup_chunks(CPU, prefill_step(CPU)) == warmup_chunks(M4, prefill_step(M4)) == ()
+
+
+def test_drafts_are_on_where_they_pay() -> None:
+    """On an H200 a draft's check built a cuDNN graph per step: 26.7 tok/s with drafts, 95.5
+    without (docs/benchmarks.md, "On a GPU"); on the CPU drafts pay."""
+    assert speculative_tokens(CPU) == speculative_tokens(M4) == 8
+    assert speculative_tokens(H200) == 0
+
+
+@pytest.mark.parametrize(("backend", "env", "drafts"), [
+    (H200, {}, 0),
+    (CPU, {}, 8),
+    (H200, {"SEMANTIC_SPECULATIVE_TOKENS": "4"}, 4),  # set: kept on any backend
+    (CPU, {"SEMANTIC_SPECULATIVE_TOKENS": "0"}, 0),
+    (H200, {"SEMANTIC_DRAFT_MODEL": "small-drafter"}, 8),  # a draft model set drafts
+])
+def test_the_server_takes_the_draft_length_set_or_its_backends(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        backend: Backend, env: dict[str, str], drafts: int) -> None:
+    monkeypatch.setattr("app.engine.backend.detect", lambda: backend)
+    settings = load_settings({"SEMANTIC_HOME": str(tmp_path), **env})
+    catalog = Catalog.configure(settings.models_dir, settings.model, {}, True, False)
+    with caplog.at_level(logging.INFO, logger="app.main"):
+        step, _, chosen = _machine_defaults(settings, catalog)
+    assert (step, chosen) == (prefill_step(backend), drafts)
+    said = "set" if "SEMANTIC_SPECULATIVE_TOKENS" in env else "for the draft model" if env else "per backend"
+    assert caplog.records[-1].getMessage().endswith(
+        f"{f'drafts of up to {drafts} tokens' if drafts else 'no drafts'} ({said})")
