@@ -7,15 +7,15 @@
 #   bash benchmarks/device/gpu_check.sh stage2   # carry .device/part2: join mlx-cuda-13, install it with mlx, measure
 #   bash benchmarks/device/gpu_check.sh rehearse # here, on the CPU: the same flow on .venv, the tiny shape, small turns
 #
-# With the device tool (15 minutes of device time a session; ~8 of them for this):
+# With the device tool (15 minutes of device time a session; ~10 of them for this):
 #   1. here: bash benchmarks/device/bundle.sh    (~2.5 min; .device/part1 and part2, ~51 MiB each)
 #   2. run  command "bash benchmarks/device/gpu_check.sh stage1"   carry [".device/part1"]  timeout_s 200
 #   3. at once (the machine stays warm ~30 s):
 #      run  command "SEMANTIC_COMMIT=<git rev-parse --short HEAD> bash benchmarks/device/gpu_check.sh stage2"
-#           carry [".device/part2"]  timeout_s 540
-#      The files under $OUT come back (7 of the 8 allowed): gpu-llama3-8b.json/.png, its -nodrafts
-#      pair, restore-gpu-llama3-8b.json/.png, and logs.tar.gz (gpu_check.log, warmup.json, the
-#      servers' logs); copy the results into benchmarks/results/.
+#           carry [".device/part2"]  timeout_s 590
+#      The files under $OUT come back (7 of the 8 allowed): gpu-llama3-8b.json/.png, its -drafts
+#      pair, restore-gpu-llama3-8b.json/.png, and logs.tar.gz (gpu_check.log, warmup.json,
+#      shapes.json, boot_parts.json, the servers' logs); copy the results into benchmarks/results/.
 #   4. give_back unless another call follows at once.
 #
 # .device/ (not committed; `bash benchmarks/device/bundle.sh` makes it, and its README lists
@@ -33,8 +33,9 @@
 # benchmarks/peers.py: mlx_lm.server then Semantic (`python -m app serve`, a scratch
 # SEMANTIC_HOME, KV format q8), each: start-up, a cold ~8K-token turn, two warm turns of
 # +850 tokens, a short turn, SIGKILL, start-up again and a short turn; streamed OpenAI chat,
-# greedy, 64-token replies; then Semantic once more with drafts off (gpu-llama3-8b-nodrafts).
-# Every phase has a timeout and the whole a budget (GPU_CHECK_BUDGET_S, 480 s); every line is
+# greedy, 64-token replies; then the probes shapes.py and boot_parts.py; then Semantic once more
+# with drafts on, and mlx_lm.server again, its kernels compiled (gpu-llama3-8b-drafts).
+# Every phase has a timeout and the whole a budget (GPU_CHECK_BUDGET_S, 540 s); every line is
 # logged with its time to gpu_check.log, the results to $OUT/gpu-llama3-8b.json; at the end
 # the logs and warmup.json are packed into $OUT/logs.tar.gz.
 # SEMANTIC_COMMIT=<hash> names the commit where the tree travels without its .git.
@@ -45,11 +46,11 @@ MODE=${1:-}
 DEV=/tmp/dev
 SITE=/tmp/site
 START=$(date +%s)
-BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 
 case "$MODE" in
   stage1|stage2) OUT=${OUT:-/tmp/gpu-check-out}; PY=${PYTHON:-python3} ;;
-  rehearse) OUT=${OUT:-/tmp/gpu-check-rehearse}; PY=${PYTHON:-$ROOT/.venv/bin/python}; BUDGET_S=${GPU_CHECK_BUDGET_S:-170} ;;
+  rehearse) OUT=${OUT:-/tmp/gpu-check-rehearse}; PY=${PYTHON:-$ROOT/.venv/bin/python}; BUDGET_S=${GPU_CHECK_BUDGET_S:-240} ;;
   *) echo "usage: $0 stage1|stage2|rehearse" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -170,19 +171,23 @@ for row in db.execute(f'SELECT {\", \".join(wanted)} FROM requests ORDER BY crea
     print(*row, sep='  ')" "$SCRATCH/semantic/semantic.db"
 cp "$SCRATCH/mlx_lm.log" "$OUT/mlx_lm.log" 2>/dev/null
 cp "$SCRATCH/semantic/server.log" "$OUT/semantic.log" 2>/dev/null
-# Semantic again with drafts off: greedy requests draft by prompt lookup in lanes that step
-# synchronously, the batch path pipelines; this separates the two on this device (decode was
-# 0.90x mlx_lm.server's at b0ebea4, before drafts). Then mlx_lm.server again: its first run
-# above compiled kernels for its shapes (a 20-token turn took 36-48 s at b0ebea4), so this one
-# is its figure with the kernels compiled, the reference for the restart goal. Last, so the
-# budget skips it first.
-phase peers-nodrafts 200 "$PY" benchmarks/peers.py --model "$MODEL" --servers semantic mlx_lm "${PEERS[@]}" \
-  --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --semantic-env SEMANTIC_SPECULATIVE_TOKENS=0 \
-  --name "$NAME-nodrafts" --out "$OUT" --scratch "$SCRATCH-nodrafts"
-cp "$SCRATCH-nodrafts/semantic/server.log" "$OUT/semantic-nodrafts.log" 2>/dev/null
-cp "$SCRATCH-nodrafts/mlx_lm.log" "$OUT/mlx_lm-again.log" 2>/dev/null
-log "done (peers exit $rc); the logs and warmup.json go into logs.tar.gz"
+# Where a few tokens' forward pass goes (benchmarks/device/shapes.py: a cuDNN graph per key
+# length?) and where a start's 5 s of "tokenizer and fingerprint" go (boot_parts.py), each in a
+# fresh process: what GPU run 3 (75fbdf5) left open.
+if [ "$MODE" = stage2 ]; then SHAPES=(--context 8192); else SHAPES=(--context 300 --passes 2 --queries 1 5 20); fi
+phase shapes 90 "$PY" benchmarks/device/shapes.py "$MODEL" "${SHAPES[@]}" --json "$OUT/shapes.json"
+phase boot-parts 60 "$PY" benchmarks/device/boot_parts.py "$MODEL" --json "$OUT/boot_parts.json"
+# Semantic again with drafts of up to 8 (off by default on an NVIDIA GPU since 75fbdf5: they made
+# decode 3.6x slower there), then mlx_lm.server again: its first run above compiled kernels for
+# its shapes (a 20-token turn took 36-48 s on a fresh machine), so this one is its figure with
+# the kernels compiled, the reference for the goals. Last, so the budget skips it first.
+phase peers-drafts 200 "$PY" benchmarks/peers.py --model "$MODEL" --servers semantic mlx_lm "${PEERS[@]}" \
+  --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --semantic-env SEMANTIC_SPECULATIVE_TOKENS=8 \
+  --name "$NAME-drafts" --out "$OUT" --scratch "$SCRATCH-drafts"
+cp "$SCRATCH-drafts/semantic/server.log" "$OUT/semantic-drafts.log" 2>/dev/null
+cp "$SCRATCH-drafts/mlx_lm.log" "$OUT/mlx_lm-again.log" 2>/dev/null
+log "done (peers exit $rc); the logs and the probes' JSON go into logs.tar.gz"
 # The device tool brings back at most 8 files from $OUT: the results and plots, and one archive.
-(cd "$OUT" && tar -czf logs.tar.gz --remove-files warmup.json ./*.log 2>/dev/null)
+(cd "$OUT" && tar -czf logs.tar.gz --remove-files warmup.json shapes.json boot_parts.json ./*.log 2>/dev/null)
 echo "in $OUT ($(ls "$OUT" | wc -l) files; 8 come back from a device): $(cd "$OUT" && ls | tr '\n' ' ')" >&2
 exit $rc
