@@ -157,10 +157,9 @@ def process_age_s() -> float:
 
 def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, int]:
     """The prefill step, the KV memory budget and the longest draft: the settings', or (0;
-    unset for the draft) chosen for this machine's backend and the default model's weights.
-    A draft model set drafts with the CPU's length on any backend. Logged either way."""
-    from app.engine.backend import (
-        SPECULATIVE_TOKENS, cache_budget, detect, prefill_step, speculative_tokens, weights_bytes)
+    not set, for the draft) chosen for this machine's backend and the default model's weights.
+    A draft model set drafts on any backend. Logged either way."""
+    from app.engine.backend import cache_budget, detect, drafts_pay, prefill_step, weights_bytes
 
     backend = detect()
     try:
@@ -169,16 +168,14 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
         weights = 0
     step = settings.prefill_step_size or prefill_step(backend)
     budget = settings.cache_memory_bytes or cache_budget(backend, weights)
-    drafts = settings.speculative_tokens
-    if drafts is None:
-        drafts = SPECULATIVE_TOKENS["cpu"] if settings.draft_model else speculative_tokens(backend)
+    drafts_set = "speculative_tokens" in settings.model_fields_set
+    drafts = settings.speculative_tokens if drafts_set or settings.draft_model or drafts_pay(backend) else 0
     log.info("backend %s (%s, %.1f GiB): prefill step %d tokens (%s), KV cache memory %.1f GiB (%s), %s (%s)",
              backend.kind, backend.name, backend.memory_bytes / 2**30, step,
              "set" if settings.prefill_step_size else "per backend", budget / 2**30,
              "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights",
              f"drafts of up to {drafts} tokens" if drafts else "no drafts",
-             "set" if settings.speculative_tokens is not None else "for the draft model" if settings.draft_model
-             else "per backend")
+             "set" if drafts_set else "for the draft model" if settings.draft_model else "per backend")
     return step, budget, drafts
 
 

@@ -69,12 +69,12 @@ class Settings(BaseSettings):
     repetition_penalty: float = Field(1.0, ge=0.5, le=2.0, description=(
         "Multiplicative penalty on the last 20 tokens' logits (1.0 = off); small models under long agent prompts "
         "fall into loops without it."))
-    speculative_tokens: int | None = Field(None, ge=0, le=64, description=(
+    speculative_tokens: int = Field(8, ge=0, le=64, description=(
         "The longest speculative draft, in tokens: requests guess the next tokens from the conversation "
         "(prompt-lookup n-grams) and the model checks them in one forward pass, with the same output token for "
         "token when greedy (temperature 0) and the same distribution when sampling (exact speculative sampling). "
-        "0 = off; unset = per backend (app/engine/backend.py): 8 on a CPU and an Apple GPU, off on an NVIDIA GPU, "
-        "where checking drafts was slower than plain decoding; startup logs the choice. A request turns drafts "
+        "0 = off. On an NVIDIA GPU drafts are off unless this is set (app/engine/backend.py: checking them was "
+        "slower than plain decoding there) or a draft_model is; startup logs the choice. A request turns drafts "
         "off with speculate false (OpenAI, Anthropic, Responses, direct agent API)."))
     draft_model: str = Field("", description=(
         "A smaller model that drafts instead of prompt lookup: a name, a directory or a Hugging Face repo id, as "

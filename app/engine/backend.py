@@ -6,7 +6,7 @@ memory). The defaults that depend on it are pure functions of that value, so eac
 tested without the hardware: ``prefill_step`` (the largest prefill chunk: small on a CPU, whose
 attention work grows with the chunk, large on a GPU, which a small chunk leaves idle;
 docs/benchmarks.md has the measurements) and ``cache_budget`` (the bytes
-of KV cache kept in memory: a share of what the weights leave) and ``speculative_tokens`` (drafts
+of KV cache kept in memory: a share of what the weights leave) and ``drafts_pay`` (drafts
 on where they pay). ``detect`` is the only
 function that asks MLX. (Where a restored cache's working copy is built is the cache's own
 choice, by the device: ``app.cache.blocks.working_streams``.)
@@ -30,13 +30,13 @@ CACHE_SHARE: dict[Kind, float] = {"cpu": 0.25, "cuda": 0.5, "metal": 0.5}
 MIN_CACHE_BUDGET = 1 << 30  # the budget never goes below 1 GiB, however full the memory
 # The short prefill chunk of a warm-up (a turn's few new tokens on a cached context).
 WARMUP_SHORT_TOKENS = 32
-# The longest prompt-lookup draft per backend (setting speculative_tokens unset). On an NVIDIA GPU
-# a draft's check is a forward pass of a few tokens at a new cache length each step, and
-# mlx-cuda's attention for more than one query builds a cuDNN graph per shape: on an H200
-# (synthetic Llama-3-8B, 4-bit, 10K tokens of context, at 75fbdf5) greedy decode ran at
-# 26.7 tok/s with drafts of up to 8 and 95.5 tok/s without (mlx_lm.server: 72.5);
+# Whether prompt-lookup drafts pay on a backend (setting speculative_tokens not set). On an NVIDIA
+# GPU a draft's check is a forward pass of a few tokens at a new cache length each step, and
+# mlx-cuda's attention for more than one query builds a cuDNN graph per shape (likely; not
+# profiled): on an H200 (synthetic Llama-3-8B, 4-bit, 10K tokens of context, at 75fbdf5) greedy
+# decode ran at 26.7 tok/s with drafts of up to 8 and 95.5 tok/s without (mlx_lm.server: 72.5);
 # docs/benchmarks.md, "On a GPU". On the CPU they pay (docs/benchmarks.md, "Speculative decoding").
-SPECULATIVE_TOKENS: dict[Kind, int] = {"cpu": 8, "cuda": 0, "metal": 8}
+DRAFTS_PAY: dict[Kind, bool] = {"cpu": True, "cuda": False, "metal": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +55,9 @@ def prefill_step(backend: Backend) -> int:
     return PREFILL_STEP[backend.kind]
 
 
-def speculative_tokens(backend: Backend) -> int:
-    """The longest prompt-lookup draft on ``backend`` (0: no drafts)."""
-    return SPECULATIVE_TOKENS[backend.kind]
+def drafts_pay(backend: Backend) -> bool:
+    """Whether requests on ``backend`` draft by prompt lookup unless told."""
+    return DRAFTS_PAY[backend.kind]
 
 
 def warmup_chunks(backend: Backend, step: int) -> tuple[int, ...]:
