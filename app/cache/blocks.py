@@ -197,7 +197,36 @@ def _quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arr
 def _dequantize(w: mx.array, s: mx.array, b: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> mx.array:
     if w.size == 0:
         return mx.zeros((*s.shape[:-1], 0), dtype=dtype)
+    if bits in BYTE_BITS and mx.default_device() == mx.cpu:
+        return dequantize_by_bytes(w, s, b, bits, group_size, dtype)
     return mx.dequantize(w, s, b, group_size=group_size, bits=bits, dtype=dtype)
+
+
+BYTE_BITS = (2, 4, 8)  # widths whose values never straddle a byte of the packed words
+
+
+def dequantize_by_bytes(w: mx.array, s: mx.array, b: mx.array, bits: int, group_size: int,
+                        dtype: mx.Dtype) -> mx.array:
+    """Affine dequantization, ``value * scale + bias``, in float32 by elementwise ops on the
+    packed words' bytes: what ``mx.dequantize`` computes given float32 scales and biases.
+
+    The CPU backend's ``mx.dequantize`` decodes one value at a time, and with float16 scales
+    (``SCALE_DTYPE``) rounds the product and the sum to float16 on the way, in software on a
+    CPU without float16 arithmetic: a q8 span of 28M values took 0.35-0.49 s on the 2-core CPU,
+    this 0.08 s. The result differs from it by at most that float16 rounding (this one is the
+    closer to the stored scale and bias), and every working copy on the CPU comes from here,
+    a turn's and one rebuilt from disk alike, so they stay equal. Values are packed from the
+    low bits of each uint32 up: on a little-endian machine byte ``i`` of a word holds values
+    ``i * 8 // bits`` on."""
+    raw = w.view(mx.uint8)
+    if bits == 8:
+        values = raw
+    else:
+        per_byte, mask = 8 // bits, (1 << bits) - 1
+        values = mx.stack([(raw >> (bits * i)) & mask for i in range(per_byte)], axis=-1)
+    values = values.reshape(*s.shape, group_size).astype(mx.float32)
+    out = values * s[..., None].astype(mx.float32) + b[..., None].astype(mx.float32)
+    return out.reshape(*s.shape[:-1], -1).astype(dtype)
 
 
 def _rotate(x: mx.array, rotate: bool) -> mx.array:
