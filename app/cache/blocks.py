@@ -213,8 +213,8 @@ def dequantize_by_bytes(w: mx.array, s: mx.array, b: mx.array, bits: int, group_
     The CPU backend's ``mx.dequantize`` decodes one value at a time, and with float16 scales
     (``SCALE_DTYPE``) rounds the product and the sum to float16 on the way, in software on a
     CPU without float16 arithmetic: a q8 span of 28M values took 0.35-0.49 s on the 2-core CPU,
-    this 0.08 s. The result differs from it by at most that float16 rounding (this one is the
-    closer to the stored scale and bias), and every working copy on the CPU comes from here,
+    this 0.06-0.08 s. The result differs from it by at most that float16 rounding (this one
+    rounds less), and every working copy on the CPU comes from here,
     a turn's and one rebuilt from disk alike, so they stay equal. Values are packed from the
     low bits of each uint32 up: on a little-endian machine byte ``i`` of a word holds values
     ``i * 8 // bits`` on."""
