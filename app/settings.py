@@ -72,10 +72,8 @@ class Settings(BaseSettings):
     speculative_tokens: int = Field(8, ge=0, le=64, description=(
         "The longest speculative draft, in tokens: requests guess the next tokens from the conversation "
         "(prompt-lookup n-grams) and the model checks them in one forward pass, with the same output token for "
-        "token when greedy (temperature 0) and the same distribution when sampling (exact speculative sampling). "
-        "0 = off. On an NVIDIA GPU drafts are off unless this is set (app/engine/backend.py: checking them was "
-        "slower than plain decoding there) or a draft_model is; startup logs the choice. A request turns drafts "
-        "off with speculate false (OpenAI, Anthropic, Responses, direct agent API)."))
+        "token when greedy and the same distribution when sampling. 0 = off; on an NVIDIA GPU off unless set "
+        "(or a draft_model is): slower there. A request turns drafts off with speculate false."))
     draft_model: str = Field("", description=(
         "A smaller model that drafts instead of prompt lookup: a name, a directory or a Hugging Face repo id, as "
         "model takes them, sharing the served model's vocabulary (Llama 3.2 1B for Llama 3.1 8B). The output is "
