@@ -139,14 +139,15 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
 
         caches = _manager(home, n_layers, kv_format, dtype)
         stored = caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
-        blocks = [KVBlock.from_numpy(stored.blocks[h], n_layers, 256) for h in stored.chain]
-        blocks += [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
-        mx.eval([a for block in blocks for layer in block.layers for a in layer])
         caches.close()
 
-        def to_arrays(_: None) -> None:  # the read blocks (NumPy) into MLX arrays, on the model's device
+        def to_arrays(_: None) -> list[KVBlock]:  # the read blocks (NumPy) into MLX arrays, on the model's device
             made = [KVBlock.from_numpy(stored.blocks[h], n_layers, 256) for h in stored.chain]
+            made += [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
             mx.eval([a for block in made for layer in block.layers for a in layer])
+            return made
+
+        blocks = to_arrays(None)
 
         def dequantize(_: None) -> None:
             cache: list[KVCache] = to_working_cache(blocks, n_layers, n_tokens, dtype, kv_format)
