@@ -397,7 +397,7 @@ class _Staging:
         meta = {"fingerprint": layout.fingerprint, "hash": block, "n_tokens": str(BLOCK_TOKENS)}
         with self._sessions() as session:
             found = cache_index.block_file(session, block)
-        if found is None or found[1] != cache_files.checksum(arrays, meta):
+        if found is None or found[1] != cache_files.checksum(arrays, meta, like=found[1]):
             return None
         path = layout.local(found[0], fetch=False)
         if not path.exists():

@@ -10,7 +10,8 @@ tier holds the same files under the same keys (``<fingerprint[:16]>/...``).
 Format: safetensors, written to ``NAME.tmp``, flushed to disk, then renamed over its final
 name, so a crash leaves either the old file, the new one, or a ``.tmp`` leftover (removed
 by the worker's compact job) and never a half-written file under a name that is served.
-Each file carries a sha256 of its arrays and metadata. A block file holds the arrays of
+Each file carries a checksum of its arrays and metadata: BLAKE3 (``checksum``; files
+written before it carry a sha256, which still verifies them). A block file holds the arrays of
 every layer, metadata fingerprint / hash / n_tokens; a record file (a new one each turn,
 the previous one deleted once the index points to the new) holds token ids and char ends
 as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
@@ -35,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Container, Iterable, Iterator, Protocol
 
+import blake3
 import numpy as np
 from safetensors.numpy import save_file
 
@@ -61,7 +64,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"  # a file being written; renamed into place when complete
-CHECKSUM_KEY = "sha256"
+CHECKSUM_KEY = "checksum"  # the metadata entry of a file's checksum ("blake3:" and 56 hex digits)
+LEGACY_CHECKSUM_KEY = "sha256"  # of a file written before BLAKE3: a sha256's 64 hex digits
+BLAKE3_PREFIX = "blake3:"
+# Hex digits of a BLAKE3 checksum: 224 bits, so that with its prefix it fits the index's 64 characters.
+BLAKE3_HEX = 56
 SHARED_CHECKPOINT_SUFFIX = ".state.safetensors"  # a shared checkpoint, beside its block's file
 CHECKPOINT_PREFIX = "ckpt."  # a record file's recurrent-state checkpoints: ckpt.<i>.<layer>.<array>
 QUARANTINE = "quarantine"
@@ -119,20 +126,35 @@ class StorableBlock(Protocol):
 
 # -- the container: safetensors with a checksum, written atomically ---------------------------
 
-def checksum(arrays: Arrays, metadata: dict[str, str]) -> str:
-    digest = hashlib.sha256()
+def checksum(arrays: Arrays, metadata: dict[str, str], like: str | None = None) -> str:
+    """The checksum of a file's arrays and metadata: BLAKE3 (``"blake3:"`` and 56 hex digits),
+    or a sha256 (64 hex digits, what files written before BLAKE3 carry) if ``like`` (a
+    checksum to compare with) is one.
+
+    A restart reads a conversation's every byte through it, and BLAKE3 hashes ~2.4x faster than
+    sha256 on one core (4 against 1.7 GB/s on the 2-core CPU): 16K tokens of a 1B-class model
+    (286 MB in q8) are read and verified in 0.14 s, 0.20 s with sha256 (``benchmarks.restore``).
+    It is a cryptographic hash as sha256 is: a file that claims the checksum of an index row
+    holds that row's data (``CacheFiles.write_block`` adopts a file on it)."""
+    legacy = like is not None and not like.startswith(BLAKE3_PREFIX)
+    digest = hashlib.sha256() if legacy else blake3.blake3()
     for name in sorted(arrays):
         array = np.ascontiguousarray(arrays[name])
         digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
         digest.update(array.reshape(-1).view(np.uint8).data)  # its bytes, without a copy
     digest.update(json.dumps(metadata, sort_keys=True).encode())
-    return digest.hexdigest()
+    return digest.hexdigest() if legacy else BLAKE3_PREFIX + digest.hexdigest()[:BLAKE3_HEX]
+
+
+def _claimed(metadata: dict[str, str]) -> str | None:
+    """The checksum a file's metadata claims, under either key."""
+    return metadata.get(CHECKSUM_KEY, metadata.get(LEGACY_CHECKSUM_KEY))
 
 
 def write(path: Path, arrays: Arrays, metadata: dict[str, str]) -> tuple[str, int]:
     """Write atomically; returns (checksum, size in bytes)."""
     durable.make_directories(path.parent)
-    meta = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    meta = {k: v for k, v in metadata.items() if k not in (CHECKSUM_KEY, LEGACY_CHECKSUM_KEY)}
     digest = checksum(arrays, meta)
     temporary = path.with_name(path.name + TEMP_SUFFIX)
     save_file(arrays, str(temporary), metadata={**meta, CHECKSUM_KEY: digest})
@@ -194,8 +216,10 @@ def read_verified(path: Path, expected_checksum: str | None = None) -> tuple[Arr
         arrays, metadata = _parse(buffer)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as exc:
         raise DamagedFile(f"{path}: unreadable ({exc})") from exc
-    stored = metadata.pop(CHECKSUM_KEY, None)
-    actual = checksum(arrays, metadata)
+    stored = metadata.pop(CHECKSUM_KEY if CHECKSUM_KEY in metadata else LEGACY_CHECKSUM_KEY, None)
+    if stored is None:
+        raise DamagedFile(f"{path}: no checksum")
+    actual = checksum(arrays, metadata, like=stored)
     if stored != actual or (expected_checksum and expected_checksum != actual):
         raise DamagedFile(f"{path}: checksum mismatch")
     return arrays, metadata, actual
@@ -223,7 +247,7 @@ def _parse(buffer: bytearray) -> tuple[Arrays, dict[str, str]]:
         dtype = np.dtype(_DTYPES[info["dtype"]])
         shape = tuple(int(n) for n in info["shape"])
         begin, end = (int(n) for n in info["data_offsets"])
-        if not 0 <= begin <= end <= len(data) or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) \
+        if not 0 <= begin <= end <= len(data) or end - begin != dtype.itemsize * math.prod(shape) \
                 or any(n < 0 for n in shape):
             raise ValueError(f"array {name!r} does not fit its bytes")
         arrays[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
@@ -361,7 +385,7 @@ def claimed_checksum(path: Path) -> str | None:
     """The checksum the file at ``path`` claims in its metadata (None: no file there, or
     metadata that cannot be read)."""
     try:
-        return read_metadata(path).get(CHECKSUM_KEY) if path.exists() else None
+        return _claimed(read_metadata(path)) if path.exists() else None
     except DamagedFile:
         return None
 
@@ -483,7 +507,7 @@ class CacheFiles:
             return path, claimed
         arrays = data.to_numpy()
         meta = {"fingerprint": self.fingerprint, "hash": block, "n_tokens": str(data.n_tokens)}
-        if claimed is not None and claimed == checksum(arrays, meta):
+        if claimed is not None and claimed == checksum(arrays, meta, like=claimed):
             return path, claimed
         if claimed is not None:
             log.warning("block file %s is not this home's (checksum %s); replaced", path, claimed[:12])
@@ -563,7 +587,7 @@ class CacheFiles:
 
     def _read_blocks(self, rows: list[BlockRow]) -> list[Arrays]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the
-        disk and on sha256, which run outside the GIL, so a restore uses every core."""
+        disk and on the hash, which run outside the GIL, so a restore uses every core."""
         if len(rows) < 2:
             return [self.read_block(row.hash, row.path, row.checksum or None) for row in rows]
         with ThreadPoolExecutor(min(READ_THREADS, len(rows)), thread_name_prefix="cache-read") as pool:
