@@ -12,6 +12,10 @@ and ``/health`` goes unanswered. Two rules hold here:
 
 A socket with a request in progress or an answer being written is never closed by either rule.
 
+A request's WSGI environ says when its first byte was read (``ARRIVED``): its time to first
+token starts there, so the client's upload of its body and its wait for a free worker thread
+(while every one serves a stream) count in it, as the client counts them.
+
 A request may also take its socket over (``TAKE_SOCKET`` in its WSGI environ: the Responses
 API's WebSocket upgrade, ``app/api/responses_socket.py``): waitress then forgets the socket
 (it no longer reads, writes, times out or counts it) and drops what the request's answer
@@ -25,6 +29,7 @@ import threading
 import time
 
 from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
 from waitress.task import WSGITask
 
@@ -32,14 +37,26 @@ log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 10  # a request line and headers sent a byte at a time by a live client take far less
 TAKE_SOCKET = "semantic.take_socket"  # the WSGI environ key of a request's HeadDeadlineChannel.take_socket
+ARRIVED = "semantic.arrived"  # the WSGI environ key of when a request's first byte was read (time.perf_counter())
+
+
+class TimedRequestParser(HTTPRequestParser):
+    """A request as it is read, and when its first byte was (``arrived``): waitress makes one
+    as a request's first bytes come in."""
+
+    def __init__(self, adj) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(adj)
+        self.arrived = time.perf_counter()
 
 
 class SocketTakingTask(WSGITask):
-    """A WSGI task whose environ can take the connection's socket over (``TAKE_SOCKET``)."""
+    """A WSGI task whose environ can take the connection's socket over (``TAKE_SOCKET``) and
+    says when the request's first byte was read (``ARRIVED``)."""
 
     def get_environment(self) -> dict:
-        environ = super().get_environment()  # cached by waitress: this adds the key once
+        environ = super().get_environment()  # cached by waitress: this adds the keys once
         environ[TAKE_SOCKET] = self.channel.take_socket
+        environ[ARRIVED] = getattr(self.request, "arrived", None)
         return environ
 
 
@@ -48,6 +65,7 @@ class HeadDeadlineChannel(HTTPChannel):
     whose socket a request may take over."""
 
     task_class = SocketTakingTask
+    parser_class = TimedRequestParser
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -13,6 +13,7 @@ import falcon
 from app.api.page_key import KEY_FORM_PATH, cookie_admits
 from app.api.people_page import FILES as PAGE_FILES
 from app.errors import RequestTooLarge, Unauthorized
+from app.http_server import ARRIVED
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,15 @@ class RequestContextMiddleware:
     agent (where the URL or the body named or matched one) and client (its User-Agent).
     Probes that succeed or say the server is not ready yet (``PROBES``: health checkers,
     scrapers; 503 while the model loads) are logged at DEBUG only.
-    ``req.context.arrived`` (``time.perf_counter()``, first thing: this middleware runs first)
-    is when a generation's time to first token starts."""
+    ``req.context.arrived`` (``time.perf_counter()``) is when a generation's time to first token
+    starts: when the server read the request's first byte (``http_server.ARRIVED``), or, under
+    a WSGI server that does not say, now (this middleware runs first)."""
 
     def __init__(self, server_id: str) -> None:
         self._server_id = server_id
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        req.context.arrived = time.perf_counter()
+        req.context.arrived = req.env.get(ARRIVED) or time.perf_counter()
         req.context.request_id = f"req_{uuid.uuid4().hex[:24]}"
         req.context.protocol = protocol_of(req.path)
         req.context.agent = None  # set by the URL (below) or by identity resolution (generation)

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sqlite3
 import time
 import uuid
@@ -132,3 +133,42 @@ def test_a_long_prefill_streams_its_progress(server: ServerProcess) -> None:
     assert total > 1500 and all(t == total for _, t in seen)
     ready = [r for r, _ in seen]
     assert ready == sorted(ready) and 0 < ready[0] < total  # counted as it rose (a 10 s keep-alive may repeat one)
+
+
+def test_ttft_starts_at_the_requests_first_byte(server: ServerProcess) -> None:
+    """A client whose body comes 0.5 s after its head (a slow upload; or a request that waits
+    for a free worker thread) waited that long too: the server's TTFT counts from the first
+    byte it read, not from when the whole request reached the app."""
+    body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 2, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nx-session-id: slow-{uuid.uuid4().hex[:6]}\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        time.sleep(0.5)
+        sent = time.perf_counter()
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+        after_body_s = time.perf_counter() - sent
+    head = reply.split(b"\r\n\r\n", 1)[0].decode()
+    assert head.startswith("HTTP/1.1 200"), head
+    request_id = next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                      if line.lower().startswith("request-id:"))
+    wait_persisted_request(server, request_id)
+    ((ttft_ms, queue_ms),) = query(server.db_path, "SELECT ttft_ms, queue_ms FROM requests WHERE id = ?", request_id)
+    assert ttft_ms >= 500 and queue_ms >= 500, (ttft_ms, queue_ms)  # before: counted from the body's end
+    assert ttft_ms <= 500 + after_body_s * 1000 + 50, (ttft_ms, after_body_s)
+
+
+def wait_persisted_request(server: ServerProcess, request_id: str, timeout_s: float = 30) -> None:
+    """Wait until the request's row is written with its times."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = query(server.db_path, "SELECT ttft_ms FROM requests WHERE id = ? AND status = 'ok'", request_id)
+        if rows and rows[0][0] is not None:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"request {request_id} not stored as answered")
