@@ -19,7 +19,10 @@ the prompt and cached tokens the server reports (stream_options.include_usage; "
 reported, as Rapid-MLX does when nothing was cached); for Semantic also its own time to
 first token from its ``requests`` table, against the client's (``server_over_client``; a
 client kept across turns, ``common.http_client``). Per server: cold prefill tokens/s
-(turn 1), decode tokens/s, start-up seconds, and the peak and final resident memory
+(turn 1), decode tokens/s, start-up seconds (until its health check answers 200: for
+mlx_lm.server that is before its model is loaded, its generation thread loads it, so a
+request waits for the load) and, comparable across servers, each process's start to its
+first token (start-up plus the first turn it served), and the peak and final resident memory
 (VmHWM, VmRSS of the server's process tree; Linux) of each process. Prints two tables, writes benchmarks/results/peers.json and peers.png
 (--quick: peers-quick.*). --servers measures some servers again and keeps the others'
 results from that file when the conversation was the same; each server's entry names
@@ -298,6 +301,7 @@ def converse(contender: Contender, conversation: Plan, reply_tokens: int = REPLY
                 server = launch()
             history.append({"role": "user", "content": turn.user})
             record = chat(server.url, contender.model, history, reply_tokens)
+            processes[-1].setdefault("first_token_s", processes[-1]["start_s"] + record["ttft_s"])
             history.append({"role": "assistant", "content": record.pop("reply")})
             if contender.probe is not None:
                 record.update(contender.probe(record))
@@ -377,9 +381,11 @@ def report(conversation: dict, servers: dict[str, dict]) -> None:
     print_table(headers, rows)
     print()
     print_table(["server", "version", "cold prefill tok/s", "decode tok/s", "turns total s", "stream end gap s",
-                 "start s", "peak RSS MiB", "RSS after conversation MiB", "its TTFT / client's"],
+                 "start s", "start to 1st token s", "peak RSS MiB", "RSS after conversation MiB",
+                 "its TTFT / client's"],
                 [[NAMES[n], servers[n]["version"], servers[n]["cold_prefill_tps"], servers[n]["decode_tps"],
                   servers[n]["turns_total_s"], servers[n].get("close_gap_s"), servers[n]["processes"][0]["start_s"],
+                  " / ".join(f"{p['first_token_s']:.1f}" for p in servers[n]["processes"] if "first_token_s" in p),
                   servers[n]["peak_rss_mb"], servers[n]["rss_after_conversation_mb"],
                   "-" if not servers[n].get("server_over_client")
                   else "{:.3f}-{:.3f}".format(*servers[n]["server_over_client"])] for n in names])
