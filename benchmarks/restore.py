@@ -10,7 +10,8 @@ The floor is what no restore can avoid: reading the same files' bytes (one threa
 side by side) and dequantizing the same blocks already in memory into the working copy.
 Beside them, one part of the restore on its own: the read blocks (NumPy) made into MLX
 arrays on the model's device (``into arrays``; on an H200 the restore took twice its read
-and verify, and this part was not measured apart).
+and verify, and this part was not measured apart), and the same made as one MLX array a
+file with a view of it for each array (``by file``: one copy a file, not one an array).
 KV values are random: the time does not depend on them. The files are in the page cache
 (each figure is the best of ``--runs``): this measures the code, not the disk.
 
@@ -35,6 +36,7 @@ from app.engine.blas import load_fast_blas  # noqa: E402
 load_fast_blas("")
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from app.cache.blocks import KVBlock, to_working_cache  # noqa: E402
@@ -96,6 +98,23 @@ def _best(runs: int, step: Callable[[Any], Any], setup: Callable[[], Any] = lamb
     return min(times)
 
 
+def _one_copy(arrays: dict[str, Any]) -> tuple[mx.array, list[mx.array]]:
+    """A file's arrays (NumPy views of the one buffer it was read into) as one MLX array of
+    that buffer and a view of it for each: one host-to-device copy a file instead of one an
+    array (what ``KVBlock.from_numpy`` makes: 96-192 a block). A probe of whether the
+    per-array copies are what the H200's restore spends its unexplained time on."""
+    base = next(iter(arrays.values()))
+    while isinstance(base, np.ndarray):
+        base = base.base
+    buffer = np.frombuffer(base.obj if isinstance(base, memoryview) else base, dtype=np.uint8)
+    whole = mx.array(buffer)
+    views = []
+    for array in arrays.values():
+        start = array.ctypes.data - buffer.ctypes.data
+        views.append(whole[start:start + array.nbytes].view(getattr(mx, array.dtype.name)).reshape(array.shape))
+    return whole, views
+
+
 def _files(home: Path) -> list[Path]:
     return sorted(p for p in (home / "blocks").rglob("*.safetensors"))
 
@@ -149,6 +168,16 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
 
         blocks = to_arrays(None)
 
+        whole, views = _one_copy(stored.blocks[stored.chain[0]])  # the views hold what the arrays do
+        assert all(mx.array_equal(v, mx.array(a)) for v, a in zip(views, stored.blocks[stored.chain[0]].values()))
+
+        def to_arrays_by_file(_: None) -> None:  # the same, one MLX array a file, each array a view of it
+            made = []
+            for arrays in [stored.blocks[h] for h in stored.chain] + ([stored.tail] if stored.tail is not None else []):
+                whole, views = _one_copy(arrays)
+                made += [whole, *views]
+            mx.eval(made)
+
         def dequantize(_: None) -> None:
             cache: list[KVCache] = to_working_cache(blocks, n_layers, n_tokens, dtype, kv_format)
             mx.eval([layer.keys for layer in cache])
@@ -161,6 +190,7 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             "floor_read_parallel_s": _best(runs, read_parallel),
             "floor_dequantize_s": _best(runs, dequantize),
             "to_arrays_s": _best(runs, to_arrays),
+            "to_arrays_by_file_s": _best(runs, to_arrays_by_file),
         }
     floor = min(figures["floor_read_serial_s"], figures["floor_read_parallel_s"]) + figures["floor_dequantize_s"]
     return {"shape": shape, "layers": n_layers, "tokens": n_tokens, "format": kv_format.name,
@@ -181,9 +211,11 @@ def main() -> None:
     where = device()
     print(f"device: {where['mlx_device']} ({where['name']})")
     rows = [measure(args.shape, args.layers, n, args.format, args.runs) for n in args.tokens]
-    print_table(["tokens", "MB", "restore s", "read+verify s", "into arrays s", "floor read s", "floor dequantize s",
+    print_table(["tokens", "MB", "restore s", "read+verify s", "into arrays s", "by file s", "floor read s",
+                 "floor dequantize s",
                  "floor s", "restore / floor", "GB/s"],
                 [[r["tokens"], round(r["bytes"] / 1e6, 1), r["restore_s"], r["read_and_verify_s"], r["to_arrays_s"],
+                  r["to_arrays_by_file_s"],
                   min(r["floor_read_serial_s"], r["floor_read_parallel_s"]), r["floor_dequantize_s"], r["floor_s"],
                   r["restore_vs_floor"], r["gb_per_s"]] for r in rows])
     name = "restore" + (f"-{args.name}" if args.name else "")
