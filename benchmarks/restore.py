@@ -12,6 +12,10 @@ Beside them, one part of the restore on its own: the read blocks (NumPy) made in
 arrays on the model's device (``into arrays``; on an H200 the restore took twice its read
 and verify, and this part was not measured apart), and the same made as one MLX array a
 file with a view of it for each array (``by file``: one copy a file, not one an array).
+And a probe of overlapping the reads with the dequantizing (``overlapped``: each group of
+16 blocks dequantized as soon as its files are read, on its own; without the tail and the
+join into one working copy, so a bound on what a pipelined restore could reach: on the 2-core
+CPU that join, a float copy of the whole working copy, costs more than the overlap gains).
 KV values are random: the time does not depend on them. The files are in the page cache
 (each figure is the best of ``--runs``): this measures the code, not the disk.
 
@@ -40,6 +44,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from app.cache.blocks import KVBlock, to_working_cache  # noqa: E402
+from app.cache.files import READ_THREADS  # noqa: E402
 from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.cache.manager import CacheManager  # noqa: E402
 from app.cache.records import CacheRecord  # noqa: E402
@@ -51,6 +56,7 @@ from benchmarks.common import device, print_table, pyplot, save_plot, write_resu
 from benchmarks.synthetic import SHAPES, shape_config  # noqa: E402
 
 FINGERPRINT = "b" * 64
+OVERLAP_BLOCKS = 16  # blocks dequantized at once in the overlapped probe
 
 
 def _prompt(n_tokens: int) -> Prompt:
@@ -156,6 +162,21 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(Path.read_bytes, files))
 
+        def overlapped(caches: CacheManager) -> None:
+            """The full blocks read, verified and dequantized with the reads and the dequantizing
+            side by side: each group of ``OVERLAP_BLOCKS`` into a working copy of its own as soon
+            as its files are read (no tail, no join into one: what overlapping could gain)."""
+            rows = caches._index.load("conversation").blocks  # noqa: SLF001
+            with ThreadPoolExecutor(READ_THREADS) as pool:
+                reads = [pool.submit(caches._files.read_block, row.hash, row.path, row.checksum)  # noqa: SLF001
+                         for row in rows]
+                for start in range(0, len(rows), OVERLAP_BLOCKS):
+                    group = [KVBlock.from_numpy(read.result(), n_layers, 256)
+                             for read in reads[start:start + OVERLAP_BLOCKS]]
+                    part = to_working_cache(group, n_layers, len(group) * 256, dtype, kv_format)
+                    mx.eval([layer.keys for layer in part])
+            caches.close()
+
         caches = _manager(home, n_layers, kv_format, dtype)
         stored = caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
         caches.close()
@@ -186,6 +207,7 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
         figures = {
             "restore_s": _best(runs, restore, fresh),
             "read_and_verify_s": _best(runs, read_files, fresh),
+            "overlapped_s": _best(runs, overlapped, fresh),
             "floor_read_serial_s": _best(runs, read_serial),
             "floor_read_parallel_s": _best(runs, read_parallel),
             "floor_dequantize_s": _best(runs, dequantize),
@@ -212,11 +234,12 @@ def main() -> None:
     print(f"device: {where['mlx_device']} ({where['name']})")
     rows = [measure(args.shape, args.layers, n, args.format, args.runs) for n in args.tokens]
     print_table(["tokens", "MB", "restore s", "read+verify s", "into arrays s", "by file s", "floor read s",
-                 "floor dequantize s",
+                 "floor dequantize s", "overlapped s",
                  "floor s", "restore / floor", "GB/s"],
                 [[r["tokens"], round(r["bytes"] / 1e6, 1), r["restore_s"], r["read_and_verify_s"], r["to_arrays_s"],
                   r["to_arrays_by_file_s"],
-                  min(r["floor_read_serial_s"], r["floor_read_parallel_s"]), r["floor_dequantize_s"], r["floor_s"],
+                  min(r["floor_read_serial_s"], r["floor_read_parallel_s"]), r["floor_dequantize_s"],
+                  r["overlapped_s"], r["floor_s"],
                   r["restore_vs_floor"], r["gb_per_s"]] for r in rows])
     name = "restore" + (f"-{args.name}" if args.name else "")
     extra = {"directory": args.out} if args.out else {}
