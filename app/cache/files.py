@@ -12,7 +12,8 @@ name, so a crash leaves either the old file, the new one, or a ``.tmp`` leftover
 by the worker's compact job) and never a half-written file under a name that is served.
 Each file carries a checksum of its arrays and metadata: BLAKE3 (``checksum``; files
 written before it carry a sha256, which still verifies them). A block file holds the arrays of
-every layer, metadata fingerprint / hash / n_tokens; a record file (a new one each turn,
+every layer (one array a name, the layers stacked where they have one shape:
+``blocks.KVBlock.to_numpy``), metadata fingerprint / hash / n_tokens; a record file (a new one each turn,
 the previous one deleted once the index points to the new) holds token ids and char ends
 as arrays, the private tail block's arrays and, in a hybrid model, the recurrent-state
 checkpoints' arrays (``ckpt.<i>.<layer>.<array>``, lossless), metadata agent_id /
