@@ -374,7 +374,9 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     fields["kv_bytes_per_token"] = kv_bytes_per_token(config, used.size)
     if used == mx.float32:
         attention.install(model)
-    head_dims = cached_head_dims(model)
+    head_dims, first_pass_s = _timed(cached_head_dims, model)
+    log.info("first forward pass (4 tokens: the widths the cache stores; it sets up the kernels) in %.1f s",
+             first_pass_s)
     if warmup:
         log.info("warmed up for the first requests (its kernels compiled or found compiled): forward passes of "
                  "%s tokens in %.1f s", ", ".join(map(str, warmup)), warm_up(model, warmup))

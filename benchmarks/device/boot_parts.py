@@ -7,7 +7,8 @@ said ``tokenizer and fingerprint 5.4-5.6 s`` on every start, where the same toke
 0.8 s on the 2-core CPU, and the server listened 7.2-9.2 s after its process started. This times
 each part the server runs, in its order: the imports (``app.engine.model``: MLX, mlx-lm,
 transformers), mlx-lm's ``load_tokenizer``, the fingerprint (twice: the second finds the first's
-memo), the token bytes, ``load_spec`` whole, then the weights; and says whether torch was
+memo), the token bytes, ``load_spec`` whole, the weights, then the first forward pass
+(``cached_head_dims``: 4 tokens, where the kernels are set up); and says whether torch was
 imported along the way (the GPU image has it; transformers may import it). Prints one JSON line
 (also to ``--json``).
 """
@@ -55,12 +56,17 @@ def main() -> None:
     timed(parts, "token_bytes", lambda: TokenBytes.from_tokenizer(backend, str(path / "tokenizer.json")))
     timed(parts, "load_spec", lambda: engine_model.load_spec(path.name, path, "auto", "q8"))
 
-    def weights() -> None:
+    def weights() -> Any:
         import mlx.core as mx
         model, _ = engine_model.load_weights(path)
+        target = engine_model.compute_dtype("auto")  # as load_model: float32 on the CPU
+        if target is not None:
+            model.set_dtype(target)
         mx.eval(model.parameters())
+        return model
 
-    timed(parts, "weights", weights)
+    model = timed(parts, "weights", weights)
+    timed(parts, "first_forward_pass", lambda: engine_model.cached_head_dims(model))
     parts["process_s"] = round(time.perf_counter() - STARTED, 3)
     result = json.dumps(parts)
     print(result)

@@ -137,6 +137,8 @@ def test_the_warm_up_before_serving_runs_on_every_family_and_keeps_nothing(
         loaded = load_model(family, family_dirs[family], kv_format="f32", warmup=(48, 8, 1))
     assert any(r.getMessage().startswith("warmed up for the first requests") and "48, 8, 1 tokens" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # The pass before it, which finds the cache's widths, is timed in the log too (start-up's parts).
+    assert any(r.getMessage().startswith("first forward pass (4 tokens") for r in caplog.records)
     layout = loaded.layout
 
     def logits() -> mx.array:  # a prompt on a fresh cache (no tokens yet: its dtype is the model's)
