@@ -103,7 +103,8 @@ class KVBlock:
         per_layer = [[np.array(a, copy=False) for a in layer] for layer in self.layers]
         if all(len({(arrays[i].shape, arrays[i].dtype) for arrays in per_layer}) == 1 for i in range(len(self.names))):
             return {prefix + name: np.stack([arrays[i] for arrays in per_layer]) for i, name in enumerate(self.names)}
-        return {prefix + name: np.array(array, copy=False) for name, array in self.to_arrays().items()}
+        return {f"{prefix}{layer}.{name}": array for layer, arrays in enumerate(per_layer)
+                for name, array in zip(self.names, arrays)}
 
     @classmethod
     def from_numpy(cls, arrays: dict[str, np.ndarray], n_layers: int, n_tokens: int) -> KVBlock:
