@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import falcon
 
-from app import __version__, home_lock
+from app import __version__, home_lock, huge_pages
 from app.agents.service import AgentService
 from app.api.errors import add_error_handlers
 from app.api.local_only import LocalOnlyMiddleware, exposure_problem, is_loopback
@@ -176,6 +176,7 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
              "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights",
              f"drafts of up to {drafts} tokens" if drafts else "no drafts",
              "set" if drafts_set else "for the draft model" if settings.draft_model else "per backend")
+    log.info("memory: %s", huge_pages.describe(os.environ, huge_pages.thp_mode()))
     return step, budget, drafts
 
 

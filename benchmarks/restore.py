@@ -26,6 +26,7 @@ and the commit.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from app import huge_pages  # noqa: E402
 from app.cache.blocks import KVBlock, to_working_cache  # noqa: E402
 from app.cache.files import READ_THREADS  # noqa: E402
 from app.cache.formats import KV_FORMATS  # noqa: E402
@@ -230,8 +232,9 @@ def main() -> None:
     parser.add_argument("--name", default="", help="results file suffix (restore-NAME.json)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args()
-    where = device()
-    print(f"device: {where['mlx_device']} ({where['name']})")
+    huge_pages.start_with_huge_pages()  # as `semantic serve` does: the working copy is fresh memory
+    where = {**device(), "memory": huge_pages.describe(os.environ, huge_pages.thp_mode())}
+    print(f"device: {where['mlx_device']} ({where['name']}); {where['memory']}")
     rows = [measure(args.shape, args.layers, n, args.format, args.runs) for n in args.tokens]
     print_table(["tokens", "MB", "restore s", "read+verify s", "into arrays s", "by file s", "floor read s",
                  "floor dequantize s", "overlapped s",
