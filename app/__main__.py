@@ -1,3 +1,3 @@
-from app.cli import main
+from app.entry import main
 
 raise SystemExit(main())

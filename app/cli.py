@@ -13,7 +13,6 @@ from typing import Sequence
 
 from app import __version__
 from app.errors import ConfigError, InvalidModelFile, NotFound, SemanticError
-from app.huge_pages import start_with_huge_pages
 from app.logs import configure_logging
 from app.redaction import redact, shown_setting
 from app.setting_flags import add_setting_flags, setting_overrides
@@ -633,8 +632,6 @@ def _run(argv: Sequence[str] | None) -> int:
     if getattr(args, "handler", None) is None:  # `semantic`, `semantic models`: a command is wanted
         chosen.print_help()
         return 0
-    if argv is None and args.handler is cmd_serve:  # the command line's own process, not a caller's
-        start_with_huge_pages()  # returns where it does not start the process again
     try:
         settings = load_settings(**setting_overrides(args))
         configure_logging(settings.log_level, settings.log_format)

@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "app"
 # Below every package, lowest first; above every package, highest last.
-SHARED = {"__init__": -3, "types": -3, "errors": -3, "redaction": -3, "clock": -3, "processes": -3, "settings": -2, "logs": -2}
+SHARED = {"__init__": -3, "types": -3, "errors": -3, "redaction": -3, "clock": -3, "processes": -3, "huge_pages": -3, "settings": -2, "logs": -2}
 WIRING = {"home_lock": 1000, "worker_process": 1000, "chat": 1000, "launch": 1000, "interrupts": 1000, "status": 1001, "setting_flags": 1000, "main": 1001, "cli": 1002,
-          "__main__": 1003}
+          "entry": 1003, "__main__": 1004}
 
 
 def modules() -> dict[str, Path]:
