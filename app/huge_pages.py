@@ -61,14 +61,17 @@ def tunables_to_start_with(environ: Mapping[str, str], mode: str | None,
 def start_with_huge_pages() -> None:
     """Start this command again with huge pages for large allocations, where that changes
     anything (``tunables_to_start_with``); returns only where it does not."""
-    if sys.platform != "linux":
+    if sys.platform != "linux" or not sys.executable:  # an embedded interpreter cannot start itself
         return
     tunables = tunables_to_start_with(os.environ, thp_mode(), platform.libc_ver())
     if tunables is None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+    try:
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+    except OSError:  # the interpreter's file is gone (an upgrade under a running shell): go on as it is
+        return
 
 
 def describe(environ: Mapping[str, str], mode: str | None) -> str:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
+
+from app import huge_pages
 from app.huge_pages import describe, thp_mode, tunables_to_start_with
 
 GLIBC = ("glibc", "2.36")
@@ -45,3 +49,21 @@ def test_the_start_log_says_whether_and_why() -> None:
     assert describe({}, "madvise").startswith("huge pages off (this C library cannot ask for them")
     assert describe({}, "always") == "huge pages on (the kernel's transparent_hugepage is 'always')"
     assert describe({}, "never") == "huge pages off (the kernel's transparent_hugepage is 'never')"
+
+
+def test_the_new_start_is_this_command_line_with_the_tunable_and_a_failed_one_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call itself (the e2e test has a real `semantic serve` start again)."""
+    monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(huge_pages.platform, "libc_ver", lambda: GLIBC)
+    monkeypatch.setattr(huge_pages.sys, "platform", "linux")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    calls = []
+
+    def execve(path: str, argv: list[str], env: dict[str, str]) -> None:
+        calls.append((path, argv, env["GLIBC_TUNABLES"]))
+        raise OSError("the interpreter's file is gone")
+
+    monkeypatch.setattr(huge_pages.os, "execve", execve)
+    huge_pages.start_with_huge_pages()  # returns: the process goes on as it is
+    assert calls == [(sys.executable, sys.orig_argv, "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")]
