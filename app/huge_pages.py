@@ -84,5 +84,5 @@ def describe(environ: Mapping[str, str], mode: str | None) -> str:
             f"huge pages off (the kernel's transparent_hugepage is '{mode}')"
     setting = re.search(rf"{re.escape(TUNABLE)}=(\d+)", environ.get("GLIBC_TUNABLES", ""))
     if setting is None:
-        return "huge pages off (this C library cannot ask for them: glibc 2.35 or later can)"
+        return f"huge pages off (GLIBC_TUNABLES does not set {TUNABLE}, which glibc 2.35 or later has)"
     return f"huge pages {'on' if setting.group(1) != '0' else 'off'} (GLIBC_TUNABLES {setting.group(0)})"

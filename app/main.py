@@ -170,13 +170,13 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
     budget = settings.cache_memory_bytes or cache_budget(backend, weights)
     drafts_set = "speculative_tokens" in settings.model_fields_set
     drafts = settings.speculative_tokens if drafts_set or settings.draft_model or drafts_pay(backend) else 0
+    log.info("memory: %s", huge_pages.describe(os.environ, huge_pages.thp_mode()))
     log.info("backend %s (%s, %.1f GiB): prefill step %d tokens (%s), KV cache memory %.1f GiB (%s), %s (%s)",
              backend.kind, backend.name, backend.memory_bytes / 2**30, step,
              "set" if settings.prefill_step_size else "per backend", budget / 2**30,
              "set" if settings.cache_memory_bytes else f"from the machine, beside {weights / 2**30:.1f} GiB of weights",
              f"drafts of up to {drafts} tokens" if drafts else "no drafts",
              "set" if drafts_set else "for the draft model" if settings.draft_model else "per backend")
-    log.info("memory: %s", huge_pages.describe(os.environ, huge_pages.thp_mode()))
     return step, budget, drafts
 
 
