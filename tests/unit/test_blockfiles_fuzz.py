@@ -70,3 +70,32 @@ def test_a_garbage_header(tmp_path: Path, original: bytes, header: bytes) -> Non
                                     b'{"x": {"dtype": "F32", "shape": [99999999999], "data_offsets": [0, 4]}}'])
 def test_headers_of_the_wrong_shape(tmp_path: Path, original: bytes, header: bytes) -> None:
     check(tmp_path, struct.pack("<Q", len(header)) + header + b"\0" * 16)
+
+
+def test_a_file_that_shrinks_while_it_is_read(tmp_path: Path, original: bytes,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer a file is read into is not cleared first: bytes the read did not fill are
+    never parsed, whatever they hold (the file is damaged)."""
+    path = tmp_path / "block.safetensors"
+    path.write_bytes(original)
+    real_fstat = blockfiles.os.fstat
+
+    def larger(fd: int) -> object:  # the size seen before a writer truncated it
+        status = real_fstat(fd)
+        return type("Status", (), {"st_size": status.st_size + 4096})()
+
+    monkeypatch.setattr(blockfiles.os, "fstat", larger)
+    with pytest.raises(blockfiles.DamagedFile, match="shorter than its size"):
+        blockfiles.read(path)
+    monkeypatch.undo()
+    assert blockfiles.read(path)[1] == META
+
+
+def test_a_record_holds_lists_of_integers() -> None:
+    """A record's token ids and char ends come back as Python ints; any other array (a forged
+    record of the right checksum) is a ValueError, which makes its cache a miss."""
+    got = blockfiles._integers(np.array([3, 1, 2], dtype=np.int64))
+    assert got == (3, 1, 2) and all(type(t) is int for t in got)
+    for bad in (np.zeros((2, 2), dtype=np.int64), np.array([1.5, 2.0]), np.array([True])):
+        with pytest.raises(ValueError, match="not integers"):
+            blockfiles._integers(bad)
