@@ -284,7 +284,7 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
     return block
 
 
-def _dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+def dequantize_layer(data: tuple[mx.array, ...], kv_format: KVFormat, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """One layer of a block back to float keys and values (batch, heads, tokens, head_dim)."""
     if not kv_format.quantized:
         return data[0].astype(dtype), data[1].astype(dtype)
@@ -317,7 +317,7 @@ def to_working_cache_steps(blocks: list[KVBlock], n_layers: int, n_tokens: int, 
     stored = sum(b.n_tokens for b in blocks)
     room = capacity(stored) - stored  # joined before dequantizing: no float copy to make room
     return (yield from working_cache_steps(
-        n_layers, lambda i: _dequantize_layer(_join_layer(blocks, i, room), kv_format, dtype), n_tokens,
+        n_layers, lambda i: dequantize_layer(_join_layer(blocks, i, room), kv_format, dtype), n_tokens,
         layers_per_step))
 
 
@@ -402,7 +402,7 @@ def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int,
     disk would give (the next turn must not depend on which of the two it got)."""
     end = start + block.n_tokens
     for layer, data in zip(cache, block.layers):
-        keys, values = _dequantize_layer(data, kv_format, layer.keys.dtype)
+        keys, values = dequantize_layer(data, kv_format, layer.keys.dtype)
         layer.keys[..., start:end, :] = keys
         layer.values[..., start:end, :] = values
     mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
