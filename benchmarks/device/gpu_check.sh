@@ -154,7 +154,7 @@ print('the app imports')" || {
 phase make-model 150 "$PY" -m benchmarks.synthetic "${SHAPE[@]}" "$MODEL" "${TOKENIZER[@]}" || exit 1
 phase warmup 200 "$PY" benchmarks/device/warmup.py "$MODEL" --tokens "$WARM_TOKENS" --json "$OUT/warmup.json"
 if [ "$MODE" = stage2 ]; then RESTORE=(--shape llama3-8b --tokens 10000 32768); else RESTORE=(--shape tiny --tokens 2048); fi
-phase restore 150 "$PY" -m benchmarks.restore "${RESTORE[@]}" --runs 2 --name "$NAME" --out "$OUT"
+phase restore 180 "$PY" -m benchmarks.restore "${RESTORE[@]}" --runs 2 --name "$NAME" --out "$OUT"
 phase peers 330 "$PY" benchmarks/peers.py --model "$MODEL" --servers mlx_lm semantic "${PEERS[@]}" \
   --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --name "$NAME" --out "$OUT" --scratch "$SCRATCH"
 rc=$?
