@@ -5,7 +5,8 @@
 A conversation of ``--tokens`` tokens of a named model shape (benchmarks/synthetic.py's
 shapes: only the KV shape matters, so no weights are made) is stored by the cache manager
 as a turn stores it, then restored by a fresh manager, as after a restart: its files read
-and verified, its blocks decoded, its float working copy built (``CacheManager.lease``).
+and verified, each block made into MLX arrays by the thread that read it (``read+verify``
+counts both), its float working copy built (``CacheManager.lease``).
 The floor is what no restore can avoid: reading the same files' bytes (one thread, then
 side by side) and dequantizing the same blocks already in memory into the working copy.
 Beside them, one part of the restore on its own: the read blocks (NumPy) made into MLX
@@ -18,16 +19,16 @@ working copy dequantized from each layer's view of the joined arrays: 6 arrays a
 joins, where the restore makes and joins 6 a block and layer, 24,576 for 32K tokens of a
 32-layer model; on the 2-core CPU it takes what they take, 0.22-0.27 s against 0.23-0.26 s at
 16K tokens, and on a GPU, where each array is an allocation and each join a kernel, it says
-whether the blocks should be kept so). And a probe of overlapping the reads with the dequantizing (``overlapped``: each group of
-16 blocks dequantized as soon as its files are read, on its own; without the tail and the
+whether the blocks should be kept so). And a probe of overlapping the reads with the
+dequantizing (``overlapped``: each group of 16 blocks dequantized as soon as its files are read, on its own; without the tail and the
 join into one working copy, so a bound on what a pipelined restore could reach: on the 2-core
 CPU that join, a float copy of the whole working copy, costs more than the overlap gains).
 And the first restore in a fresh process (``first restore s``), what the first turn after a
 restart waits for: the others are the best of ``--runs`` in one process, whose freed buffers
 serve the next run; a fresh process faults in all of its memory (on this VM, memory the guest
-never touched since it booted costs up to 3x more again). KV values are random: the time does
-not depend on them. The files are in the page cache
-(each figure is the best of ``--runs``): this measures the code, not the disk.
+has not touched lately costs far more again: while this process holds its own, the child's
+is such). KV values are random: the time does not depend on them. The files are in the page
+cache: this measures the code, not the disk.
 
 Prints a table, writes benchmarks/results/restore[-NAME].json and .png, naming the device
 and the commit.
@@ -58,7 +59,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from app import huge_pages  # noqa: E402
 from app.cache.blocks import KVBlock, capacity, dequantize_layer, to_working_cache, working_streams  # noqa: E402
-from app.cache.files import READ_THREADS  # noqa: E402
+from app.cache.files import READ_THREADS, read  # noqa: E402
 from app.cache.formats import KV_FORMATS  # noqa: E402
 from app.cache.manager import CacheManager  # noqa: E402
 from app.cache.records import CacheRecord  # noqa: E402
@@ -135,6 +136,11 @@ def _one_copy(arrays: dict[str, Any]) -> tuple[mx.array, list[mx.array]]:
     return whole, views
 
 
+def _as_mlx(n_layers: int) -> Callable[[dict[str, np.ndarray]], KVBlock]:
+    """A block file's arrays into MLX arrays, as the cache manager makes them as it reads."""
+    return lambda arrays: KVBlock.from_numpy(arrays, n_layers, 256)
+
+
 def _files(home: Path) -> list[Path]:
     return sorted(p for p in (home / "blocks").rglob("*.safetensors"))
 
@@ -191,7 +197,7 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             caches.close()
 
         def read_files(caches: CacheManager) -> None:
-            caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
+            caches._files.read_conversation(caches._index.load("conversation"), _as_mlx(n_layers))  # noqa: SLF001
             caches.close()
 
         def read_serial(_: None) -> None:
@@ -208,39 +214,42 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             as its files are read (no tail, no join into one: what overlapping could gain)."""
             rows = caches._index.load("conversation").blocks  # noqa: SLF001
             with ThreadPoolExecutor(READ_THREADS) as pool:
-                reads = [pool.submit(caches._files.read_block, row.hash, row.path, row.checksum)  # noqa: SLF001
-                         for row in rows]
+                reads = [pool.submit(caches._files.read_block, row.hash, row.path, row.checksum,  # noqa: SLF001
+                                     _as_mlx(n_layers)) for row in rows]
                 for start in range(0, len(rows), OVERLAP_BLOCKS):
-                    group = [KVBlock.from_numpy(read.result(), n_layers, 256)
-                             for read in reads[start:start + OVERLAP_BLOCKS]]
+                    group = [read.result() for read in reads[start:start + OVERLAP_BLOCKS]]
                     part = to_working_cache(group, n_layers, len(group) * 256, dtype, kv_format)
                     mx.eval([layer.keys for layer in part])
             caches.close()
 
         caches = _manager(home, n_layers, kv_format, dtype)
-        stored = caches._files.read_conversation(caches._index.load("conversation"))  # noqa: SLF001
+        entry = caches._index.load("conversation")  # noqa: SLF001
+        stored = caches._files.read_conversation(entry, _as_mlx(n_layers))  # noqa: SLF001
+        # Each block file's arrays as read, views of a buffer of its own (read_conversation's
+        # are views of a buffer each reading thread reuses: made into MLX arrays at once).
+        read_blocks = [read(caches._files.local(row.path))[0] for row in entry.blocks]  # noqa: SLF001
         caches.close()
 
         def to_arrays(_: None) -> list[KVBlock]:  # the read blocks (NumPy) into MLX arrays, on the model's device
-            made = [KVBlock.from_numpy(stored.blocks[h], n_layers, 256) for h in stored.chain]
+            made = [KVBlock.from_numpy(arrays, n_layers, 256) for arrays in read_blocks]
             made += [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
             mx.eval([a for block in made for layer in block.layers for a in layer])
             return made
 
         blocks = to_arrays(None)
 
-        whole, views = _one_copy(stored.blocks[stored.chain[0]])  # the views hold what the arrays do
-        assert all(mx.array_equal(v, mx.array(a)) for v, a in zip(views, stored.blocks[stored.chain[0]].values()))
+        whole, views = _one_copy(read_blocks[0])  # the views hold what the arrays do
+        assert all(mx.array_equal(v, mx.array(a)) for v, a in zip(views, read_blocks[0].values()))
 
         def to_arrays_by_file(_: None) -> None:  # the same, one MLX array a file, each array a view of it
             made = []
-            for arrays in [stored.blocks[h] for h in stored.chain] + ([stored.tail] if stored.tail is not None else []):
+            for arrays in read_blocks + ([stored.tail] if stored.tail is not None else []):
                 whole, views = _one_copy(arrays)
                 made += [whole, *views]
             mx.eval(made)
 
         names = blocks[0].names
-        numpy_blocks = [stored.blocks[h] for h in stored.chain] + ([stored.tail] if stored.tail is not None else [])
+        numpy_blocks = read_blocks + ([stored.tail] if stored.tail is not None else [])
 
         def stacked(_: None) -> None:  # one array a name and block, joined a name at a time
             whole = [[mx.array(arrays[name]) for name in names] for arrays in numpy_blocks]

@@ -46,7 +46,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Container, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Container, Generic, Iterable, Iterator, Protocol, TypeVar
 
 import blake3
 import numpy as np
@@ -78,6 +78,7 @@ MAX_FETCHED_KEPT = 4096  # files fetched from the tier remembered until a cache 
 READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at once, for one conversation
 
 Arrays = dict[str, np.ndarray]
+Block = TypeVar("Block")  # what a block file's arrays are made into (``CacheFiles.read_block``)
 
 # Files fetched from the shared tier that no cache has asked about yet (``take_fetched``), by
 # their path here: from any thread and any ``CacheFiles`` of the process (the engine's stager
@@ -187,17 +188,18 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise DamagedFile(f"{path}: unreadable header ({exc})") from exc
 
 
-def read(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict[str, str]]:
-    """Read and verify a file.
+def read(path: Path, expected_checksum: str | None = None, reuse: bool = False) -> tuple[Arrays, dict[str, str]]:
+    """Read and verify a file (``reuse``: into this thread's reused buffer, ``read_verified``).
 
     Raises:
         DamagedFile: missing, unreadable, or the checksum does not match.
     """
-    arrays, metadata, _ = read_verified(path, expected_checksum)
+    arrays, metadata, _ = read_verified(path, expected_checksum, reuse)
     return arrays, metadata
 
 
-def read_verified(path: Path, expected_checksum: str | None = None) -> tuple[Arrays, dict[str, str], str]:
+def read_verified(path: Path, expected_checksum: str | None = None,
+                  reuse: bool = False) -> tuple[Arrays, dict[str, str], str]:
     """``read``, and the checksum the file verified against (for an index row to hold).
 
     The file is read whole in one call into one buffer; its arrays are views of that buffer
@@ -205,11 +207,13 @@ def read_verified(path: Path, expected_checksum: str | None = None) -> tuple[Arr
     every core (a restore reads a conversation's blocks side by side). The buffer is not
     cleared first (``np.empty``, not ``bytearray``): the read fills it, and clearing 286 MB
     (16K tokens of a 1B-class model in q8) cost the restore 0.025 s of a core here
-    (``benchmarks.restore``)."""
+    (``benchmarks.restore``). With ``reuse`` it is the calling thread's, kept for its next
+    read (``_thread_buffer``): the arrays are valid until then, and whoever keeps them copies
+    them first."""
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            buffer = np.empty(size, dtype=np.uint8).data
+            buffer = _thread_buffer(size) if reuse else np.empty(size, dtype=np.uint8).data
             if handle.readinto(buffer) != size:
                 raise DamagedFile(f"{path}: shorter than its size")
     except FileNotFoundError as exc:
@@ -229,6 +233,20 @@ def read_verified(path: Path, expected_checksum: str | None = None) -> tuple[Arr
     if stored != actual or (expected_checksum and expected_checksum != actual):
         raise DamagedFile(f"{path}: checksum mismatch")
     return arrays, metadata, actual
+
+
+_reading = threading.local()  # each reading thread's buffer (``_thread_buffer``)
+
+
+def _thread_buffer(size: int) -> memoryview:
+    """``size`` bytes of the calling thread's read buffer, grown as needed and freed with the
+    thread. Reading each block file of a restore into its own buffer made the first restore
+    after a start fault in 286 MB of fresh memory more at 16K tokens of a 1B-class model,
+    0.2 s of a 0.7 s restore on this VM (docs/benchmarks.md)."""
+    buffer = getattr(_reading, "buffer", None)
+    if buffer is None or buffer.nbytes < size:
+        buffer = _reading.buffer = np.empty(size, dtype=np.uint8)
+    return buffer[:size].data
 
 
 # safetensors dtype names -> numpy (what the cache files hold; any other is a damaged file)
@@ -380,13 +398,14 @@ def tier_key(stored: str | Path, fingerprint: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class StoredConversation:
+class StoredConversation(Generic[Block]):
     """A conversation's cache as its files hold it, verified: its record, its full blocks'
-    ids and the arrays of those read, and its private tail's arrays."""
+    ids and those read (as ``CacheFiles.read_conversation``'s ``convert`` made them), and its
+    private tail's arrays."""
 
     record: CacheRecord
     chain: tuple[str, ...]
-    blocks: dict[str, Arrays]  # the chain's blocks that were read (not those skipped)
+    blocks: dict[str, Block]  # the chain's blocks that were read (not those skipped)
     tail: Arrays | None
     tail_tokens: int
     # Recurrent-state checkpoints (hybrid models): (tokens, arrays named CHECKPOINT_PREFIX
@@ -558,24 +577,30 @@ class CacheFiles:
         digest = readdress_record(self.local(source), target, agent_id, conversation_id, expected_checksum)
         return target, digest
 
-    def read_block(self, block: str, path: str | Path, checksum: str | None) -> Arrays:
-        """A stored full block's arrays, verified to be this model's and this id's.
+    def read_block(self, block: str, path: str | Path, checksum: str | None,
+                   convert: Callable[[Arrays], Block]) -> Block:
+        """A stored full block, verified to be this model's and this id's, as ``convert`` makes
+        it of its arrays. The arrays are read into the calling thread's reused buffer
+        (``read_verified``): ``convert`` copies what it keeps (``blocks.KVBlock.from_numpy``
+        does) and runs on the reading thread.
 
         Raises:
-            One of UNUSABLE, or FileUnavailable.
+            One of UNUSABLE (``convert``'s KeyError or ValueError too), or FileUnavailable.
         """
         path = self.local(path)
-        arrays, meta = read(path, checksum)
+        arrays, meta = read(path, checksum, reuse=True)
         mark_used(path)
         try:
             check_block(meta, self.fingerprint, block)
         except ValueError:
             raise ValueError(f"block file {path} belongs to another model or block") from None
-        return arrays
+        return convert(arrays)
 
-    def read_conversation(self, entry: CacheEntry, skip: Container[str] = ()) -> StoredConversation:
+    def read_conversation(self, entry: CacheEntry, convert: Callable[[Arrays], Block],
+                          skip: Container[str] = ()) -> StoredConversation[Block]:
         """A conversation's cache from its record file and the block files its index row
-        lists (blocks in ``skip``, already in memory, are not read again).
+        lists, each block as ``convert`` makes it (``read_block``; blocks in ``skip``, already
+        in memory, are not read again).
 
         Raises:
             One of UNUSABLE (a file is missing or damaged, or the files disagree), or
@@ -590,7 +615,7 @@ class CacheFiles:
             raise ValueError("record file and index disagree on the block chain")
         needed = [row for row in entry.blocks if row.hash not in skip]
         self.fetch_missing(row.path for row in needed)
-        blocks = dict(zip((row.hash for row in needed), self._read_blocks(needed)))
+        blocks = dict(zip((row.hash for row in needed), self._read_blocks(needed, convert)))
         tail_tokens = int(meta["tail_tokens"])
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
@@ -598,13 +623,14 @@ class CacheFiles:
         return StoredConversation(record, chain, blocks, tail, tail_tokens, _checkpoints(arrays, meta, record.n_tokens),
                                   meta.get("salt"))
 
-    def _read_blocks(self, rows: list[BlockRow]) -> list[Arrays]:
+    def _read_blocks(self, rows: list[BlockRow], convert: Callable[[Arrays], Block]) -> list[Block]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the
         disk and on the hash, which run outside the GIL, so a restore uses every core."""
         if len(rows) < 2:
-            return [self.read_block(row.hash, row.path, row.checksum or None) for row in rows]
+            return [self.read_block(row.hash, row.path, row.checksum or None, convert) for row in rows]
         with ThreadPoolExecutor(min(READ_THREADS, len(rows)), thread_name_prefix="cache-read") as pool:
-            return list(pool.map(lambda row: self.read_block(row.hash, row.path, row.checksum or None), rows))
+            return list(pool.map(lambda row: self.read_block(row.hash, row.path, row.checksum or None, convert),
+                                 rows))
 
     def read_text(self, record_path: str) -> str:
         """The text a stored record spells (its header only, unverified: for matching;

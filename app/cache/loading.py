@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
 from app.cache.checkpoints import CacheLayout, Checkpoint
-from app.cache.files import CacheFiles, FileMissing, FileUnavailable, StoredConversation
+from app.cache.files import Arrays, CacheFiles, FileMissing, FileUnavailable, StoredConversation
 from app.cache.formats import KVFormat
 from app.cache.hot_set import HotSet
 from app.cache.ownership import Ownership
@@ -48,7 +48,8 @@ PREFETCH_NICENESS = 10
 
 # A prefetch's steps: each yields the read under way (a Future) or None; it returns the
 # conversation put in memory and its working copy, or None.
-Prefetching = Generator["Future[StoredConversation] | None", None, "tuple[ConversationCache, list[KVCache]] | None"]
+Prefetching = Generator["Future[StoredConversation[KVBlock]] | None", None,
+                        "tuple[ConversationCache, list[KVCache]] | None"]
 
 
 class Loader:
@@ -78,10 +79,16 @@ class Loader:
         if entry is None:
             return None
         return self._take(agent_id, conversation_id, entry,
-                          lambda: self._files.read_conversation(entry, self._memory.blocks))
+                          lambda: self._files.read_conversation(entry, self._block, self._memory.blocks))
+
+    def _block(self, arrays: Arrays) -> KVBlock:
+        """A full block's arrays as read (``CacheFiles.read_block``: on the reading thread),
+        copied into MLX arrays of this model's layers. Raises KeyError or ValueError if they
+        are not such a block's."""
+        return KVBlock.from_numpy(arrays, self._layout.n_attention, BLOCK_TOKENS)
 
     def _take(self, agent_id: str, conversation_id: str, entry: CacheEntry,
-              read: Callable[[], StoredConversation]) -> ConversationCache | None:
+              read: Callable[[], StoredConversation[KVBlock]]) -> ConversationCache | None:
         """The conversation ``read`` gives, put in memory (hot), or None: a miss."""
         try:
             cache, loaded = self._decode(agent_id, conversation_id, read())
@@ -180,7 +187,7 @@ class Loader:
         if entry is None:
             return None
         # Every block file, even those in memory now: the engine may let one go meanwhile.
-        reading = self._reader.submit(self._files.read_conversation, entry)
+        reading = self._reader.submit(self._files.read_conversation, entry, self._block)
         while not reading.done():
             yield reading
         if conversation_id in self._memory.caches:  # a turn stored it meanwhile: memory's is the newer
@@ -231,17 +238,17 @@ class Loader:
         return pool.nbytes + stored + working <= pool.budget_bytes
 
     def _decode(self, agent_id: str, conversation_id: str,
-                stored: StoredConversation) -> tuple[ConversationCache, dict[str, KVBlock]]:
-        """A conversation's cache and the blocks read for it, as arrays of this model's
-        layers. Raises KeyError or ValueError if the arrays are not its blocks'."""
+                stored: StoredConversation[KVBlock]) -> tuple[ConversationCache, dict[str, KVBlock]]:
+        """A conversation's cache and the blocks read for it (made on the reading threads:
+        ``_block``), its tail as arrays of this model's layers. Raises KeyError or ValueError
+        if the arrays are not its tail's."""
         n_layers = self._layout.n_attention
-        blocks = {block: KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS) for block, arrays in stored.blocks.items()}
         tail = KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens) if stored.tail is not None else None
         checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
         if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
             raise ValueError("a checkpoint does not hold every recurrent layer's state")
         return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
-                                 stored.salt), blocks
+                                 stored.salt), stored.blocks
 
     def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""

@@ -113,8 +113,9 @@ class SharedPrefix:
         if found is None or found[1] is None:  # a row without a checksum vouches for no file
             return False
         try:
-            data = KVBlock.from_numpy(self._files.read_block(block, found[0], found[1]), self._layout.n_attention,
-                                      BLOCK_TOKENS)
+            data = self._files.read_block(block, found[0], found[1],
+                                          lambda arrays: KVBlock.from_numpy(arrays, self._layout.n_attention,
+                                                                            BLOCK_TOKENS))
         except (*UNUSABLE, FileUnavailable) as exc:
             log.warning("shared block %s unusable: %s", block, exc)
             return False

@@ -5,6 +5,7 @@ other data (a wrong answer)."""
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,25 @@ def test_a_record_holds_lists_of_integers() -> None:
     for bad in (np.zeros((2, 2), dtype=np.int64), np.array([1.5, 2.0]), np.array([True])):
         with pytest.raises(ValueError, match="not integers"):
             blockfiles._integers(bad)
+
+
+def test_a_thread_reads_block_files_into_one_buffer(tmp_path: Path) -> None:
+    """``reuse``: a thread's reads share one buffer (a restore faults in no fresh memory for
+    its files), so the arrays of one read hold the next one's bytes: whoever keeps them
+    copies them first (``CacheFiles.read_block``'s ``convert``). Without ``reuse`` each read
+    has a buffer of its own."""
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    blockfiles.write(first, ARRAYS, META)
+    blockfiles.write(second, {name: array + 1 for name, array in ARRAYS.items()}, META)
+    read_first, _ = blockfiles.read(first, reuse=True)
+    kept = {name: array.copy() for name, array in read_first.items()}
+    read_second, _ = blockfiles.read(second, reuse=True)
+    assert read_second["0.k_w"].ctypes.data == read_first["0.k_w"].ctypes.data
+    assert np.array_equal(read_first["0.k_w"], ARRAYS["0.k_w"] + 1)  # overwritten by the second read
+    assert all(np.array_equal(kept[name], ARRAYS[name]) for name in ARRAYS)
+    own, _ = blockfiles.read(first)
+    assert own["0.k_w"].ctypes.data != read_second["0.k_w"].ctypes.data
+    assert np.array_equal(own["0.k_w"], ARRAYS["0.k_w"]) and np.array_equal(read_second["0.k_w"], ARRAYS["0.k_w"] + 1)
+    with ThreadPoolExecutor(1) as pool:  # another thread: another buffer
+        other = pool.submit(lambda: blockfiles.read(first, reuse=True)[0]["0.k_w"].ctypes.data).result()
+    assert other != read_second["0.k_w"].ctypes.data
