@@ -255,7 +255,7 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.in
            "BOOL": np.bool_}
 
 
-def _parse(buffer: bytearray | memoryview) -> tuple[Arrays, dict[str, str]]:
+def _parse(buffer: memoryview) -> tuple[Arrays, dict[str, str]]:
     """The arrays (views of ``buffer``) and metadata of a safetensors file's bytes.
     Raises ValueError (or KeyError, TypeError) if they are not a well-formed file."""
     header_size = int.from_bytes(buffer[:8], "little")
