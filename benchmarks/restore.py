@@ -24,6 +24,13 @@ dequantizing (``overlapped``: each group of 16 blocks dequantized as soon as its
 read, on its own; without the tail and the join into one working copy, so a bound on what a
 pipelined restore could reach: on the 2-core CPU that join, a float copy of the whole working
 copy, costs more than the overlap gains).
+And the read blocks made into MLX arrays and their working copy built from them, new arrays
+every run (``fresh copy``: the floor's dequantizing reads arrays it made once; on mlx-cuda
+``mx.array`` of host memory is managed memory, whose pages the first kernels to read them
+migrate to the GPU, and only a fresh array pays that), against the same with each block
+file's bytes brought in by ``mx.load`` (``loaded copy``: mlx-cuda copies what it loads into
+device memory, as mlx-lm's weights come in; each layer a view of the block's arrays, which
+on the CPU costs what the ``stacked`` probe's views cost).
 And the first restore in a fresh process (``first restore s``), what the first turn after a
 restart waits for: the others are the best of ``--runs`` in one process, whose freed buffers
 serve the next run; a fresh process faults in all of its memory (on this VM, memory the guest
@@ -38,6 +45,7 @@ and the commit.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -46,7 +54,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -138,6 +146,43 @@ def _one_copy(arrays: dict[str, Any]) -> tuple[mx.array, list[mx.array]]:
     return whole, views
 
 
+class _MemoryFile(io.RawIOBase):
+    """A file's bytes already in memory, as a file ``mx.load`` reads (``readinto``, ``seek``, ``tell``)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        super().__init__()
+        self._data, self._at = data.data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at = offset + {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
+        return self._at
+
+    def readinto(self, out: Any) -> int:
+        n = min(len(out), len(self._data) - self._at)
+        out[:n] = self._data[self._at:self._at + n]
+        self._at += n
+        return n
+
+
+def _loaded_block(raw: np.ndarray, names: tuple[str, ...], n_layers: int) -> KVBlock:
+    """A block file's bytes (one array a name, the layers stacked) by ``mx.load``, each layer a
+    view of its arrays. mlx-cuda copies what it loads into device memory (``Load::eval_gpu``: a
+    host buffer, then ``cudaMemcpyAsync``), where ``mx.array`` of a NumPy array is managed memory
+    (``cudaMallocManaged``) whose pages the first kernels to read them migrate to the GPU."""
+    arrays = mx.load(cast(Any, _MemoryFile(raw)), format="safetensors")
+    assert isinstance(arrays, dict)
+    return KVBlock(BLOCK_TOKENS, tuple(tuple(arrays[name][i] for name in names) for i in range(n_layers)))
+
+
 def _as_mlx(n_layers: int) -> Callable[[dict[str, np.ndarray]], KVBlock]:
     """A block file's arrays into MLX arrays, as the cache manager makes them as it reads."""
     return lambda arrays: KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS)
@@ -227,7 +272,8 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
         stored = caches._files.read_conversation(entry, _as_mlx(n_layers))  # noqa: SLF001
         # Each block file's arrays as read, views of a buffer of its own (read_conversation's
         # are views of a buffer each reading thread reuses: made into MLX arrays at once).
-        read_blocks = [read(caches._files.local(row.path))[0] for row in entry.blocks]  # noqa: SLF001
+        block_paths = [caches._files.local(row.path) for row in entry.blocks]  # noqa: SLF001
+        read_blocks = [read(path)[0] for path in block_paths]
         caches.close()
 
         def to_arrays(_: None) -> list[KVBlock]:  # the read blocks (NumPy) into MLX arrays, on the model's device
@@ -271,6 +317,24 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             cache: list[KVCache] = to_working_cache(blocks, n_layers, n_tokens, dtype, kv_format)
             mx.eval([layer.keys for layer in cache])
 
+        tail = [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
+
+        def fresh_working_copy(_: None) -> None:  # into arrays and dequantized, new arrays every run
+            made = [KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS) for arrays in read_blocks]
+            cache = to_working_cache(made + tail, n_layers, n_tokens, dtype, kv_format)
+            mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+
+        file_bytes = [np.fromfile(path, dtype=np.uint8) for path in block_paths]  # as verified above
+        if len(numpy_blocks[0]) == len(names):  # the loaded arrays hold what the read ones do
+            loaded = _loaded_block(file_bytes[0], names, n_layers)
+            assert all(mx.array_equal(a, b) for mine, theirs in zip(loaded.layers, blocks[0].layers)
+                       for a, b in zip(mine, theirs))
+
+        def loaded_working_copy(_: None) -> None:  # the same bytes brought in by mx.load, then dequantized
+            made = [_loaded_block(raw, names, n_layers) for raw in file_bytes]
+            cache = to_working_cache(made + tail, n_layers, n_tokens, dtype, kv_format)
+            mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+
         first = _first_restore_in_a_fresh_process(home, shape, layers, n_tokens, format_name)
         restore(fresh())  # warm: page cache, kernels
         figures = {
@@ -284,6 +348,8 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             "to_arrays_s": _best(runs, to_arrays),
             "to_arrays_by_file_s": _best(runs, to_arrays_by_file),
             "stacked_s": _best(runs, stacked) if len(numpy_blocks[0]) == len(names) else None,
+            "fresh_working_copy_s": _best(runs, fresh_working_copy),
+            "loaded_working_copy_s": _best(runs, loaded_working_copy) if len(numpy_blocks[0]) == len(names) else None,
         }
     floor = min(figures["floor_read_serial_s"], figures["floor_read_parallel_s"]) + figures["floor_dequantize_s"]
     return {"shape": shape, "layers": n_layers, "tokens": n_tokens, "format": kv_format.name,
@@ -311,12 +377,13 @@ def main() -> None:
     print(f"device: {where['mlx_device']} ({where['name']}); {where['memory']}")
     rows = [measure(args.shape, args.layers, n, args.format, args.runs) for n in args.tokens]
     print_table(["tokens", "MB", "first restore s", "restore s", "read+verify s", "into arrays s", "by file s",
-                 "floor read s", "floor dequantize s", "stacked s", "overlapped s",
+                 "floor read s", "floor dequantize s", "stacked s", "overlapped s", "fresh copy s", "loaded copy s",
                  "floor s", "restore / floor", "GB/s"],
                 [[r["tokens"], round(r["bytes"] / 1e6, 1), r["first_restore_s"], r["restore_s"], r["read_and_verify_s"],
                   r["to_arrays_s"], r["to_arrays_by_file_s"],
                   min(r["floor_read_serial_s"], r["floor_read_parallel_s"]), r["floor_dequantize_s"],
-                  r["stacked_s"], r["overlapped_s"], r["floor_s"],
+                  r["stacked_s"], r["overlapped_s"], r["fresh_working_copy_s"], r["loaded_working_copy_s"],
+                  r["floor_s"],
                   r["restore_vs_floor"], r["gb_per_s"]] for r in rows])
     name = "restore" + (f"-{args.name}" if args.name else "")
     extra = {"directory": args.out} if args.out else {}
