@@ -171,6 +171,9 @@ for row in db.execute(f'SELECT {\", \".join(wanted)} FROM requests ORDER BY crea
     print(*row, sep='  ')" "$SCRATCH/semantic/semantic.db"
 cp "$SCRATCH/mlx_lm.log" "$OUT/mlx_lm.log" 2>/dev/null
 cp "$SCRATCH/semantic/server.log" "$OUT/semantic.log" 2>/dev/null
+for earlier in "$SCRATCH"/semantic/server.log.*; do  # the starts before the last (tests/support/servers.py)
+  [ -f "$earlier" ] && cp "$earlier" "$OUT/semantic-start${earlier##*.}.log"
+done
 # Where a few tokens' forward pass goes (benchmarks/device/shapes.py: a cuDNN graph per key
 # length?) and where a start's 5 s of "tokenizer and fingerprint" go (boot_parts.py), each in a
 # fresh process: what GPU run 3 (75fbdf5) left open.
@@ -185,6 +188,9 @@ phase peers-drafts 200 "$PY" benchmarks/peers.py --model "$MODEL" --servers sema
   --restarts SIGKILL --semantic-env SEMANTIC_KV_FORMAT=q8 --semantic-env SEMANTIC_SPECULATIVE_TOKENS=8 \
   --name "$NAME-drafts" --out "$OUT" --scratch "$SCRATCH-drafts"
 cp "$SCRATCH-drafts/semantic/server.log" "$OUT/semantic-drafts.log" 2>/dev/null
+for earlier in "$SCRATCH"-drafts/semantic/server.log.*; do
+  [ -f "$earlier" ] && cp "$earlier" "$OUT/semantic-drafts-start${earlier##*.}.log"
+done
 cp "$SCRATCH-drafts/mlx_lm.log" "$OUT/mlx_lm-again.log" 2>/dev/null
 log "done (peers exit $rc); the logs and the probes' JSON go into logs.tar.gz"
 # The device tool brings back at most 8 files from $OUT: the results and plots, and one archive.

@@ -102,6 +102,10 @@ def test_restart_resumes_from_disk(tmp_path: Path, smollm2_dir: Path, kill: sign
         assert third.usage.cache_read_input_tokens == expected.usage.cache_read_input_tokens > 0
         assert third.content[0].text == expected.content[0].text
         assert query(server.db_path, "SELECT reuse_reason FROM requests ORDER BY created_at DESC LIMIT 1") == [("extend",)]
+        # Each start's log is kept: the killed server's beside this one's.
+        earlier = (server.home / "server.log.1").read_text()
+        assert server.log().count(" ready, BLAS") == earlier.count(" ready, BLAS") == 1
+        assert "cached tokens from disk" in server.log() and "cached tokens from disk" not in earlier
     finally:
         stop_server(server)
 

@@ -65,6 +65,17 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+def _keep_earlier_log(log_path: Path) -> None:
+    """Move an earlier start's log in this home aside: ``server.log`` is this start's alone,
+    ``server.log.1`` the first start's, ``.2`` the next (a restart's turn is read against the
+    log of the server it restarted)."""
+    if log_path.exists() and log_path.stat().st_size:
+        n = 1
+        while log_path.with_name(f"{log_path.name}.{n}").exists():
+            n += 1
+        log_path.rename(log_path.with_name(f"{log_path.name}.{n}"))
+
+
 def start_server(home: Path, model: Path | str, extra_env: dict[str, str] | None = None,
                  timeout_s: float = 180) -> ServerProcess:
     """Start `semantic serve --model MODEL` (a directory, or any name `--model` takes) as a
@@ -76,6 +87,7 @@ def start_server(home: Path, model: Path | str, extra_env: dict[str, str] | None
     env.pop("SEMANTIC_CONFIG", None)
     log_path = home / "server.log"
     home.mkdir(parents=True, exist_ok=True)
+    _keep_earlier_log(log_path)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "app", "serve", "--model", str(model)],
