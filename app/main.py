@@ -163,8 +163,11 @@ def _machine_defaults(settings: Settings, catalog: Catalog) -> tuple[int, int, i
 
     backend = detect()
     step = settings.prefill_step_size or prefill_step(backend)
-    weights = 0 if settings.cache_memory_bytes else _default_weights(catalog)
-    budget = settings.cache_memory_bytes or cache_budget(backend, weights)
+    if settings.cache_memory_bytes:
+        weights, budget = 0, settings.cache_memory_bytes
+    else:
+        weights = _default_weights(catalog)
+        budget = cache_budget(backend, weights)
     drafts_set = "speculative_tokens" in settings.model_fields_set
     drafts = settings.speculative_tokens if drafts_set or settings.draft_model or drafts_pay(backend) else 0
     log.info("memory: %s", huge_pages.describe(os.environ, huge_pages.thp_mode()))

@@ -54,7 +54,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -146,39 +146,12 @@ def _one_copy(arrays: dict[str, Any]) -> tuple[mx.array, list[mx.array]]:
     return whole, views
 
 
-class _MemoryFile(io.RawIOBase):
-    """A file's bytes already in memory, as a file ``mx.load`` reads (``readinto``, ``seek``, ``tell``)."""
-
-    def __init__(self, data: np.ndarray) -> None:
-        super().__init__()
-        self._data, self._at = data.data, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._at = offset + {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
-        return self._at
-
-    def readinto(self, out: Any) -> int:
-        n = min(len(out), len(self._data) - self._at)
-        out[:n] = self._data[self._at:self._at + n]
-        self._at += n
-        return n
-
-
-def _loaded_block(raw: np.ndarray, names: tuple[str, ...], n_layers: int) -> KVBlock:
+def _loaded_block(raw: bytes, names: tuple[str, ...], n_layers: int) -> KVBlock:
     """A block file's bytes (one array a name, the layers stacked) by ``mx.load``, each layer a
     view of its arrays. mlx-cuda copies what it loads into device memory (``Load::eval_gpu``: a
     host buffer, then ``cudaMemcpyAsync``), where ``mx.array`` of a NumPy array is managed memory
     (``cudaMallocManaged``) whose pages the first kernels to read them migrate to the GPU."""
-    arrays = mx.load(cast(Any, _MemoryFile(raw)), format="safetensors")
+    arrays = mx.load(io.BytesIO(raw), format="safetensors")  # BytesIO shares the bytes: no copy
     assert isinstance(arrays, dict)
     return KVBlock(BLOCK_TOKENS, tuple(tuple(arrays[name][i] for name in names) for i in range(n_layers)))
 
@@ -296,6 +269,7 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
 
         names = blocks[0].names
         numpy_blocks = read_blocks + ([stored.tail] if stored.tail is not None else [])
+        stacked_files = len(numpy_blocks[0]) == len(names)  # one array a name, the layers stacked
 
         def stacked(_: None) -> None:  # one array a name and block, joined a name at a time
             whole = [[mx.array(arrays[name]) for name in names] for arrays in numpy_blocks]
@@ -313,27 +287,25 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
                     copies.extend(dequantize_layer(tuple(array[i] for array in joined), kv_format, dtype))
             mx.eval(copies)
 
+        def working_copy(made: list[KVBlock]) -> list[KVCache]:  # evaluated, as to_working_cache leaves it
+            return to_working_cache(made, n_layers, n_tokens, dtype, kv_format)
+
         def dequantize(_: None) -> None:
-            cache: list[KVCache] = to_working_cache(blocks, n_layers, n_tokens, dtype, kv_format)
-            mx.eval([layer.keys for layer in cache])
+            working_copy(blocks)
 
         tail = [KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens)] if stored.tail is not None else []
 
         def fresh_working_copy(_: None) -> None:  # into arrays and dequantized, new arrays every run
-            made = [KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS) for arrays in read_blocks]
-            cache = to_working_cache(made + tail, n_layers, n_tokens, dtype, kv_format)
-            mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+            working_copy([KVBlock.from_numpy(arrays, n_layers, BLOCK_TOKENS) for arrays in read_blocks] + tail)
 
-        file_bytes = [np.fromfile(path, dtype=np.uint8) for path in block_paths]  # as verified above
-        if len(numpy_blocks[0]) == len(names):  # the loaded arrays hold what the read ones do
+        file_bytes = [path.read_bytes() for path in block_paths]  # as verified above
+        if stacked_files:  # the loaded arrays hold what the read ones do
             loaded = _loaded_block(file_bytes[0], names, n_layers)
             assert all(mx.array_equal(a, b) for mine, theirs in zip(loaded.layers, blocks[0].layers)
                        for a, b in zip(mine, theirs))
 
         def loaded_working_copy(_: None) -> None:  # the same bytes brought in by mx.load, then dequantized
-            made = [_loaded_block(raw, names, n_layers) for raw in file_bytes]
-            cache = to_working_cache(made + tail, n_layers, n_tokens, dtype, kv_format)
-            mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+            working_copy([_loaded_block(raw, names, n_layers) for raw in file_bytes] + tail)
 
         first = _first_restore_in_a_fresh_process(home, shape, layers, n_tokens, format_name)
         restore(fresh())  # warm: page cache, kernels
@@ -347,9 +319,9 @@ def measure(shape: str, layers: int | None, n_tokens: int, format_name: str, run
             "floor_dequantize_s": _best(runs, dequantize),
             "to_arrays_s": _best(runs, to_arrays),
             "to_arrays_by_file_s": _best(runs, to_arrays_by_file),
-            "stacked_s": _best(runs, stacked) if len(numpy_blocks[0]) == len(names) else None,
+            "stacked_s": _best(runs, stacked) if stacked_files else None,
             "fresh_working_copy_s": _best(runs, fresh_working_copy),
-            "loaded_working_copy_s": _best(runs, loaded_working_copy) if len(numpy_blocks[0]) == len(names) else None,
+            "loaded_working_copy_s": _best(runs, loaded_working_copy) if stacked_files else None,
         }
     floor = min(figures["floor_read_serial_s"], figures["floor_read_parallel_s"]) + figures["floor_dequantize_s"]
     return {"shape": shape, "layers": n_layers, "tokens": n_tokens, "format": kv_format.name,
