@@ -181,7 +181,7 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         db.execute("UPDATE blocks SET path = replace(path, ?, ?)", (str(stored[0]), str(tmp_path)))
         db.execute("UPDATE caches SET record_path = replace(record_path, ?, ?)", (str(stored[0]), str(tmp_path)))
     messages, cold_text = stored[1], stored[2]
-    model_dir = smollm2_dir
+    model_dir, options = smollm2_dir, {}
     blocks = sorted(p for p in (tmp_path / "blocks").rglob("*.safetensors") if "conversations" not in p.parts)
     record = next((tmp_path / "blocks").rglob("conversations/*.safetensors"))
     if damage == "corrupt block":
@@ -202,7 +202,10 @@ def test_damaged_cache_is_a_miss_with_a_correct_answer(tmp_path: Path, smollm2_d
         config["chat_template"] = config["chat_template"].replace("You are a helpful AI assistant", "You are an AI")
         (changed / "tokenizer_config.json").write_text(json.dumps(config))
         model_dir = changed
-    second = make_engine_at(tmp_path, model_dir)
+        # Its own KV calibration would be measured again (its template is in the key, ~30 s):
+        # the format the first model chose, set, leaves the fingerprint differing by the template.
+        options["kv_format"] = loaded_model(engine).kv.format.name
+    second = make_engine_at(tmp_path, model_dir, **options)
     try:
         text, finished = turn(second, "damaged", messages)
         # Never the agent's own (damaged) cache; at most undamaged shared blocks.
