@@ -7,6 +7,11 @@ agreement with float KV >= 98% and perplexity within 1% (``Goal``). The result i
 recorded with the model (``kv_calibration.json`` in its directory, keyed by its
 fingerprint and ``CALIBRATION_VERSION``), so a changed model or a changed calibration
 measures again, and ``semantic models list`` and ``/health`` show it.
+
+The embedded models' records ship with Semantic (``calibrations/``, measured on the
+development machine): a model whose key one of them holds (the same weights, tokenizer
+and template, and this calibration) takes it, and its first load measures nothing (SmolLM2:
+a fresh home's first start was 37 s, 30 of them calibrating, on the 2-core CPU).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from app.engine.kv_choice import CALIBRATION_VERSION, GOAL, Calibration, Goal, M
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "kv_calibration.json"
+SHIPPED = Path(__file__).parent / "calibrations"  # the embedded models' records, one a model
 PREFIX_TOKENS, SCORED_TOKENS = 1024, 256  # per text: the prefix stored in a format, the tokens scored after it
 CHARS_PER_TOKEN = 8  # more than enough characters of a text are tokenized (both texts hold 3-4 a token)
 LOSSLESS = "f16"
@@ -92,19 +98,41 @@ def calibrate(model: nn.Module, tokenizer: Any, key: str, formats: Iterable[KVFo
 
 
 def read_record(model_dir: Path, key: str) -> Calibration | None:
-    """The model's recorded calibration, or None if missing, unreadable or stale (another key or version)."""
+    """The model's recorded calibration: its own, else one shipped for a model of this key
+    (``SHIPPED``: then written next to its weights, as a calibration's is), or None if neither
+    (missing, unreadable, or stale: another key or version)."""
     path = model_dir / RECORD_NAME
+    own = _parse(path)
+    if own is not None and own.version == CALIBRATION_VERSION and own.key == key:
+        return own
+    if own is not None:
+        log.info("%s is from another model or calibration version", path)
+    shipped = shipped_record(key)
+    if shipped is not None:
+        log.info("KV calibration of %s: the record shipped for this model (%s, measured in %.0f s where it was "
+                 "made)", model_dir, shipped.chosen, shipped.seconds)
+        write_record(model_dir, shipped)
+    return shipped
+
+
+def shipped_record(key: str, shipped: Path = SHIPPED) -> Calibration | None:
+    """The record shipped for the model of ``key`` with this calibration version, or None."""
+    for path in sorted(shipped.glob("*.json")):
+        calibration = _parse(path)
+        if calibration is not None and calibration.version == CALIBRATION_VERSION and calibration.key == key:
+            return calibration
+    return None
+
+
+def _parse(path: Path) -> Calibration | None:
+    """The record in ``path``, or None (missing; unreadable: logged)."""
     try:
-        calibration = Calibration.from_json(path.read_text())
+        return Calibration.from_json(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring %s: %s", path, exc)
         return None
-    if calibration.version != CALIBRATION_VERSION or calibration.key != key:
-        log.info("%s is from another model or calibration version: measuring again", path)
-        return None
-    return calibration
 
 
 def write_record(model_dir: Path, calibration: Calibration) -> None:
@@ -116,4 +144,4 @@ def write_record(model_dir: Path, calibration: Calibration) -> None:
         scratch.replace(path)
     except OSError:
         scratch.unlink(missing_ok=True)
-        log.warning("cannot write %s; the model will be calibrated again on its next load", path)
+        log.warning("cannot write %s; the record is not kept with the model", path)

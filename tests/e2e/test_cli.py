@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from app.catalog.embedded import SMOLLM2, locate_gguf
+from app.engine.calibration import SHIPPED
 from conftest import ROOT
 from support.dbcheck import query
 
@@ -60,9 +61,12 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     assert {p.name for p in model_dir.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"}
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == "llama"
-    # kv_format "auto": the new model's KV format is calibrated right away, with a progress bar, and recorded.
-    assert "calibrate the KV format of my-smol" in result.stderr and "prefill prose" in result.stderr
-    chosen = json.loads((model_dir / "kv_calibration.json").read_text())["chosen"]
+    # kv_format "auto": the embedded SmolLM2 under another name is the model its shipped record is
+    # for (the same weights, tokenizer and template): it takes the record, nothing is measured.
+    assert "calibrate the KV format" not in result.stderr
+    record = json.loads((model_dir / "kv_calibration.json").read_text())
+    assert record == json.loads((SHIPPED / f"{SMOLLM2.name}.json").read_text())
+    chosen = record["chosen"]
     assert f"my-smol: KV format {chosen} (auto: top-1 " in result.stdout
     listing = semantic(tmp_path, "models", "list").stdout
     assert f"my-smol\tllama\timported from {gguf.resolve()}\t{model_dir}\t" in listing
@@ -73,6 +77,13 @@ def test_models_import_and_list(tmp_path: Path) -> None:
     assert f"\tKV {chosen} (auto: top-1 " in listing and "of FP16)" in listing
     pinned = semantic(tmp_path, "models", "list", env={"SEMANTIC_KV_FORMATS": "my-smol=q8"}).stdout
     assert "\tKV q8 (set: " in pinned
+    # Weights of another dtype are another model, no record is for: its KV format is calibrated
+    # right away, with a progress bar, and recorded.
+    result = semantic(tmp_path, "models", "import", str(gguf), "--name", "smol-bf16", "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr
+    assert "calibrate the KV format of smol-bf16" in result.stderr and "prefill prose" in result.stderr
+    chosen = json.loads((tmp_path / "models" / "smol-bf16" / "kv_calibration.json").read_text())["chosen"]
+    assert f"smol-bf16: KV format {chosen} (auto: top-1 " in result.stdout
 
 
 def test_models_import_with_dtype_quantization_and_shards(tmp_path: Path) -> None:

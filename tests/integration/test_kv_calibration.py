@@ -3,11 +3,13 @@ calibration is tests/integration/test_kv_calibration_on_smollm2.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
 from app.cache.formats import KV_FORMATS, KVFormat
-from app.engine.calibration import LOSSLESS, RECORD_NAME, by_size, choose, read_record, search, write_record
+from app.engine.calibration import (LOSSLESS, RECORD_NAME, SHIPPED, by_size, choose, read_record, search,
+                                    shipped_record, write_record)
 from app.engine.kv_choice import CALIBRATION_VERSION, GOAL, Calibration, Goal, Measured
 
 
@@ -92,6 +94,23 @@ def test_the_record_is_kept_for_the_same_model_and_version_only(tmp_path: Path) 
         path.write_text(damaged)
         assert read_record(tmp_path, "key-1") is None
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_model_without_a_record_takes_the_one_shipped_for_its_key(tmp_path: Path) -> None:
+    """A shipped record is taken by the model of its key only, and written next to its
+    weights; the model's own record, when current, comes first."""
+    shipped = shipped_record(json.loads((SHIPPED / "smollm2-135m-instruct.json").read_text())["key"])
+    assert shipped is not None and shipped.version == CALIBRATION_VERSION
+    assert read_record(tmp_path, "another-key") is None and not (tmp_path / RECORD_NAME).exists()
+    assert read_record(tmp_path, shipped.key) == shipped
+    assert Calibration.from_json((tmp_path / RECORD_NAME).read_text()) == shipped  # kept with the model
+    own = Calibration(shipped.key, "f16", {"f16": m(1.0, 0.0, 0.0, 1.0)}, 1.0)
+    write_record(tmp_path, own)
+    assert read_record(tmp_path, shipped.key) == own
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "old.json").write_text(shipped.to_json().replace(f'"version": {CALIBRATION_VERSION}', '"version": 0'))
+    assert shipped_record(shipped.key, stale) is None  # a record of another calibration version is not taken
 
 
 def test_the_goal_is_the_one_documented() -> None:
