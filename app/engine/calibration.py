@@ -103,7 +103,7 @@ def read_record(model_dir: Path, key: str) -> Calibration | None:
     (missing, unreadable, or stale: another key or version)."""
     path = model_dir / RECORD_NAME
     own = _parse(path)
-    if own is not None and own.version == CALIBRATION_VERSION and own.key == key:
+    if own is not None and _is_for(own, key):
         return own
     if own is not None:
         log.info("%s is from another model or calibration version", path)
@@ -119,9 +119,14 @@ def shipped_record(key: str, shipped: Path = SHIPPED) -> Calibration | None:
     """The record shipped for the model of ``key`` with this calibration version, or None."""
     for path in sorted(shipped.glob("*.json")):
         calibration = _parse(path)
-        if calibration is not None and calibration.version == CALIBRATION_VERSION and calibration.key == key:
+        if calibration is not None and _is_for(calibration, key):
             return calibration
     return None
+
+
+def _is_for(calibration: Calibration, key: str) -> bool:
+    """Whether ``calibration`` is the model of ``key``'s under this calibration version."""
+    return calibration.version == CALIBRATION_VERSION and calibration.key == key
 
 
 def _parse(path: Path) -> Calibration | None:
