@@ -4,9 +4,10 @@
 
 A conversation of ``--tokens`` tokens of a named model shape (benchmarks/synthetic.py's
 shapes: only the KV shape matters, so no weights are made) is stored by the cache manager
-as a turn stores it, then restored by a fresh manager, as after a restart: its files read
-and verified, each block made into MLX arrays by the thread that read it (``read+verify``
-counts both), its float working copy built (``CacheManager.lease``).
+as a turn stores it, then restored by a fresh manager, as after a restart: its files read,
+each block made into MLX arrays by the thread that read it, its float working copy built
+while other threads check the blocks' checksums (``CacheManager.lease``; ``read+verify`` is
+the read with the checks on the reading threads, as ``CacheFiles.read_conversation`` does).
 The floor is what no restore can avoid: reading the same files' bytes (one thread, then
 side by side) and dequantizing the same blocks already in memory into the working copy.
 Beside them, one part of the restore on its own: the read blocks (NumPy) made into MLX

@@ -123,6 +123,17 @@ class KVBlock:
         block.check()
         return block
 
+    def file_pieces(self, name: str) -> list[np.ndarray]:
+        """The bytes of array ``name`` of the file this block was read from (``from_numpy``:
+        stacked, one piece a layer; or ``<layer>.<name>``, one piece), as NumPy views of this
+        block's MLX arrays, which ``from_numpy`` copied them into: what a restore verifies
+        (``files.Unverified``). Raises KeyError or ValueError for a name no such file holds."""
+        if "." in name:
+            layer, short = name.split(".", 1)
+            return [np.array(self.layers[int(layer)][self.names.index(short)], copy=False)]
+        j = self.names.index(name)
+        return [np.array(layer[j], copy=False) for layer in self.layers]
+
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array], n_layers: int, n_tokens: int) -> KVBlock:
         """Inverse of ``to_arrays``. Raises KeyError if an array is missing."""

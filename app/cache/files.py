@@ -25,7 +25,9 @@ conversation starting with its tokens) is a file beside the block's,
 hash / n_tokens / dtypes, its checksum in the block's index row.
 
 Verification: every read checks the checksum (a shared checkpoint's against its block's
-row); a block or shared checkpoint file also that it is this model's
+row; a restore's block files once their data is copied into the arrays the model reads, while
+it dequantizes them, and before any of it is in memory: ``Unverified``); a block or shared
+checkpoint file also that it is this model's
 and this block's, a conversation that its record, its index row and its blocks agree. A
 file that fails its checksum is moved to ``<root>/quarantine/`` (kept for inspection, never
 served) by whoever finds it: the cache manager as it loads a cache, the worker's compact
@@ -46,7 +48,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Container, Generic, Iterable, Iterator, Protocol, TypeVar
+from typing import TYPE_CHECKING, Callable, Container, Generic, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import blake3
 import numpy as np
@@ -79,6 +81,7 @@ READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at o
 
 Arrays = dict[str, np.ndarray]
 Block = TypeVar("Block")  # what a block file's arrays are made into (``CacheFiles.read_block``)
+T = TypeVar("T")
 
 # Files fetched from the shared tier that no cache has asked about yet (``take_fetched``), by
 # their path here: from any thread and any ``CacheFiles`` of the process (the engine's stager
@@ -138,12 +141,23 @@ def checksum(arrays: Arrays, metadata: dict[str, str], like: str | None = None) 
     (286 MB in q8) are read and verified in 0.14 s, 0.20 s with sha256 (``benchmarks.restore``).
     It is a cryptographic hash as sha256 is: a file that claims the checksum of an index row
     holds that row's data (``CacheFiles.write_block`` adopts a file on it)."""
+    return _digest(((name, arrays[name].dtype.str, arrays[name].shape, [arrays[name]]) for name in sorted(arrays)),
+                   metadata, like)
+
+
+# What a checksum covers of one array: its name, dtype (``np.dtype.str``), shape, and its bytes
+# in pieces laid end to end (the array itself, or the arrays its bytes were copied into).
+HashedArray = tuple[str, str, tuple[int, ...], Sequence[np.ndarray]]
+
+
+def _digest(arrays: Iterable[HashedArray], metadata: dict[str, str], like: str | None) -> str:
+    """``checksum`` of arrays given in name order, each array's bytes in pieces."""
     legacy = like is not None and not like.startswith(BLAKE3_PREFIX)
     digest = hashlib.sha256() if legacy else blake3.blake3()
-    for name in sorted(arrays):
-        array = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
-        digest.update(array.reshape(-1).view(np.uint8).data)  # its bytes, without a copy
+    for name, dtype, shape, pieces in arrays:
+        digest.update(f"{name}:{dtype}:{tuple(shape)}".encode())
+        for piece in pieces:
+            digest.update(np.ascontiguousarray(piece).reshape(-1).view(np.uint8).data)  # its bytes, without a copy
     digest.update(json.dumps(metadata, sort_keys=True).encode())
     return digest.hexdigest() if legacy else BLAKE3_PREFIX + digest.hexdigest()[:BLAKE3_HEX]
 
@@ -210,6 +224,20 @@ def read_verified(path: Path, expected_checksum: str | None = None,
     (``benchmarks.restore``). With ``reuse`` it is the calling thread's, kept for its next
     read (``_thread_buffer``): the arrays are valid until then, and whoever keeps them copies
     them first."""
+    arrays, metadata, stored = _read_unchecked(path, reuse)
+    actual = checksum(arrays, metadata, like=stored)
+    _check(path, stored, actual, expected_checksum)
+    return arrays, metadata, actual
+
+
+def _read_unchecked(path: Path, reuse: bool) -> tuple[Arrays, dict[str, str], str]:
+    """A file's arrays (views of the buffer it was read into: ``read_verified``), its metadata
+    without the checksum, and the checksum it claims; not verified.
+
+    Raises:
+        DamagedFile: missing, unreadable or malformed, or it claims no checksum.
+        FileUnavailable: an I/O error other than a missing file.
+    """
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -229,10 +257,60 @@ def read_verified(path: Path, expected_checksum: str | None = None,
     stored = metadata.pop(CHECKSUM_KEY if CHECKSUM_KEY in metadata else LEGACY_CHECKSUM_KEY, None)
     if stored is None:
         raise DamagedFile(f"{path}: no checksum")
-    actual = checksum(arrays, metadata, like=stored)
-    if stored != actual or (expected_checksum and expected_checksum != actual):
+    return arrays, metadata, stored
+
+
+def _check(path: Path, stored: str, actual: str, expected: str | None) -> None:
+    """Raises DamagedFile unless a file's data hashes to the checksum it claims, and to the
+    one expected of it (its index row's), if any."""
+    if stored != actual or (expected and expected != actual):
         raise DamagedFile(f"{path}: checksum mismatch")
-    return arrays, metadata, actual
+
+
+class VerifiableBlock(Protocol):
+    """What a block file's arrays are made into when they are verified after (``Unverified``)."""
+
+    def file_pieces(self, name: str) -> Sequence[np.ndarray]:
+        """The bytes of the file's array ``name``, in pieces laid end to end: views of the
+        memory its data was copied into."""
+        ...
+
+
+Verifiable = TypeVar("Verifiable", bound=VerifiableBlock)
+
+
+@dataclass(frozen=True)
+class Unverified(Generic[Verifiable]):
+    """A block file's data as ``convert`` made it (``CacheFiles.read_block_unverified``), its
+    checksum not yet checked: ``verify`` hashes the data where it now is (the memory the
+    model will read, not the read buffer, which the reading thread reuses) against what the
+    file claims and its index row expects. Whoever reads it this way uses the data only for
+    what it can drop (a working copy being built), and puts nothing of it where another
+    request can see it until ``verify`` returned: a restore checks the checksums while it
+    dequantizes (``loading.Loader``)."""
+
+    path: Path
+    data: Verifiable
+    arrays: tuple[tuple[str, str, tuple[int, ...]], ...]  # the file's (name, dtype, shape), in name order
+    metadata: dict[str, str]
+    claimed: str
+    expected: str | None
+
+    def verify(self) -> Verifiable:
+        """The data, once it hashes to the file's checksum. Raises DamagedFile if it does not."""
+        actual = _digest(((name, dtype, shape, self.data.file_pieces(name)) for name, dtype, shape in self.arrays),
+                         self.metadata, like=self.claimed)
+        _check(self.path, self.claimed, actual, self.expected)
+        return self.data
+
+
+def verify_all(read: Sequence[Unverified[Verifiable]]) -> list[Verifiable]:
+    """Each ``Unverified``'s data, verified side by side (hashing runs outside the GIL).
+    Raises the first DamagedFile."""
+    if len(read) < 2:
+        return [item.verify() for item in read]
+    with ThreadPoolExecutor(min(READ_THREADS, len(read)), thread_name_prefix="cache-verify") as pool:
+        return list(pool.map(Unverified.verify, read))
 
 
 _reading = threading.local()  # each reading thread's buffer (``_thread_buffer``)
@@ -589,6 +667,21 @@ class CacheFiles:
         """
         path = self.local(path)
         arrays, meta = read(path, checksum, reuse=True)
+        return self._convert(block, path, arrays, meta, convert)
+
+    def read_block_unverified(self, block: str, path: str | Path, checksum: str | None,
+                              convert: Callable[[Arrays], Verifiable]) -> Unverified[Verifiable]:
+        """``read_block`` but for the checksum, left to ``Unverified.verify`` (which hashes
+        the data ``convert`` copied the arrays into): its metadata is checked here, unverified,
+        and again by the checksum, which covers it."""
+        path = self.local(path)
+        arrays, meta, claimed = _read_unchecked(path, reuse=True)
+        made = self._convert(block, path, arrays, meta, convert)
+        layout = tuple((name, arrays[name].dtype.str, arrays[name].shape) for name in sorted(arrays))
+        return Unverified(path, made, layout, meta, claimed, checksum)
+
+    def _convert(self, block: str, path: Path, arrays: Arrays, meta: dict[str, str],
+                 convert: Callable[[Arrays], T]) -> T:
         mark_used(path)
         try:
             check_block(meta, self.fingerprint, block)
@@ -606,6 +699,18 @@ class CacheFiles:
             One of UNUSABLE (a file is missing or damaged, or the files disagree), or
             FileUnavailable.
         """
+        return self._read_conversation(entry, lambda row: self.read_block(row.hash, row.path, row.checksum or None,
+                                                                          convert), skip)
+
+    def read_conversation_unverified(self, entry: CacheEntry, convert: Callable[[Arrays], Verifiable],
+                                     skip: Container[str] = ()) -> StoredConversation[Unverified[Verifiable]]:
+        """``read_conversation`` with its block files' checksums left to check
+        (``read_block_unverified``; its record file is verified)."""
+        return self._read_conversation(
+            entry, lambda row: self.read_block_unverified(row.hash, row.path, row.checksum or None, convert), skip)
+
+    def _read_conversation(self, entry: CacheEntry, read_block: Callable[[BlockRow], T],
+                           skip: Container[str]) -> StoredConversation[T]:
         record_path = self.local(entry.record_path)
         arrays, meta = read(record_path, entry.record_checksum)
         mark_used(record_path)
@@ -615,7 +720,7 @@ class CacheFiles:
             raise ValueError("record file and index disagree on the block chain")
         needed = [row for row in entry.blocks if row.hash not in skip]
         self.fetch_missing(row.path for row in needed)
-        blocks = dict(zip((row.hash for row in needed), self._read_blocks(needed, convert)))
+        blocks = dict(zip((row.hash for row in needed), self._read_blocks(needed, read_block)))
         tail_tokens = int(meta["tail_tokens"])
         tail = {k.removeprefix("tail."): v for k, v in arrays.items() if k.startswith("tail.")} if tail_tokens else None
         if len(chain) * BLOCK_TOKENS + tail_tokens != record.n_tokens:
@@ -623,14 +728,14 @@ class CacheFiles:
         return StoredConversation(record, chain, blocks, tail, tail_tokens, _checkpoints(arrays, meta, record.n_tokens),
                                   meta.get("salt"))
 
-    def _read_blocks(self, rows: list[BlockRow], convert: Callable[[Arrays], Block]) -> list[Block]:
+    @staticmethod
+    def _read_blocks(rows: list[BlockRow], read_block: Callable[[BlockRow], T]) -> list[T]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the
         disk and on the hash, which run outside the GIL, so a restore uses every core."""
         if len(rows) < 2:
-            return [self.read_block(row.hash, row.path, row.checksum or None, convert) for row in rows]
+            return [read_block(row) for row in rows]
         with ThreadPoolExecutor(min(READ_THREADS, len(rows)), thread_name_prefix="cache-read") as pool:
-            return list(pool.map(lambda row: self.read_block(row.hash, row.path, row.checksum or None, convert),
-                                 rows))
+            return list(pool.map(read_block, rows))
 
     def read_text(self, record_path: str) -> str:
         """The text a stored record spells (its header only, unverified: for matching;

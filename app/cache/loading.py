@@ -15,11 +15,11 @@ from collections import deque
 from datetime import timedelta
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
 from app.cache.checkpoints import CacheLayout, Checkpoint
-from app.cache.files import Arrays, CacheFiles, FileMissing, FileUnavailable, StoredConversation
+from app.cache.files import Arrays, CacheFiles, FileMissing, FileUnavailable, StoredConversation, verify_all
 from app.cache.formats import KVFormat
 from app.cache.hot_set import HotSet
 from app.cache.ownership import Ownership
@@ -46,10 +46,9 @@ PREFETCH_POLL_S = 0.005
 # come, a request's prefill for one that is here, and on a small machine they share the cores.
 PREFETCH_NICENESS = 10
 
-# A prefetch's steps: each yields the read under way (a Future) or None; it returns the
-# conversation put in memory and its working copy, or None.
-Prefetching = Generator["Future[StoredConversation[KVBlock]] | None", None,
-                        "tuple[ConversationCache, list[KVCache]] | None"]
+# A prefetch's steps: each yields the work under way (a Future: its files' reads, then their
+# checks) or None; it returns the conversation put in memory and its working copy, or None.
+Prefetching = Generator["Future[Any] | None", None, "tuple[ConversationCache, list[KVCache]] | None"]
 
 
 class Loader:
@@ -68,16 +67,30 @@ class Loader:
         # read on a thread of their own (reading and hashing release the GIL).
         self._in_flight: tuple[str, Prefetching] | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cache-prefetch", initializer=_below_requests)
+        # Reads and checks a lease waits for, beside the engine's dequantizing (``_restoring``).
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="cache-restore")
 
-    def load(self, agent_id: str, conversation_id: str) -> ConversationCache | None:
+    def load(self, agent_id: str, conversation_id: str, with_working_copy: bool = False) -> ConversationCache | None:
         """Warm -> hot. A damaged or missing file makes the whole cache a miss. A conversation
-        being prefetched is not read again: the prefetch finishes first."""
+        being prefetched is not read again: the prefetch finishes first.
+
+        ``with_working_copy`` (a lease of the conversation's own next turn): its float working
+        copy is built as it comes back, from the blocks as read while their checksums are
+        checked (``_restoring``), and kept as the conversation's, which the lease takes.
+        Otherwise its blocks are verified as they are read and the caller builds what it needs."""
         self.finish_prefetch(conversation_id)
         if conversation_id in self._memory.caches:
             return self._memory.caches[conversation_id]
         entry = self._index.load(conversation_id)
         if entry is None:
             return None
+        if with_working_copy and self._layout.n_attention > 0:
+            restored = finish(self._restoring(agent_id, conversation_id, entry, background=False),
+                              lambda step: step is not None and wait([step]))
+            if restored is None:
+                return None
+            self._keep(conversation_id, *restored, within_budget=False)
+            return restored[0]
         return self._take(agent_id, conversation_id, entry,
                           lambda: self._files.read_conversation(entry, self._block, self._memory.blocks))
 
@@ -91,17 +104,27 @@ class Loader:
               read: Callable[[], StoredConversation[KVBlock]]) -> ConversationCache | None:
         """The conversation ``read`` gives, put in memory (hot), or None: a miss."""
         try:
-            cache, loaded = self._decode(agent_id, conversation_id, read())
+            stored = read()
+            cache = self._decode(agent_id, conversation_id, stored)
         except Exception as exc:  # whatever went wrong reading it, the cache is not used now
-            # Unreadable just now, or (in a pool) a file the shared tier did not deliver, down or
-            # having lost the object: nothing says it is damaged, so the row and the writer's
-            # files stay. Anything else is damage: the cache is discarded.
-            if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
-                log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
-            else:
-                log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
-                self._discard(conversation_id, entry)
+            self._miss(conversation_id, entry, exc)
             return None
+        return self._put(conversation_id, entry, cache, stored.blocks)
+
+    def _miss(self, conversation_id: str, entry: CacheEntry, exc: Exception) -> None:
+        """A conversation could not be read back (``exc``): a miss. Unreadable just now, or (in
+        a pool) a file the shared tier did not deliver, down or having lost the object: nothing
+        says it is damaged, so the row and the writer's files stay. Anything else is damage:
+        the cache is discarded."""
+        if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
+            log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
+        else:
+            log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
+            self._discard(conversation_id, entry)
+
+    def _put(self, conversation_id: str, entry: CacheEntry, cache: ConversationCache,
+             loaded: dict[str, KVBlock]) -> ConversationCache:
+        """A conversation read back and verified, and the blocks read for it, put in memory (hot)."""
         for block, data in loaded.items():
             self._memory.add_block(block, data)
         self._memory.set_hot(cache)
@@ -159,6 +182,7 @@ class Loader:
     def close(self) -> None:
         """Stop the prefetch's reader (a read under way finishes on its own)."""
         self._reader.shutdown(wait=False, cancel_futures=True)
+        self._checker.shutdown(wait=False, cancel_futures=True)
 
     def _next_due(self) -> tuple[str, Prefetching] | None:
         """The next conversation to prefetch and its steps, or None (none is due, or the next
@@ -181,27 +205,63 @@ class Loader:
         return None
 
     def _prefetching(self, agent_id: str, conversation_id: str) -> Prefetching:
-        """Read the conversation on the reader thread (yielding the read while it runs), put it
-        in memory (hot from then on), then build its working copy in steps."""
+        """A prefetch's steps: ``_restoring`` with its reads and checks on the reader thread."""
         entry = self._index.load(conversation_id)
         if entry is None:
             return None
-        # Every block file, even those in memory now: the engine may let one go meanwhile.
-        reading = self._reader.submit(self._files.read_conversation, entry, self._block)
+        return (yield from self._restoring(agent_id, conversation_id, entry, background=True))
+
+    def _restoring(self, agent_id: str, conversation_id: str, entry: CacheEntry,
+                   background: bool) -> Prefetching:
+        """Read a conversation's files, its block files' checksums left to check
+        (``CacheFiles.read_conversation_unverified``); build its working copy from the blocks
+        as read while their checksums are checked beside it, on other threads; then, every one
+        verified, put it in memory (hot from then on) and return it with its working copy.
+
+        Hashing 286 MB (16K tokens of a 1B-class model in q8) and dequantizing them are both
+        work of the cores, and the dequantizing waits on memory: side by side, the restore took
+        ~0.05-0.1 s less of its ~0.6 s on the 2-core CPU than one after the other
+        (``benchmarks.restore``). Nothing read is where a request can see it before it is
+        verified: a block that fails its checksum drops the working copy built from it, and
+        the cache is a miss, its damaged files quarantined.
+
+        ``background`` (a prefetch): the reads and the checks run on the reader thread (below
+        requests), and each step yields the one under way, the working copy built
+        ``PREFETCH_LAYERS`` at a time, so that the engine runs requests between steps. Every
+        block file is read, even those in memory now: the engine may let one go meanwhile.
+        Otherwise (a lease waiting for it), blocks in memory are not read again, the working
+        copy is built in one step, and the steps yield nothing for anyone to wait on but the
+        checks (``finish`` runs them all)."""
+        run = self._reader if background else self._checker
+        skip = () if background else self._memory.blocks
+        reading = run.submit(self._files.read_conversation_unverified, entry, self._block, skip)
         while not reading.done():
             yield reading
+        try:
+            stored = reading.result()
+            cache = self._decode(agent_id, conversation_id, stored)
+        except Exception as exc:  # a damaged record file, or a block file unreadable or not this model's
+            self._miss(conversation_id, entry, exc)
+            return None
+        read = list(stored.blocks.values())
+        checking = run.submit(verify_all, read)
+        blocks = [stored.blocks[h].data if h in stored.blocks else self._memory.blocks[h] for h in cache.chain]
+        blocks += [cache.tail] if cache.tail is not None else []
+        working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
+                                                    self._dtype, self._kv_format,
+                                                    PREFETCH_LAYERS if background else self._layout.n_attention)
+        while not checking.done():
+            yield checking
+        try:
+            verified = dict(zip(stored.blocks, checking.result()))
+        except Exception as exc:  # a block's data is not what its file claims: damaged
+            self._miss(conversation_id, entry, exc)
+            return None
         if conversation_id in self._memory.caches:  # a turn stored it meanwhile: memory's is the newer
-            log.info("conversation %s: stored by a turn while it was prefetched; what was read is dropped",
+            log.info("conversation %s: stored by a turn while it was read back; what was read is dropped",
                      conversation_id)
             return None
-        cache = self._take(agent_id, conversation_id, entry, reading.result)
-        if cache is None:
-            return None
-        yield None
-        blocks = [self._memory.blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])
-        working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
-                                                    self._dtype, self._kv_format, PREFETCH_LAYERS)
-        return cache, working
+        return self._put(conversation_id, entry, cache, verified), working
 
     def _keep(self, conversation_id: str, cache: ConversationCache, working: list[KVCache],
               within_budget: bool) -> None:
@@ -218,7 +278,8 @@ class Loader:
             assert self._to_prefetch is not None
             self._to_prefetch.clear()
             return
-        log.info("conversation %s: prefetched with its working copy", conversation_id)
+        log.info("conversation %s: %s with its working copy", conversation_id,
+                 "prefetched" if within_budget else "read back")
 
     def _fits_beside_hot(self, conversation_id: str) -> bool:
         """Whether the conversation's stored blocks and its float working copy (estimated from
@@ -237,18 +298,17 @@ class Loader:
         pool = self._memory.pool
         return pool.nbytes + stored + working <= pool.budget_bytes
 
-    def _decode(self, agent_id: str, conversation_id: str,
-                stored: StoredConversation[KVBlock]) -> tuple[ConversationCache, dict[str, KVBlock]]:
-        """A conversation's cache and the blocks read for it (made on the reading threads:
-        ``_block``), its tail as arrays of this model's layers. Raises KeyError or ValueError
-        if the arrays are not its tail's."""
+    def _decode(self, agent_id: str, conversation_id: str, stored: StoredConversation[Any]) -> ConversationCache:
+        """A conversation's cache as read (its blocks made on the reading threads: ``_block``),
+        its tail as arrays of this model's layers. Raises KeyError or ValueError if the arrays
+        are not its tail's."""
         n_layers = self._layout.n_attention
         tail = KVBlock.from_numpy(stored.tail, n_layers, stored.tail_tokens) if stored.tail is not None else None
         checkpoints = tuple(Checkpoint.from_numpy(at, arrays, "", dtypes) for at, arrays, dtypes in stored.checkpoints)
         if any(len(p.states) != self._layout.n_recurrent for p in checkpoints):
             raise ValueError("a checkpoint does not hold every recurrent layer's state")
         return ConversationCache(agent_id, conversation_id, stored.record, stored.chain, tail, checkpoints,
-                                 stored.salt), stored.blocks
+                                 stored.salt)
 
     def _discard(self, conversation_id: str, entry: CacheEntry) -> None:
         """Quarantine the damaged files of an unusable cache and forget the cache."""

@@ -216,7 +216,9 @@ class CacheManager:
                 best = (common, candidate)
         if best is None:
             return None
-        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1])
+        # The request's own conversation comes back with its working copy, which its lease takes.
+        own = best[1] == conversation_id
+        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1], with_working_copy=own)
         if cache is None:
             return None
         return _Source(cache, match_prompt(cache.record, prompt), best[0])

@@ -476,10 +476,11 @@ def test_a_restart_brings_recent_conversations_back_before_they_are_asked_for(tm
 
 def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a restart a conversation comes back in steps: its files read on a thread of their
-    own, then its working copy a layer at a time here. Another agent's turn runs while the
-    files are read and between two steps, and the prefetch then completes; a turn of the
-    conversation in flight takes the prefetch's result: nothing is read or dequantized twice,
-    and the logits are those of a turn that read the cache itself."""
+    own, then its working copy a layer at a time here while its blocks' checksums are checked
+    there; it is in memory once they are. Another agent's turn runs while the files are read
+    and between two steps, and the prefetch then completes; a turn of the conversation in
+    flight takes the prefetch's result: nothing is read or dequantized twice, and the logits
+    are those of a turn that read the cache itself."""
     from app.cache import loading
     from app.cache import manager as manager_module
 
@@ -496,15 +497,30 @@ def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monk
     def gated(manager: CacheManager) -> tuple[threading.Event, list[str]]:
         """Hold ``manager``'s reads of conversation files until the event is set; count them."""
         gate, reads = threading.Event(), []
-        read = manager._loader._files.read_conversation
+        read = manager._loader._files.read_conversation_unverified
 
         def held(entry: Any, *args: Any) -> Any:
             reads.append(entry.record_path)
             assert gate.wait(30)
             return read(entry, *args)
 
-        monkeypatch.setattr(manager._loader._files, "read_conversation", held)
+        monkeypatch.setattr(manager._loader._files, "read_conversation_unverified", held)
         return gate, reads
+
+    layers_built: list[int] = []  # the prefetch's working-copy steps so far
+    build_steps = loading.to_working_cache_steps
+
+    def counted(*args: Any) -> Any:
+        steps = build_steps(*args)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            layers_built.append(1)
+            yield
+
+    monkeypatch.setattr(loading, "to_working_cache_steps", counted)
 
     def turn_of_b(manager: CacheManager, tokens: list[int]) -> None:
         lease = manager.lease("b", "b-c", as_prompt(tokens))
@@ -522,16 +538,17 @@ def test_a_prefetch_gives_way_to_requests_between_its_steps(tmp_path: Path, monk
     turn_of_b(restarted, other)  # another agent's turn, while the read waits
     assert restarted.record("side") is None and len(reads) == 1
     gate.set()
-    while restarted.record("side") is None:
+    while not layers_built:
         assert restarted.prefetch() is True
-    assert "side" not in restarted._working  # hot, its working copy not built yet
-    assert restarted.prefetch() is True and "side" not in restarted._working  # its first layer
+    # its first layer built: nothing of it in memory until every block is verified
+    assert restarted.record("side") is None and "side" not in restarted._working
     history = other + rng.integers(0, VOCAB, 10).tolist()
     turn_of_b(restarted, history)  # and between two steps
     steps = 0
     while restarted.prefetch():
         steps += 1
-    assert set(restarted._working) >= {"main", "side"} and steps > n_layers and len(reads) == 2
+    assert set(restarted._working) >= {"main", "side"} and steps >= n_layers and len(reads) == 2
+    assert len(layers_built) == 2 * n_layers
     for conversation in ("main", "side"):
         cache = restarted._hot[conversation]
         blocks = [restarted._blocks[h] for h in cache.chain] + ([cache.tail] if cache.tail is not None else [])

@@ -216,3 +216,53 @@ def test_an_archives_blocks_equal_to_a_homes_old_files_are_taken_as_that_homes_o
         imported = import_agent(make_session_factory(make_engine(f"sqlite:///{home / 'semantic.db'}")),
                                 home / "blocks", source_file, "copy")
     assert (imported.n_blocks_new, imported.n_cached_tokens) == (0, 600)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "one array a layer", "sha256"])
+def test_a_block_read_before_its_checksum_is_verified_where_its_data_was_copied(tmp_path: Path, layout: str) -> None:
+    """A restore reads a block file into MLX arrays and checks its checksum while it
+    dequantizes them (``files.Unverified``): the check hashes the MLX arrays the data was
+    copied into, in the file's layout, and finds what a read that verifies finds: a block that
+    verifies equals the one written, and a flipped bit in the file, a changed array after the
+    copy, or an index row that names another checksum is damage."""
+    from app.cache.blocks import KVBlock, quantize_span
+    from app.cache.formats import KV_FORMATS
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(5)
+    n_layers, n_tokens, fingerprint, block = 3, BLOCK_TOKENS, "f" * 64, "ab" * 32
+    cache = [KVCache() for _ in range(n_layers)]
+    for layer in cache:
+        layer.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, n_tokens, 64)), dtype=mx.float32)
+                                 for _ in range(2)))
+    written = quantize_span(cache, 0, n_tokens, KV_FORMATS["q8"])
+    store = files.CacheFiles(tmp_path, fingerprint)
+    path, digest = store.write_block(block, written)
+    if layout != "stacked":  # as a server before stacking, or before BLAKE3, wrote it
+        arrays = written.to_arrays() if layout == "one array a layer" else written.to_numpy()
+        arrays = {name: np.array(a) for name, a in arrays.items()}
+        meta = {"fingerprint": fingerprint, "hash": block, "n_tokens": str(n_tokens)}
+        digest = write_legacy(path, arrays, meta) if layout == "sha256" else files.write(path, arrays, meta)[0]
+    assert files.read_metadata(path).keys() >= {"sha256" if layout == "sha256" else "checksum"}
+
+    def convert(arrays: files.Arrays) -> KVBlock:
+        return KVBlock.from_numpy(arrays, n_layers, n_tokens)
+
+    read = store.read_block_unverified(block, path, digest, convert)
+    verified = files.verify_all([read])[0]
+    assert verified is read.data and all(mx.array_equal(a, b) for mine, theirs in zip(verified.layers, written.layers)
+                                         for a, b in zip(mine, theirs))
+    with pytest.raises(files.DamagedFile, match="checksum mismatch"):  # the index row names another file
+        store.read_block_unverified(block, path, "blake3:" + "0" * 56, convert).verify()
+
+    changed = store.read_block_unverified(block, path, digest, convert)
+    np.array(changed.data.layers[-1][-1], copy=False).reshape(-1)[-1] += np.float16(1)  # after the copy
+    with pytest.raises(files.DamagedFile, match="checksum mismatch"):
+        changed.verify()
+
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1  # a flipped bit in the file's last array
+    path.write_bytes(bytes(data))
+    flipped = store.read_block_unverified(block, path, digest, convert)  # read: not verified yet
+    with pytest.raises(files.DamagedFile, match="checksum mismatch"):
+        files.verify_all([read, flipped])
