@@ -218,12 +218,13 @@ class Loader:
         as read while their checksums are checked beside it, on other threads; then, every one
         verified, put it in memory (hot from then on) and return it with its working copy.
 
-        Hashing 286 MB (16K tokens of a 1B-class model in q8) and dequantizing them are both
-        work of the cores, and the dequantizing waits on memory: side by side, the restore took
-        ~0.05-0.1 s less of its ~0.6 s on the 2-core CPU than one after the other
-        (``benchmarks.restore``). Nothing read is where a request can see it before it is
-        verified: a block that fails its checksum drops the working copy built from it, and
-        the cache is a miss, its damaged files quarantined.
+        Hashing the blocks (0.09-0.10 s of the cores for 286 MB: 16K tokens of a 1B-class model
+        in q8) runs while the dequantizing waits on memory: on the 2-core CPU the restore of 16K
+        tokens took 0.45-0.49 s, against 0.52-0.56 s with the checks on the reading threads
+        (``benchmarks.restore``, docs/benchmarks.md). Nothing read is where a request can see
+        it before it is verified: a block that fails its checksum drops the working copy built
+        from it (or the error building it, if its data did not fit), and the cache is a miss,
+        its damaged files quarantined.
 
         ``background`` (a prefetch): the reads and the checks run on the reader thread (below
         requests), and each step yields the one under way, the working copy built
@@ -247,9 +248,16 @@ class Loader:
         checking = run.submit(verify_all, read)
         blocks = [stored.blocks[h].data if h in stored.blocks else self._memory.blocks[h] for h in cache.chain]
         blocks += [cache.tail] if cache.tail is not None else []
-        working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
-                                                    self._dtype, self._kv_format,
-                                                    PREFETCH_LAYERS if background else self._layout.n_attention)
+        try:
+            working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
+                                                        self._dtype, self._kv_format,
+                                                        PREFETCH_LAYERS if background else self._layout.n_attention)
+        except Exception:  # unverified data may not fit together: if the checks say why, it is a miss
+            while not checking.done():
+                yield checking
+            if checking.exception() is None:
+                raise  # what was read is what was written: not the files' fault
+            working = []
         while not checking.done():
             yield checking
         try:

@@ -167,3 +167,41 @@ def test_an_archives_record_tail_reaches_no_other_agent(n_record: int, who: str,
     assert n_reused == expected[0]  # before the fix: 768, block 2 holding the archive's tail
     assert mx.array_equal(logits, expected[1])
     caches.close()
+
+
+@pytest.mark.parametrize("path", ["lease", "prefetch"])
+def test_a_block_file_forged_with_other_shapes_is_a_miss_not_an_error(tmp_path: Path, path: str) -> None:
+    """A restore builds its working copy from the blocks as read while their checksums are
+    checked (``loading.Loader._restoring``). A block file replaced by one that verifies on its
+    own but holds arrays of other shapes (half the KV heads: the working copy cannot be built
+    from it) makes the restore a miss with nothing of it in memory, not an error, whether a
+    turn asks for the conversation or the prefetch after a start brings it back; and the turn
+    is then answered cold."""
+    model = build("llama")
+    n_layers = len(model.layers)
+    rng = np.random.default_rng(21)
+    tokens = rng.integers(0, VOCAB, 600).tolist()  # two full blocks and a tail
+    caches = manager(tmp_path, n_layers)
+    store_turn(caches, model, "c", tokens)
+    assert caches.flush(60)
+    caches.close()
+
+    first = chain_hashes("fp-test", tokens, BLOCK_TOKENS)[0]  # the chain's first: no block before it to share
+    block = next((tmp_path / "blocks").rglob(f"{first}.safetensors"))
+    arrays, meta = files.read(block)
+    halved = {name: np.ascontiguousarray(a[:, :, : a.shape[2] // 2]) for name, a in arrays.items()}
+    files.write(block, halved, meta)  # its own checksum: it verifies alone, not against its index row
+
+    restarted = manager(tmp_path, n_layers)
+    if path == "prefetch":
+        while restarted.prefetch():
+            pass
+        assert restarted.record("c") is None and "c" not in restarted._working
+    more = rng.integers(0, VOCAB, 20).tolist()
+    lease = restarted.lease("a", "c", as_prompt(tokens + more))
+    assert (lease.report.reason, lease.n_reused) == ("miss", 0)
+    assert not restarted._blocks  # nothing of what was read is in memory
+    logits = forward(model, lease.cache, tokens + more)
+    restarted.close()
+    cold = forward(model, [type(layer)() for layer in lease.cache], tokens + more)
+    assert mx.array_equal(logits, cold)
