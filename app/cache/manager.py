@@ -209,16 +209,17 @@ class CacheManager:
     def _best_source(self, agent_id: str, conversation_id: str, prompt: Prompt) -> _Source | None:
         """The agent's conversation whose stored text shares the longest prefix with the
         prompt (the request's own conversation on a tie), loaded into memory."""
-        best: tuple[int, str] | None = None
+        best: tuple[int, str, bool] | None = None
         for candidate, text in self._candidates(agent_id, conversation_id):
             common = common_prefix_length(text, prompt.text)
             if best is None or common > best[0]:
-                best = (common, candidate)
+                best = (common, candidate, common == len(text))
         if best is None:
             return None
-        # The request's own conversation comes back with its working copy, which its lease takes.
-        own = best[1] == conversation_id
-        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1], with_working_copy=own)
+        # The request's own conversation, continued, comes back with its whole working copy,
+        # which its lease takes; a stored text the prompt leaves is dequantized up to the cut.
+        whole = best[1] == conversation_id and best[2]
+        cache = self._hot.get(best[1]) or self._loader.load(agent_id, best[1], with_working_copy=whole)
         if cache is None:
             return None
         return _Source(cache, match_prompt(cache.record, prompt), best[0])
