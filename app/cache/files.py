@@ -82,6 +82,7 @@ READ_THREADS = min(8, os.cpu_count() or 1)  # block files read and verified at o
 Arrays = dict[str, np.ndarray]
 Block = TypeVar("Block")  # what a block file's arrays are made into (``CacheFiles.read_block``)
 T = TypeVar("T")
+Y = TypeVar("Y")
 
 # Files fetched from the shared tier that no cache has asked about yet (``take_fetched``), by
 # their path here: from any thread and any ``CacheFiles`` of the process (the engine's stager
@@ -307,10 +308,16 @@ class Unverified(Generic[Verifiable]):
 def verify_all(read: Sequence[Unverified[Verifiable]]) -> list[Verifiable]:
     """Each ``Unverified``'s data, verified side by side (hashing runs outside the GIL).
     Raises the first DamagedFile."""
-    if len(read) < 2:
-        return [item.verify() for item in read]
-    with ThreadPoolExecutor(min(READ_THREADS, len(read)), thread_name_prefix="cache-verify") as pool:
-        return list(pool.map(Unverified.verify, read))
+    return _side_by_side(Unverified.verify, read, "cache-verify")
+
+
+def _side_by_side(function: Callable[[Y], T], items: Sequence[Y], name: str) -> list[T]:
+    """``function`` of each item, on up to ``READ_THREADS`` threads named ``name`` (one item:
+    on the calling thread), in order. Raises the first item's exception."""
+    if len(items) < 2:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(min(READ_THREADS, len(items)), thread_name_prefix=name) as pool:
+        return list(pool.map(function, items))
 
 
 _reading = threading.local()  # each reading thread's buffer (``_thread_buffer``)
@@ -732,10 +739,7 @@ class CacheFiles:
     def _read_blocks(rows: list[BlockRow], read_block: Callable[[BlockRow], T]) -> list[T]:
         """``read_block`` of each row, side by side: reading and hashing a file wait on the
         disk and on the hash, which run outside the GIL, so a restore uses every core."""
-        if len(rows) < 2:
-            return [read_block(row) for row in rows]
-        with ThreadPoolExecutor(min(READ_THREADS, len(rows)), thread_name_prefix="cache-read") as pool:
-            return list(pool.map(read_block, rows))
+        return _side_by_side(read_block, rows, "cache-read")
 
     def read_text(self, record_path: str) -> str:
         """The text a stored record spells (its header only, unverified: for matching;

@@ -248,16 +248,14 @@ class Loader:
         checking = run.submit(verify_all, read)
         blocks = [stored.blocks[h].data if h in stored.blocks else self._memory.blocks[h] for h in cache.chain]
         blocks += [cache.tail] if cache.tail is not None else []
+        working: list[KVCache] = []
+        unbuilt: Exception | None = None  # unverified data may not fit together: the checks say whether it is damage
         try:
             working = yield from to_working_cache_steps(blocks, self._layout.n_attention, cache.record.n_tokens,
                                                         self._dtype, self._kv_format,
                                                         PREFETCH_LAYERS if background else self._layout.n_attention)
-        except Exception:  # unverified data may not fit together: if the checks say why, it is a miss
-            while not checking.done():
-                yield checking
-            if checking.exception() is None:
-                raise  # what was read is what was written: not the files' fault
-            working = []
+        except Exception as exc:
+            unbuilt = exc
         while not checking.done():
             yield checking
         try:
@@ -265,6 +263,8 @@ class Loader:
         except Exception as exc:  # a block's data is not what its file claims: damaged
             self._miss(conversation_id, entry, exc)
             return None
+        if unbuilt is not None:
+            raise unbuilt  # what was read is what was written: not the files' fault
         if conversation_id in self._memory.caches:  # a turn stored it meanwhile: memory's is the newer
             log.info("conversation %s: stored by a turn while it was read back; what was read is dropped",
                      conversation_id)
