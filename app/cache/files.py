@@ -747,6 +747,12 @@ class CacheFiles:
         return read_metadata(self.local(record_path)).get("text", "")
 
     def quarantine_damaged(self, entry: CacheEntry) -> None:
-        """Quarantine those of a cache's files (as its index row lists them) that are damaged."""
-        for path in (entry.record_path, *(b.path for b in entry.blocks)):
-            quarantine_if_damaged(self.local(path, fetch=False), self.root)
+        """Quarantine those of a cache's files (as its index row lists them) that are damaged:
+        each checked against the checksum its row holds, as a read checks it. A block file
+        that verifies on its own but is not the one its row names (a forger's, a refused
+        import's) is damage too: the worker's sample quarantines it so (``upkeep``), and
+        left in place it would fail every conversation that shares the block until a turn
+        rewrites it."""
+        for path, expected in ((entry.record_path, entry.record_checksum),
+                               *((b.path, b.checksum) for b in entry.blocks)):
+            quarantine_if_damaged(self.local(path, fetch=False), self.root, expected or None)

@@ -169,14 +169,23 @@ def test_an_archives_record_tail_reaches_no_other_agent(n_record: int, who: str,
     caches.close()
 
 
+def _halve(path: Path) -> None:
+    """Rewrite a block file with half its KV heads, its checksum recomputed: it verifies on
+    its own, but no working copy can be built from it."""
+    arrays, meta = files.read(path)
+    files.write(path, {name: np.ascontiguousarray(a[:, :, : a.shape[2] // 2]) for name, a in arrays.items()}, meta)
+
+
 @pytest.mark.parametrize("path", ["lease", "prefetch"])
-def test_a_block_file_forged_with_other_shapes_is_a_miss_not_an_error(tmp_path: Path, path: str) -> None:
+@pytest.mark.parametrize("forge", [_halve, _forge], ids=["other shapes", "noise"])
+def test_a_block_file_forged_to_verify_alone_is_a_miss_and_quarantined(tmp_path: Path, path: str, forge) -> None:  # type: ignore[no-untyped-def]
     """A restore builds its working copy from the blocks as read while their checksums are
     checked (``loading.Loader._restoring``). A block file replaced by one that verifies on its
-    own but holds arrays of other shapes (half the KV heads: the working copy cannot be built
-    from it) makes the restore a miss with nothing of it in memory, not an error, whether a
-    turn asks for the conversation or the prefetch after a start brings it back; and the turn
-    is then answered cold."""
+    own (noise of the same shapes, or arrays of other shapes: half the KV heads, from which
+    the working copy cannot be built) makes the restore a miss with nothing of it in memory,
+    not an error, whether a turn asks for the conversation or the prefetch after a start
+    brings it back; the turn is then answered cold. The forged file is quarantined (it is not
+    the file its index row names), and the turn's commit writes the home's own block there."""
     model = build("llama")
     n_layers = len(model.layers)
     rng = np.random.default_rng(21)
@@ -188,9 +197,10 @@ def test_a_block_file_forged_with_other_shapes_is_a_miss_not_an_error(tmp_path: 
 
     first = chain_hashes("fp-test", tokens, BLOCK_TOKENS)[0]  # the chain's first: no block before it to share
     block = next((tmp_path / "blocks").rglob(f"{first}.safetensors"))
-    arrays, meta = files.read(block)
-    halved = {name: np.ascontiguousarray(a[:, :, : a.shape[2] // 2]) for name, a in arrays.items()}
-    files.write(block, halved, meta)  # its own checksum: it verifies alone, not against its index row
+    (indexed,), = query(tmp_path / "semantic.db", f"SELECT checksum FROM blocks WHERE hash = '{first}'")
+    forge(block)
+    forged = files.read_metadata(block)[files.CHECKSUM_KEY]
+    assert forged != indexed
 
     restarted = manager(tmp_path, n_layers)
     if path == "prefetch":
@@ -201,7 +211,14 @@ def test_a_block_file_forged_with_other_shapes_is_a_miss_not_an_error(tmp_path: 
     lease = restarted.lease("a", "c", as_prompt(tokens + more))
     assert (lease.report.reason, lease.n_reused) == ("miss", 0)
     assert not restarted._blocks  # nothing of what was read is in memory
+    quarantined = list(files.quarantined_files(tmp_path / "blocks"))
+    assert [files.read_metadata(q)[files.CHECKSUM_KEY] for q in quarantined] == [forged]  # only the forged file
     logits = forward(model, lease.cache, tokens + more)
+    restarted.commit(lease, CacheRecord(*_record_fields(tokens + more)), lease.cache)
+    assert restarted.flush(60)
     restarted.close()
     cold = forward(model, [type(layer)() for layer in lease.cache], tokens + more)
     assert mx.array_equal(logits, cold)
+    (rewritten,), = query(tmp_path / "semantic.db", f"SELECT checksum FROM blocks WHERE hash = '{first}'")
+    assert files.read_metadata(block)[files.CHECKSUM_KEY] == rewritten != forged
+    files.read(block, rewritten)  # the home's own block, verified against its row
