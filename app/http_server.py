@@ -19,10 +19,17 @@ token starts there, so the client's upload of its body and its wait for a free w
 A request may also take its socket over (``TAKE_SOCKET`` in its WSGI environ: the Responses
 API's WebSocket upgrade, ``app/api/responses_socket.py``): waitress then forgets the socket
 (it no longer reads, writes, times out or counts it) and drops what the request's answer
-would have written; whoever took it closes it.
+would have written; whoever took it closes it, and counts it against its own limit.
+
+No number of sockets stops the loop: it waits on ``poll()`` (``select()``, waitress's default,
+cannot watch a descriptor at or above 1024 and raised out of the loop, ending the process), the
+process may open the descriptors the limits allow (``open_files_needed``, raised at start by
+``allow_open_files``), and an ``accept()`` that finds none left pauses accepting for a moment
+instead of spinning on the listening socket.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 HEAD_TIMEOUT_S = 10  # a request line and headers sent a byte at a time by a live client take far less
 TAKE_SOCKET = "semantic.take_socket"  # the WSGI environ key of a request's HeadDeadlineChannel.take_socket
 ARRIVED = "semantic.arrived"  # the WSGI environ key of when a request's first byte was read (time.perf_counter())
+ACCEPT_PAUSE_S = 0.5  # how long accepting waits after accept() found no descriptor left
 
 
 class TimedRequestParser(HTTPRequestParser):
@@ -118,6 +126,20 @@ class GuardedServer(TcpWSGIServer):
 
     channel_class = HeadDeadlineChannel
     head_timeout_s: float = HEAD_TIMEOUT_S
+    accept_paused_until = 0.0
+
+    def accept(self):  # type: ignore[no-untyped-def]  # waitress's: (socket, address) or None
+        try:
+            return super().accept()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            # NOTE: the connection waits in the listen backlog; accepting again at once would
+            # spin on the listener, readable for as long as no descriptor is freed.
+            self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+            log.warning("no file descriptor left to accept a connection (%s): accepting again in %.1f s",
+                        exc.strerror, ACCEPT_PAUSE_S)
+            return None
 
     def maintenance(self, now: float) -> None:
         super().maintenance(now)
@@ -130,6 +152,8 @@ class GuardedServer(TcpWSGIServer):
                      len(late), self.head_timeout_s)
 
     def readable(self) -> bool:
+        if self.accept_paused_until and time.monotonic() < self.accept_paused_until:
+            return False
         if self.accepting and len(self._map) >= self.adj.connection_limit and self._shed_one():
             return False  # the shed socket closes in this poll; the next accepts again
         return super().readable()

@@ -21,6 +21,7 @@ from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestConte
 from app.api.routes import Deps, add_routes
 from app.errors import ConfigError, EngineUnavailable, SemanticError
 from app.http_server import HEAD_TIMEOUT_S, make_server
+from app.open_files import allow_open_files, import_mlx_lm, open_files_needed
 from app.interrupts import CtrlC
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
@@ -66,6 +67,12 @@ def serve(settings: Settings) -> None:
     problem = exposure_problem(settings.host, settings.api_key, settings.insecure_no_auth)
     if problem:
         raise ConfigError(problem)
+    needed = open_files_needed(settings.max_connections, settings.max_websockets)
+    try:
+        allow_open_files(needed)
+    except OSError as exc:
+        raise ConfigError(f"max_connections {settings.max_connections} and max_websockets {settings.max_websockets} "
+                          f"need up to {needed} open files: {exc}; raise `ulimit -n` or lower them") from None
     if not is_loopback(settings.host) and not settings.api_key:
         log.warning("SERVING %s WITHOUT AN API KEY (--insecure-no-auth): anyone who can reach port %d reads "
                     "and changes every agent's history", settings.host, settings.port)
@@ -77,6 +84,7 @@ def _serve(settings: Settings) -> None:
     from app.engine.blas import load_fast_blas
 
     load_fast_blas(settings.blas_library)
+    import_mlx_lm()  # before anything else imports it: the open-files limit set in serve() stays
     # Imported only now: MLX must see OpenBLAS first.
     from app.catalog.registry import Catalog, configured_model_dir
     from app.cache.shared_tier import S3Tier
@@ -212,6 +220,9 @@ def waitress_options(settings: Settings) -> dict[str, object]:
         # How often idle sockets, and those past the request-head deadline, are looked for.
         "cleanup_interval": max(1, min(HEAD_TIMEOUT_S // 2, settings.idle_timeout_s // 2)),
         "connection_limit": settings.max_connections,
+        # poll(), not select(): select() cannot watch a descriptor at or above 1024, and raised
+        # out of the loop (ending the process) once that many sockets were open.
+        "asyncore_use_poll": True,
         # A response's unsent bytes stay buffered (in memory up to 1 MiB, then a temporary file)
         # and the thread that wrote them goes back to work: waitress makes it wait only past this
         # watermark (16 MiB by default, ~100K tokens of SSE, reachable with a long context).

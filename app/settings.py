@@ -167,6 +167,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(100, ge=4, le=1 << 16, description=(
         "Connections open at once (waitress stops accepting beyond it). Expose the server through a reverse proxy "
         "with its own limits (docs/apis.md, \"Auth and limits\")."))
+    max_websockets: int = Field(32, ge=1, le=1 << 14, description=(
+        "Responses API WebSocket connections open at once (each holds two threads; an upgrade beyond it gets 429). "
+        "Counted apart from max_connections; both are closed after idle_timeout_s without a message."))
     blas_library: str = Field("", description=(
         "OpenBLAS library to load before MLX: a path, empty = search, none = don't."))
     log_level: str = Field("INFO", description="Logging level (DEBUG, INFO, WARNING, ERROR).")

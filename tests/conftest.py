@@ -13,13 +13,19 @@ from typing import TYPE_CHECKING, Iterator
 import pytest
 
 from app.engine.blas import blas_in_use, load_fast_blas
+from app.open_files import import_mlx_lm
 from app.settings import load_settings
 
 if TYPE_CHECKING:
     from app.pool.postgres import LocalPostgres
 
-# MLX must bind to OpenBLAS: load it before any test module imports mlx.
+# MLX must bind to OpenBLAS: load it before any test module imports mlx. mlx-lm then may not
+# lower the open-files limit that the servers the tests start inherit.
 load_fast_blas()
+try:
+    import_mlx_lm()
+except ImportError:  # MLX blocked or absent: the API tier alone (tests/unit/test_api_tier_without_mlx.py)
+    pass
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -16,7 +16,15 @@ def read_json(req: falcon.Request) -> Any:
     Raises:
         InvalidRequest: the body is empty, not UTF-8 or not valid JSON.
     """
-    raw = req.bounded_stream.read()
+    return parse_json(req.bounded_stream.read())
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """``raw`` decoded as a request body (a WebSocket message's text is one).
+
+    Raises:
+        InvalidRequest: it is empty, not UTF-8 or not valid JSON.
+    """
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object", "body")
     try:
@@ -25,7 +33,8 @@ def read_json(req: falcon.Request) -> Any:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", "body") from None
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", "body") from None
-    if b"\\u" in raw and _has_lone_surrogate(body):  # only a \u escape can make one
+    escape = "\\u" if isinstance(raw, str) else b"\\u"
+    if escape in raw and _has_lone_surrogate(body):  # type: ignore[operator]  # only a \u escape can make one
         raise InvalidRequest("request body has an unpaired UTF-16 surrogate (\\ud800-\\udfff) in a string", "body")
     return body
 

@@ -58,7 +58,8 @@ def add_routes(app: falcon.App, deps: Deps) -> None:
     socket = ResponsesSocket(deps.agents, GenerationResource(SOCKET, deps.settings, deps.engine, deps.agents, metrics),
                              lambda body: parse_for_model(RESPONSES.parse, body, deps.settings.request_options,
                                                           deps.engine)[0],
-                             deps.settings.effective_server_id, deps.settings.max_body_bytes)
+                             deps.settings.effective_server_id, deps.settings.max_body_bytes,
+                             deps.settings.max_websockets, deps.settings.idle_timeout_s)
     app.add_route("/v1/responses", ResponsesResource(deps.agents, responses, socket.upgrade))
     app.add_route("/v1/responses/{response_id}", ResponseResource(deps.agents))
     for path, dialect in (("/api/chat", OLLAMA_CHAT), ("/api/generate", OLLAMA_GENERATE)):
