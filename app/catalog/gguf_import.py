@@ -4,19 +4,14 @@ Output: ``config.json``, ``model*.safetensors`` (dequantized to float32,
 float16 or bfloat16, optionally re-quantized with MLX's affine 4/8-bit
 scheme; sharded, with an index when there are several), ``tokenizer.json``
 and ``tokenizer_config.json`` (with the chat template).
-Format facts handled here (see SPEC "Models"):
 
-* tensors are dequantized with the ``gguf`` package, whatever their GGML type;
-* llama.cpp permutes the q/k projection rows of llama models for its
-  interleaved RoPE; the permutation is undone so mlx-lm's rotate-half RoPE
-  sees Hugging Face's layout;
-* llama.cpp stores Gemma's RMSNorm weights as ``1 + w``; mlx-lm adds the 1
-  itself, so 1 is subtracted here;
-* the tokenizer is rebuilt from metadata (``gguf_tokenizer``), and Gemma gets
-  its BOS from the chat template / post-processor.
+Tensors are dequantized with the ``gguf`` package, whatever their GGML type. What each
+architecture is in mlx-lm (its config, each tensor's parameter, llama.cpp's conventions
+undone) is ``gguf_families``; the tokenizer is rebuilt from metadata (``gguf_tokenizer``),
+and Gemma gets its BOS from the chat template / post-processor.
 
-No MLX unless quantizing: the worker and the CLI can import models without
-loading a backend.
+MLX is imported only by an import (``gguf_families.placements`` builds mlx-lm's model of the
+family, lazily, for its parameter names), so this module loads without it.
 """
 
 from __future__ import annotations
@@ -24,11 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +31,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from app.catalog import gguf_families
 from app.catalog.gguf_tokenizer import GgufVocab, build_tokenizer
 from app.catalog.shards import (
     PlannedTensor,
@@ -71,37 +65,12 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
 
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LLAMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # The weights mlx-lm holds in Linear / Embedding layers, the ones `nn.quantize` converts.
 _QUANTIZABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> safetensors tag
 QUANTIZE_BITS = (4, 8)
 _CHUNK_VALUES = 1 << 22  # values converted at a time (16 MB of float32)
 DEFAULT_SHARD_BYTES = 2 << 30  # per shard file (mlx-lm's converter cuts at 5 GB)
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +134,16 @@ class GgufFile:
     def arch(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.architecture}.{key}", default)
 
+    def arch_metadata(self) -> dict[str, Any]:
+        """The architecture's own keys, without their prefix (``block_count``, ...)."""
+        prefix = f"{self.architecture}."
+        return {key[len(prefix):]: field.contents() for key, field in self.reader.fields.items()
+                if key.startswith(prefix)}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape as numpy and mlx-lm hold it (GGUF lists dimensions innermost first)."""
+        return {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in self.reader.tensors}
+
     def array(self, key: str) -> list[Any] | None:
         field = self.reader.fields.get(key)
         if field is None:
@@ -192,83 +171,6 @@ class GgufFile:
             add_space_prefix=bool(self.get("tokenizer.ggml.add_space_prefix", False)),
             chat_template=self.get("tokenizer.chat_template"),
         )
-
-
-def _unpermute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE)."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def _llama_config(gguf: GgufFile, n_vocab: int, tied: bool) -> dict[str, Any]:
-    n_heads = gguf.arch("attention.head_count")
-    hidden = gguf.arch("embedding_length")
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": gguf.arch("block_count"),
-        "intermediate_size": gguf.arch("feed_forward_length"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": gguf.arch("attention.head_count_kv", n_heads),
-        "head_dim": gguf.arch("rope.dimension_count", hidden // n_heads),
-        "rms_norm_eps": gguf.arch("attention.layer_norm_rms_epsilon"),
-        "rope_theta": gguf.arch("rope.freq_base", 10000.0),
-        "max_position_embeddings": gguf.arch("context_length"),
-        "vocab_size": n_vocab,
-        "tie_word_embeddings": tied,
-    }
-
-
-def _gemma3_config(gguf: GgufFile, n_vocab: int, tied: bool) -> dict[str, Any]:
-    head_dim = gguf.arch("attention.key_length")
-    return {
-        "model_type": "gemma3_text",
-        "hidden_size": gguf.arch("embedding_length"),
-        "num_hidden_layers": gguf.arch("block_count"),
-        "intermediate_size": gguf.arch("feed_forward_length"),
-        "num_attention_heads": gguf.arch("attention.head_count"),
-        "num_key_value_heads": gguf.arch("attention.head_count_kv"),
-        "head_dim": head_dim,
-        "rms_norm_eps": gguf.arch("attention.layer_norm_rms_epsilon"),
-        "rope_theta": gguf.arch("rope.freq_base", 1_000_000.0),
-        # Not stored in GGUF; llama.cpp hard-codes these for Gemma 3 too.
-        "rope_local_base_freq": 10_000.0,
-        "sliding_window_pattern": 6,
-        "query_pre_attn_scalar": head_dim,
-        "sliding_window": gguf.arch("attention.sliding_window"),
-        "max_position_embeddings": gguf.arch("context_length"),
-        "vocab_size": n_vocab,
-        "tie_word_embeddings": tied,
-    }
-
-
-_ARCHITECTURES: dict[str, tuple[Callable[[GgufFile, int, bool], dict[str, Any]], dict[str, str]]] = {
-    "llama": (_llama_config, _LLAMA_LAYER_NAMES),
-    "gemma3": (_gemma3_config, _GEMMA3_LAYER_NAMES),
-}
-
-
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    match = _BLOCK_RE.match(name)
-    if match and match.group(2) in layer_names:
-        layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{layer_names[part]}.{kind}"
-    return None
-
-
-def _convert_tensor(gguf: GgufFile, name: str, data: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-    if gguf.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-        heads = config["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
-        data = _unpermute_rows(data, heads)
-    if gguf.architecture == "gemma3" and name.endswith("norm.weight"):
-        data = data - 1.0
-    return np.ascontiguousarray(data, dtype=np.float32)
 
 
 def _dequantize(tensor: ReaderTensor) -> np.ndarray:
@@ -420,15 +322,16 @@ def import_gguf(source: Path, destination: Path, options: ImportOptions | None =
     """
     options = options or ImportOptions()
     gguf = GgufFile(source)
-    if gguf.architecture not in _ARCHITECTURES:
-        raise InvalidModelFile(
-            f"{source}: architecture {gguf.architecture!r} is not supported "
-            f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
-        )
-    make_config, layer_names = _ARCHITECTURES[gguf.architecture]
     vocab = gguf.vocab()
-    names = {t.name for t in gguf.reader.tensors}
-    config = make_config(gguf, len(vocab.tokens), "output.weight" not in names)
+    shapes = gguf.shapes()
+    try:
+        config = gguf_families.config(gguf.architecture, gguf.arch_metadata(), shapes, len(vocab.tokens))
+        if "rope_freqs.weight" in shapes:
+            rope = next(t for t in gguf.reader.tensors if t.name == "rope_freqs.weight")
+            config["rope_scaling"] = gguf_families.llama3_scaling(_dequantize(rope), config)
+        placed = gguf_families.placements(config, gguf.architecture, shapes)
+    except InvalidModelFile as exc:
+        raise InvalidModelFile(f"{source}: {exc}") from None
     config["eos_token_id"] = _stop_ids(vocab)
     if vocab.bos_id is not None:
         config["bos_token_id"] = vocab.bos_id
@@ -439,12 +342,12 @@ def import_gguf(source: Path, destination: Path, options: ImportOptions | None =
 
     groups: list[tuple[int, list[PlannedTensor]]] = []
     for index, tensor in enumerate(gguf.reader.tensors):
-        hf_name = _hf_name(tensor.name, layer_names)
-        if hf_name is None:
-            log.warning("skipping unknown tensor %s", tensor.name)
+        target = placed.get(tensor.name)
+        if target is None:
+            log.info("%s: %s is not a parameter of mlx-lm's %s (left out)", source.name, tensor.name,
+                     config["model_type"])
             continue
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        groups.append((index, _plan_outputs(hf_name, shape, options)))
+        groups.append((index, _plan_outputs(target.name, target.shape, options)))
     shards = plan_shards(groups, options.max_shard_bytes)
 
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -455,7 +358,9 @@ def import_gguf(source: Path, destination: Path, options: ImportOptions | None =
         for shard, handle in iter_shard_files(staging, shards):
             for index, outputs in shard.groups:
                 tensor = gguf.reader.tensors[index]
-                weight = _convert_tensor(gguf, tensor.name, _dequantize(tensor), config)
+                shape = placed[tensor.name].shape
+                weight = gguf_families.convert(gguf.architecture, tensor.name, _dequantize(tensor), config)
+                weight = np.ascontiguousarray(weight.reshape(shape), dtype=np.float32)
                 if len(outputs) == 3:
                     assert options.quantize_bits is not None
                     arrays = _mlx_quantize(weight, options.weights_dtype, options.quantize_bits, options.group_size)
