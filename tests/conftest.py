@@ -67,6 +67,18 @@ def gemma3_dir(models_dir: Path) -> Path:
     return _embedded(models_dir, "gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def coder05_dir(models_dir: Path) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, real weights (installed by scripts/test, pinned)."""
+    return _embedded(models_dir, "qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def coder15_dir(models_dir: Path) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct, real weights (installed by scripts/test, pinned)."""
+    return _embedded(models_dir, "qwen2.5-coder-1.5b")
+
+
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.169.0"
 

@@ -198,11 +198,7 @@ def placements(config: dict[str, Any], architecture: str, tensors: Mapping[str, 
             another shape.
     """
     import gguf
-
-    from app.engine.blas import load_fast_blas
-
-    load_fast_blas()  # before MLX, if nothing loaded it yet
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # NOTE: the caller loads the BLAS first (app.engine.blas)
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)

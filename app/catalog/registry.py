@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from app.catalog import hf_cache
+from app.catalog import gguf_stores, hf_cache
 from app.catalog.embedded import EMBEDDED, locate_gguf
 from app.errors import ConfigError, NotFound
 
@@ -173,6 +173,7 @@ class Catalog:
     map_unknown: bool = True
     any_installed: bool = False  # requests may name any installed model (settings.serve_installed_models)
     hf_cache: Path | None = None  # the Hugging Face hub cache (None: where huggingface_hub looks)
+    imports: Mapping[str, Path] = field(default_factory=dict)  # name -> a stored GGUF it is imported from
 
     @classmethod
     def configure(cls, models_dir: Path, default: str, aliases: Mapping[str, str] | None = None,
@@ -187,15 +188,23 @@ class Catalog:
         """
         paths: dict[str, Path] = {}
         names: dict[str, str] = {}
+        imports: dict[str, Path] = {}
         for given in (default, *(aliases or {}).values()):
             name, path = _configured(models_dir, given, hf_cache_dir)
             names[given] = name
             paths[name] = path
+            if gguf_stores.is_store_name(given) and not _installed(path):
+                imports[name] = gguf_stores.find(given).path
         for alias in aliases or {}:
             if alias in paths or _installed(models_dir / alias):
                 raise ConfigError(f"model_aliases: {alias!r} is already a model's name")
-        return cls(models_dir, names[default], paths, {a: names[t] for a, t in (aliases or {}).items()},
-                   map_unknown, any_installed, hf_cache_dir)
+        resolved = {a: names[t] for a, t in (aliases or {}).items()}
+        for given, name in names.items():  # a stored model answers to the store's own names too
+            if gguf_stores.is_store_name(given):
+                for spoken in (given, given.split(":", 1)[1]):
+                    if spoken not in paths:
+                        resolved.setdefault(spoken, name)
+        return cls(models_dir, names[default], paths, resolved, map_unknown, any_installed, hf_cache_dir, imports)
 
     @classmethod
     def single(cls, name: str, path: Path) -> Catalog:
@@ -256,7 +265,19 @@ class Catalog:
         if _installed(path):
             return path
         with _install_lock:
+            if name in self.imports:
+                return import_stored(self.imports[name], path)
             return ensure_embedded(self.models_dir, name)
+
+
+def import_stored(source: Path, destination: Path, *, progress: bool = True) -> Path:
+    """A GGUF file of another application's store imported at ``destination`` (unless it is)."""
+    if not _installed(destination):
+        from app.catalog.gguf_import import import_gguf  # (here: gguf is slow to import)
+
+        log.info("importing %s from %s", destination.name, source)
+        import_gguf(source, destination, progress=progress)
+    return destination
 
 
 def configured_model_dir(models_dir: Path, given: str, hf_cache_dir: Path | None = None) -> Path:
@@ -272,6 +293,14 @@ def configured_model_dir(models_dir: Path, given: str, hf_cache_dir: Path | None
 
 def _configured(models_dir: Path, given: str, hf_cache_dir: Path | None) -> tuple[str, Path]:
     """The name and directory of a model the configuration names (see ``Catalog.configure``)."""
+    if gguf_stores.is_store_name(given):
+        name = gguf_stores.import_name(given)
+        if not _installed(models_dir / name):  # imported once, it serves without the store
+            try:
+                gguf_stores.find(given)
+            except NotFound as exc:
+                raise ConfigError(f"model {given!r}: {exc}") from None
+        return name, models_dir / name
     if hf_cache.is_repo_id(given):
         try:
             return given, hf_cache.view(hf_cache.find(given, hf_cache_dir), hf_views(models_dir))

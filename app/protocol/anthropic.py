@@ -321,6 +321,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         parts=tuple((label, text) for label, text in parts if text),
         tool_syntax=syntax,
         tool_specs=specs if use_tools and syntax is not None else (),
+        offered_tools=specs if use_tools else (),
     )
 
 

@@ -363,7 +363,8 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
         speculate=parsed.speculate, constraint=constraint, seed=parsed.seed,
         logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
     )
-    specs = tuple(t.model_dump() for t in parsed.tools or ()) if tools_system and syntax is not None else ()
+    offered = tuple(t.model_dump() for t in parsed.tools or ()) if tools_system else ()
+    specs = offered if syntax is not None else ()
     return ParsedTurn(parsed.model, tuple(messages), sampling, parsed.stream, parsed.session_id,
                       tuple(body["messages"]),
                       include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
@@ -372,7 +373,7 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
                       message_digests=tuple(content_digest(m.role, m.content) for m in rendered),
                       parts=_parts(rendered, tools_system, format_text) if syntax is None
                       else _parts(template_messages, "", format_text),
-                      tool_syntax=syntax, tool_specs=specs)
+                      tool_syntax=syntax, tool_specs=specs, offered_tools=offered)
 
 
 def _parts(rendered: list[ChatMessage], tools_system: str, format_text: str = "") -> tuple[tuple[str, str], ...]:

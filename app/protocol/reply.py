@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from app.protocol.loose_calls import LooseCalls
 from app.protocol.tool_format import ToolSpec, call_parser
 from app.protocol.tools import partial_suffix
 from app.protocol.turn import ParsedTurn
@@ -50,21 +51,23 @@ class ReplyParser:
 
     ``prefix`` is text the reply already starts with in the prompt (a forced
     tool call); it is parsed as if the model had written it. Tool calls are
-    read in ``syntax`` (None: the generic format), with the tools ``specs``.
+    read in ``syntax`` (None: the generic format), with the tools ``specs``; a call to one of
+    the ``offered`` tools written as plain JSON counts too (``app.protocol.loose_calls``).
     """
 
     def __init__(self, *, thinking: bool, tools: bool, prefix: str = "", syntax: ToolSyntax | None = None,
-                 specs: tuple[ToolSpec, ...] = ()) -> None:
+                 specs: tuple[ToolSpec, ...] = (), offered: tuple[ToolSpec, ...] = ()) -> None:
         self._state = "start" if thinking else "body"
         self._buffer = ""
         self._strip = False  # drop whitespace between </think> and the answer
         self._calls = call_parser(syntax, specs) if tools else None
+        self._loose = LooseCalls(offered) if tools and offered and not prefix else None
         self._prefix = prefix
 
     @classmethod
     def for_turn(cls, turn: ParsedTurn) -> ReplyParser:
         return cls(thinking=turn.parse_thinking, tools=turn.parse_tools, prefix=turn.reply_prefix,
-                   syntax=turn.tool_syntax, specs=turn.tool_specs)
+                   syntax=turn.tool_syntax, specs=turn.tool_specs, offered=turn.offered_tools)
 
     def feed(self, text: str) -> list[Part]:
         text, self._prefix = self._prefix + text, ""
@@ -99,7 +102,9 @@ class ReplyParser:
             out.extend(self._body(rest))
         self._state = "body"
         if self._calls is not None:
-            out.extend(self._calls.finish())
+            out.extend(self._loosely(self._calls.finish()))
+        if self._loose is not None:
+            out.extend(self._loose.finish())
         return out
 
     def _body(self, text: str) -> list[Part]:
@@ -108,7 +113,16 @@ class ReplyParser:
             self._strip = not text
         if not text:
             return []
-        return list(self._calls.feed(text)) if self._calls is not None else [text]
+        return self._loosely(self._calls.feed(text)) if self._calls is not None else [text]
+
+    def _loosely(self, parts: list[str | ToolCall]) -> list[Part]:
+        """The format's parts with the text's plain-JSON calls found."""
+        if self._loose is None:
+            return list(parts)
+        out: list[Part] = []
+        for part in parts:
+            out.extend(self._loose.feed(part) if isinstance(part, str) else [*self._loose.flush(), part])
+        return out
 
 
 def parse_reply(turn: ParsedTurn, text: str) -> list[Part]:

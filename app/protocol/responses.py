@@ -596,4 +596,5 @@ def parse_request(body: Any, options: RequestOptions) -> ParsedTurn:
                       system_digest=content_digest("system", f"{parsed.instructions or ''}\0{tools_text}"),
                       message_digests=digests,
                       parts=tuple((label, text) for label, text in parts if text), details=details,
-                      tool_syntax=syntax, tool_specs=specs if syntax is not None else ())
+                      tool_syntax=syntax, tool_specs=specs if syntax is not None else (),
+                      offered_tools=specs if tools_text else ())

@@ -57,6 +57,9 @@ class ParsedTurn:
     # tools offered as its chat template takes them (app.protocol.tool_format).
     tool_syntax: ToolSyntax | None = None
     tool_specs: tuple[dict[str, Any], ...] = ()
+    # The tools offered, in either format: a reply's call written as plain JSON names one of
+    # them (app.protocol.loose_calls).
+    offered_tools: tuple[dict[str, Any], ...] = ()
     # What one protocol's renderers need beyond the above (the Responses API: its tools'
     # kinds and namespaces, the request fields its response object repeats).
     details: Any = None

