@@ -366,8 +366,11 @@ class Runner(threading.Thread):
     def _prefill_step(self) -> None:
         for sequence in [s for s in self._prefilling if s.job.cancelled]:
             self._prefilling.remove(sequence)
-            log.info("request %s: cancelled during prefill", sequence.job.request.request_id)
             sequence.reason = "cancelled"
+            kept = self._keep_prefilled(sequence)
+            log.info("request %s: cancelled during prefill (%d of %d prompt tokens computed, %s)",
+                     sequence.job.request.request_id, sequence.n_prefilled, len(sequence.prompt_ids),
+                     "kept in its conversation's cache" if kept else "not kept")
             self._publish()
             sequence.put(sequence.finished(committed=False))
         if not self._prefilling:
@@ -394,6 +397,22 @@ class Runner(threading.Thread):
             else:  # prefill only: the cache is the result
                 sequence.reason = "max_tokens"
                 self._finish(sequence, lambda: sequence.cache)
+
+    def _keep_prefilled(self, sequence: Sequence) -> bool:
+        """Commit what a cancelled prefill computed to its conversation's cache, as a finished
+        turn's would be (its blocks in memory, then on disk), so that the same prompt sent again
+        (a client's retry) resumes from there, as llama.cpp keeps a slot's work. True if kept."""
+        record = sequence.prefilled_record()
+        caches, request = self._caches, sequence.job.request
+        if record is None or caches is None:
+            return False
+        try:
+            caches.commit(sequence.lease, record, sequence.cache, persist=request.persist,
+                          hot_ttl_s=request.hot_ttl_s)
+        except Exception:  # only reuse is lost
+            log.exception("request %s: keeping the prefilled cache failed", request.request_id)
+            return False
+        return True
 
     def _log_progress(self, sequence: Sequence, n: int) -> None:
         """A long prompt's prefill logs a line at the chunk that crosses each quarter (a client

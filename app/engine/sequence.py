@@ -182,6 +182,20 @@ class Sequence:
         return lease.record.extend(self.prompt_ids, unreused, self.prompt_ends) \
             .extend(self.output, self.tracker.text, self.tracker.ends)
 
+    def prefilled_record(self) -> CacheRecord | None:
+        """What its cache holds when its prefill stopped part way (cancelled): the reused prefix
+        and the prompt tokens computed so far; None if it computed none, or they do not spell
+        the prompt's text exactly up to their end (then nothing is stored)."""
+        n = self.n_prefilled
+        if not n or not self.committable:
+            return None
+        lease = self.lease
+        unreused = self.job.request.prompt.text[lease.record.ends[-1] if lease.n_reused else 0:]
+        tokens, text = self.prompt_ids[:n], unreused[:self.prompt_ends[n - 1]]
+        if not spells(self.token_bytes, tokens, text):
+            return None
+        return lease.record.extend(tokens, text, self.prompt_ends[:n])
+
     def finished(self, committed: bool) -> Finished:
         """The turn's last event; ``committed``: its cache was stored. Its times count from
         the request's arrival (``TurnClock``)."""

@@ -9,6 +9,7 @@ history for it, and be free for the next request.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -77,6 +78,29 @@ def test_leaving_during_prefill_stops_it_between_chunks(server: ServerProcess, s
     assert query(server.db_path, "SELECT count(*) FROM messages WHERE agent_id = ?", session) == [(0,)]
     assert server.log().count("cancelled during prefill") >= 1
     assert_engine_free(server)
+
+
+def test_a_retry_after_a_cancelled_prefill_resumes_from_what_it_computed(server: ServerProcess) -> None:
+    """The client leaves part way through a long prefill (as Claude Code gave up on a slow one)
+    and sends the same request again: the retry reads what the first attempt computed from the
+    conversation's cache (issue 58: it read 17 of 9,392 tokens and started over)."""
+    session = f"gone-retry-{uuid.uuid4().hex[:8]}"
+    leave_after(server, session, True, 6.0)
+    status, _, _ = wait_finished(server, session)
+    assert status == "cancelled"
+    (request_id,) = query(server.db_path, "SELECT id FROM requests WHERE agent_id = ?", session)[0]
+    found = re.search(rf"request {request_id}: cancelled during prefill \((\d+) of (\d+) prompt tokens computed, "
+                      r"kept in its conversation's cache\)", server.log())
+    assert found, server.log()[-3000:]
+    computed, total = int(found.group(1)), int(found.group(2))
+    assert computed >= total // 4, (computed, total)  # cancelled well into its prefill
+    retry = httpx.post(f"{server.url}/v1/messages", json=body(session, False, max_tokens=1),
+                       headers={"x-session-id": session}, timeout=300)
+    assert retry.status_code == 200
+    cached = retry.json()["usage"]["cache_read_input_tokens"]
+    assert cached >= 0.95 * computed, (cached, computed, total)
+    assert query(server.db_path, "SELECT status FROM requests WHERE agent_id = ? ORDER BY created_at",
+                 session) == [("cancelled",), ("ok",)]
 
 
 def test_leaving_while_queued_drops_the_job(server: ServerProcess) -> None:
