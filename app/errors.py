@@ -24,6 +24,14 @@ class ContextTooLong(InvalidRequest):
         self.n_max = n_max
 
 
+class TooLargeForMemory(InvalidRequest):
+    """A request that can never run: its working cache alone exceeds the memory budget (a 400
+    that says what does not fit, not an overload a client would retry forever)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "max_tokens")
+
+
 class NotFound(SemanticError):
     """A named resource (model, agent) does not exist."""
 
@@ -55,12 +63,6 @@ class Overloaded(SemanticError):
     """The engine's queue is full; the client should retry later."""
 
     retry_after_s = 1
-
-
-class MemoryExhausted(Overloaded):
-    """The memory a request needs cannot be freed (its working cache alone exceeds the budget)."""
-
-    retry_after_s = 10
 
 
 class StoreBusy(Overloaded):

@@ -45,10 +45,12 @@ class StatusReport:
     recent: list[RecentTurn]  # the most recently used conversations' latest turns, newest first
 
 
-def read_health(url: str) -> dict[str, Any] | None:
-    """The server's /health document (also when it answers 503: loading, unavailable)."""
+def read_health(url: str, api_key: str = "") -> dict[str, Any] | None:
+    """The server's /health document (also when it answers 503: loading, unavailable); with
+    the server's ``api_key``, the agents of the prefills in flight are named in it."""
+    request = urllib.request.Request(f"{url}/health", headers={"x-api-key": api_key} if api_key else {})
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_S) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read() or b"{}")
@@ -65,7 +67,7 @@ def server_url(settings: Settings) -> str:
 
 
 def collect(settings: Settings, url: str) -> StatusReport:
-    health = read_health(url)
+    health = read_health(url, settings.api_key)
     counted = ((health or {}).get("cache") or {}).get("conversations")  # the server counts its memory in
     tiers = cache_index.TierCounts(**counted) if counted else cache_index.TierCounts(0, 0, 0)
     disk, runs, recent = 0, [], []
@@ -114,8 +116,8 @@ def format_report(report: StatusReport) -> str:
                      f"{health.get('backend')}, BLAS {health.get('blas')}, up {health.get('uptime_s', 0):.0f} s)")
         lines.append(f"queue    {health.get('queue_depth', 0)} waiting, {health.get('active_requests', 0)} active")
         for prefill in health.get("prefilling") or []:
-            lines.append(f"prefill  {prefill['request_id']} (agent {prefill['agent_id']}): "
-                         f"{prefill['done_tokens']} of {prefill['total_tokens']} new tokens")
+            named = f"{prefill['request_id']} (agent {prefill['agent_id']})" if "request_id" in prefill else "a request"
+            lines.append(f"prefill  {named}: {prefill['done_tokens']} of {prefill['total_tokens']} new tokens")
     cache = (health or {}).get("cache") or {}
     if cache:
         lines.append(f"pool     {_mib(cache['pool_bytes'])} of {_mib(cache['pool_budget_bytes'])}, "

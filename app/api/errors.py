@@ -9,7 +9,7 @@ import falcon
 from sqlalchemy.exc import OperationalError
 
 from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
-                        MemoryExhausted, ModelLoading, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
+                        ModelLoading, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
                         Unauthorized, UnsupportedMediaType)
 from app.protocol import anthropic, ollama, openai, responses_output
 
@@ -23,7 +23,6 @@ STATUS: dict[type[SemanticError], int] = {
     RequestTooLarge: 413,
     UnsupportedMediaType: 415,
     NotFound: 404,
-    MemoryExhausted: 529,
     StoreBusy: 503,
     Overloaded: 429,
     EngineUnavailable: 503,

@@ -80,8 +80,10 @@ class HealthResource:
             "active_requests": status.n_active,
             "split_cores": status.split_cores,
             "kv_format": _kv_format(status.kv),
+            # Without the key (on a server that has one) the prefills in flight are counted, not named.
             "prefilling": [{"request_id": p.request_id, "agent_id": p.agent_id, "done_tokens": p.done,
-                            "total_tokens": p.total} for p in status.prefills],
+                            "total_tokens": p.total} if req.context.get("authorized", True)
+                           else {"done_tokens": p.done, "total_tokens": p.total} for p in status.prefills],
             "engine": {  # totals since start: batched decode steps and prefill chunks
                 "decode_steps": status.counters.decode_steps, "split_steps": status.counters.split_steps,
                 "decode_tokens": status.counters.decode_tokens,

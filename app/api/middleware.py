@@ -96,12 +96,18 @@ class AuthMiddleware:
         self._key = api_key.encode()
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if not self._key or req.path in OPEN_PATHS or cookie_admits(req, self._key):
-            return
+        # An open path answers without the key; ``authorized`` tells it whether to show what only
+        # the key's holder may see (/health: the agents in flight).
+        req.context.authorized = self._admits(req)
+        if not req.context.authorized and req.path not in OPEN_PATHS:
+            raise Unauthorized("invalid or missing API key (send x-api-key or Authorization: Bearer)")
+
+    def _admits(self, req: falcon.Request) -> bool:
+        if not self._key or cookie_admits(req, self._key):
+            return True
         bearer = (req.get_header("AUTHORIZATION") or "").removeprefix("Bearer ").strip()
         offered = req.get_header("X-API-KEY") or bearer
-        if not offered or not hmac.compare_digest(offered.encode(), self._key):
-            raise Unauthorized("invalid or missing API key (send x-api-key or Authorization: Bearer)")
+        return bool(offered) and hmac.compare_digest(offered.encode(), self._key)
 
 
 class BodyLimitMiddleware:

@@ -77,6 +77,16 @@ class Forget:
     conversation_id: str
 
 
+def describe(item: Snapshot | Copy | Forget) -> str:
+    """A queued write as a log line may show it: what and whose, none of its text."""
+    if isinstance(item, Snapshot):
+        return (f"cache of conversation {item.cache.conversation_id}, {item.cache.record.n_tokens} tokens, "
+                f"{len(item.blocks)} blocks")
+    if isinstance(item, Copy):
+        return f"copy of conversation {item.source}'s cache for {item.conversation_id}"
+    return f"deletion of conversation {item.conversation_id}'s cache"
+
+
 class Persister(threading.Thread):
     def __init__(self, files: CacheFiles, sessions: sessionmaker[Session], owner: str | None = None) -> None:
         super().__init__(name="semantic-persist", daemon=True)
@@ -141,7 +151,8 @@ class Persister(threading.Thread):
                 else:
                     self._forget(item.conversation_id)
             except Exception:  # a failed write is a future cache miss, never a crash
-                log.exception("persisting a cache failed (%s)", item)
+                # NOTE: named, never shown whole: a snapshot holds the prompt's text
+                log.exception("persisting a cache failed (%s)", describe(item))
             finally:
                 done.set()
                 with self._lock:

@@ -31,7 +31,7 @@ from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, l
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
 from app.engine.surface import EngineStatus, ModelInfo
-from app.errors import EngineUnavailable, MemoryExhausted, ModelLoading
+from app.errors import EngineUnavailable, ModelLoading, TooLargeForMemory
 from app.types import ChatMessage, ForkPoint, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class Engine:
 
         Raises:
             ContextTooLong, EngineUnavailable; InvalidRequest: its output constraint cannot hold on the model;
-            MemoryExhausted: its working cache alone would exceed the memory budget;
+            TooLargeForMemory: its working cache alone would exceed the memory budget (a 400);
             Overloaded: ``max_queue`` requests already wait for a place in the batch.
         """
         arrived = request.arrived_at if request.arrived_at is not None else time.perf_counter()
@@ -206,7 +206,7 @@ class Engine:
         grammar.check(request.sampling.constraint, spec)  # a format this model cannot hold: a 400, not a failed turn
         refusal = self._admission.refusal(request, spec)
         if refusal is not None:
-            raise MemoryExhausted(refusal)
+            raise TooLargeForMemory(refusal)
         if request.conversation_id is not None and self._cache_enabled:
             start = time.perf_counter()  # a restore's network time, on this thread (the model it names)
             self._stager.stage(scoped_fingerprint(spec.fingerprint, self._scope), request.conversation_id)

@@ -145,7 +145,7 @@ class EngineSurface(Protocol):
         ...
 
     def submit(self, request: GenerationRequest) -> GenerationJob:
-        """Queue a generation (ContextTooLong, EngineUnavailable, MemoryExhausted, Overloaded)."""
+        """Queue a generation (ContextTooLong, EngineUnavailable, TooLargeForMemory, Overloaded)."""
         ...
 
     def status(self) -> EngineStatus:

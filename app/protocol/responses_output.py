@@ -26,7 +26,7 @@ import json
 import uuid
 from typing import Any, Generator, Iterator, Sequence
 
-from app.errors import ContextTooLong, InvalidRequest, MemoryExhausted, NotFound, Overloaded, SemanticError
+from app.errors import ContextTooLong, InvalidRequest, NotFound, Overloaded, SemanticError
 from app.protocol import openai, tools
 from app.protocol.reply import Reply, ReplyParser, Thinking, parse_reply
 from app.protocol.responses import ResponsesDetails
@@ -178,8 +178,6 @@ def error_code(exc: SemanticError) -> str | None:
     """The OpenAI error code of an exception (None: only its type says what went wrong)."""
     if isinstance(exc, ContextTooLong):
         return "context_length_exceeded"
-    if isinstance(exc, MemoryExhausted):
-        return "server_is_overloaded"
     if isinstance(exc, Overloaded):
         return "rate_limit_exceeded"
     if isinstance(exc, NotFound):

@@ -5,6 +5,7 @@ tested end to end in tests/e2e."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import sqlite3
 import time
@@ -19,7 +20,7 @@ from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.engine.surface import EngineSurface, GenerationJob
 from app.engine.timing import PrefillProgress
-from app.errors import MemoryExhausted, Overloaded
+from app.errors import Overloaded, TooLargeForMemory
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -106,21 +107,26 @@ def test_time_to_first_token_counts_from_arrival_and_is_stored_and_reported_in_p
         assert f"{name}_count 1.0" in metrics and f"{name}_sum {total}" in metrics, name
 
 
-@pytest.mark.parametrize("refusal,status,kind", [
-    (Overloaded("16 requests are already waiting"), 429, "rate_limit_error"),
-    (MemoryExhausted("needs 900 MiB"), 529, "overloaded_error"),
+@pytest.mark.parametrize("refusal,status,kind,retry", [
+    (Overloaded("16 requests are already waiting"), 429, "rate_limit_error", True),
+    # One that can never fit the memory budget: a 400 saying so, no retry-after (a 529 had
+    # clients retry it forever, issue 59 item 6).
+    (TooLargeForMemory("needs 900 MiB; the budget is 256 MiB"), 400, "invalid_request_error", False),
 ])
-def test_admission_refusals_have_their_status_retry_after_and_write_nothing(app, refusal, status, kind) -> None:  # type: ignore[no-untyped-def]
+def test_admission_refusals_have_their_status_retry_after_and_write_nothing(  # type: ignore[no-untyped-def]
+        app, refusal, status, kind, retry) -> None:
     client, engine, db = app
     engine.refuse = refusal
     before = store(db)
     response = client.simulate_post("/v1/messages", json=MESSAGES, headers={"x-session-id": "s2"})
     assert response.status_code == status and response.json["error"]["type"] == kind
-    assert int(response.headers["retry-after"]) >= 1
+    assert ("retry-after" in response.headers) == retry and (not retry or int(response.headers["retry-after"]) >= 1)
+    assert str(refusal) in response.json["error"]["message"]
     assert store(db) == before  # no agent, conversation or message for a refused request
     assert query(db, "SELECT status FROM requests") == [("rejected",)]
     chat = client.simulate_post("/v1/chat/completions", json=CHAT)
-    assert chat.status_code == status and chat.json["error"]["type"] in ("rate_limit_exceeded", "server_error")
+    assert chat.status_code == status
+    assert chat.json["error"]["type"] in ("rate_limit_exceeded", "server_error", "invalid_request_error")
 
 
 def test_a_prompt_beyond_the_context_is_the_anthropic_400_and_writes_nothing(app) -> None:  # type: ignore[no-untyped-def]
@@ -152,10 +158,32 @@ def test_health_and_semantic_status_show_the_prefills_in_flight(
     health = client.simulate_get("/health").json
     assert health["prefilling"] == [{"request_id": "req_1", "agent_id": "planner", "done_tokens": 1024,
                                      "total_tokens": 4249}]
-    monkeypatch.setattr(status, "read_health", lambda url: client.simulate_get("/health").json)
+    monkeypatch.setattr(status, "read_health", lambda url, key="": client.simulate_get("/health").json)
     _, _, db = app
     report = status.format_report(status.collect(Settings(home=db.parent), "http://fake"))
     assert "prefill  req_1 (agent planner): 1024 of 4249 new tokens" in report
+
+
+def test_health_without_the_key_counts_the_prefills_in_flight_without_naming_them(tmp_path: Path) -> None:
+    """Issue 59, item 4: on a server with a key, /health answers without it (a probe), but the
+    agents and requests in flight are for the key's holder."""
+    db = tmp_path / "semantic.db"
+    upgrade(f"sqlite:///{db}")
+    sessions = make_session_factory(make_engine(f"sqlite:///{db}"))
+    engine = FakeEngine(tmp_path)
+    engine.prefills = (PrefillProgress("req_1", "planner", 1024, 4249),)
+    settings = Settings(home=tmp_path, allowed_hosts="falconframework.org", api_key="k" * 32)
+    client = falcon.testing.TestClient(create_app(Deps(settings, engine, AgentService(sessions), sessions)))
+    anonymous = client.simulate_get("/health")
+    assert anonymous.status_code == 200
+    assert anonymous.json["prefilling"] == [{"done_tokens": 1024, "total_tokens": 4249}]
+    assert "planner" not in anonymous.text and "req_1" not in anonymous.text
+    keyed = client.simulate_get("/health", headers={"x-api-key": "k" * 32}).json
+    assert keyed["prefilling"] == [{"request_id": "req_1", "agent_id": "planner", "done_tokens": 1024,
+                                    "total_tokens": 4249}]
+    wrong = client.simulate_get("/health", headers={"x-api-key": "x" * 32}).json
+    assert "planner" not in json.dumps(wrong)
+    assert client.simulate_get("/v1/models").status_code == 401  # other routes still want it
 
 
 def test_health_the_status_page_and_semantic_status_count_conversations_by_tier_alike(
@@ -183,9 +211,9 @@ def test_health_the_status_page_and_semantic_status_count_conversations_by_tier_
     page = client.simulate_get("/status").text
     assert all(f"{name}<b>{n}</b>" in page for name, n in (("conversations hot", 2), ("warm", 2), ("cold", 1)))
     settings = Settings(home=db.parent)
-    monkeypatch.setattr(status, "read_health", lambda url: client.simulate_get("/health").json)
+    monkeypatch.setattr(status, "read_health", lambda url, key="": client.simulate_get("/health").json)
     assert asdict(status.collect(settings, "http://server"))["tiers"] == health
-    monkeypatch.setattr(status, "read_health", lambda url: None)  # no server: nothing is hot
+    monkeypatch.setattr(status, "read_health", lambda url, key="": None)  # no server: nothing is hot
     assert asdict(status.collect(settings, "http://server"))["tiers"] == {"hot": 0, "warm": 3, "cold": 1}
 
 

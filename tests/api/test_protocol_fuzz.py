@@ -19,7 +19,7 @@ from sqlalchemy.pool import NullPool
 
 from app.agents.service import AgentService
 from app.api.routes import Deps
-from app.errors import MemoryExhausted, Overloaded
+from app.errors import Overloaded, TooLargeForMemory
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -223,7 +223,7 @@ def test_an_odd_character_or_length_in_any_string_is_refused_or_reads_back(fuzz_
     ("/v1/agents/fuzz-direct/fork", {**VALID["/v1/agents/fuzz-direct/fork"], "id": "refused-fork"}),
 ], ids=["create", "fork"])
 @pytest.mark.parametrize("refusal,status", [(Overloaded("16 requests are already waiting"), 429),
-                                            (MemoryExhausted("needs 900 MiB"), 529)], ids=["429", "529"])
+                                            (TooLargeForMemory("needs 900 MiB"), 400)], ids=["429", "400"])
 def test_a_refused_agent_creation_or_fork_changes_no_row_and_its_retry_succeeds(
         fuzz_store, route: str, body: dict[str, Any], refusal: Exception, status: int) -> None:  # type: ignore[no-untyped-def]
     """The engine refuses the agent's first step (the system prompt's prefill, the fork's cache

@@ -78,3 +78,27 @@ def test_a_pool_waits_out_a_servers_whole_shutdown_before_killing_it() -> None:
     from app.pool.supervisor import STOP_TIMEOUT_S
 
     assert STOP_TIMEOUT_S >= persist.FLUSH_ON_CLOSE_S + persist.STOP_ON_CLOSE_S + 15
+
+
+def test_a_failed_write_is_logged_without_the_prompts_text(tmp_path: Path, monkeypatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 59, item 3: a full disk logged each failed snapshot whole at ERROR, prompt text included."""
+    url = f"sqlite:///{tmp_path / 'semantic.db'}"
+    upgrade(url)
+    files = CacheFiles(tmp_path / "blocks", "f" * 64)
+
+    def full_disk(_cache: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_record", full_disk)
+    persister = Persister(files, make_session_factory(make_engine(url)))
+    persister.start()
+    secret = "the user's private prompt text"
+    record = CacheRecord(tuple(range(len(secret))), secret, tuple(range(1, len(secret) + 1)))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="app.cache.persist"):
+            persister.submit(Snapshot(ConversationCache("agent", "conv_1", record, (), None), {})).wait(10)
+        assert "persisting a cache failed (cache of conversation conv_1, 30 tokens, 0 blocks)" in caplog.text
+        assert secret not in caplog.text and "No space left on device" in caplog.text
+    finally:
+        persister.stop(timeout_s=5)
