@@ -112,8 +112,8 @@ class _AgentsBase:
     @contextmanager
     def _undone_on_failure(self, agent_id: str) -> Iterator[None]:
         """Delete the agent just written (rows, and any cache the engine made for it) when the
-        engine refuses or fails what follows: a refused request (429, or 400 for one that can never fit) changes no row, so the
-        client's retry creates it instead of finding it taken."""
+        engine refuses or fails what follows: a refused request (429; 400 for one that can never
+        fit) changes no row, so the client's retry creates it instead of finding it taken."""
         try:
             yield
         except BaseException:
