@@ -84,6 +84,49 @@ def _call_rules(offered: Sequence[Tool], names: Sequence[str] | None = None) -> 
     return [f"call: {' | '.join(alternatives)}", *rules]
 
 
+def _resolve(root: dict[str, Any], ref: str) -> Any:
+    """A local ``$ref`` (``#/$defs/node``) of ``root``; None if it points nowhere."""
+    node: Any = root
+    for part in ref.removeprefix("#").strip("/").split("/") if ref.startswith("#") else [None]:
+        if part is None or not isinstance(node, dict):
+            return None
+        node = node.get(part.replace("~1", "/").replace("~0", "~")) if part else node
+    return node
+
+
+def endless(root: dict[str, Any]) -> str | None:
+    """Why no JSON value fits ``root`` in finitely many characters (a ``$ref`` that requires
+    itself: a node whose required child is a node), or None. An alternative (``anyOf``,
+    ``oneOf``) is endless only if each of its branches is; an optional property or an array
+    that may be empty ends it."""
+    def required_refs(node: Any, path: tuple[str, ...], depth: int = 0) -> str | None:
+        if not isinstance(node, dict) or depth > 64:
+            return None
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref in path:
+                return " -> ".join((*path[path.index(ref):], ref))
+            return required_refs(_resolve(root, ref), (*path, ref), depth + 1)
+        for key in ("allOf",):
+            for branch in node.get(key) or ():
+                if (found := required_refs(branch, path, depth + 1)) is not None:
+                    return found
+        for key in ("anyOf", "oneOf"):
+            branches = node.get(key) or ()
+            found_all = [required_refs(branch, path, depth + 1) for branch in branches]
+            if branches and all(found_all):
+                return found_all[0]
+        properties = node.get("properties") or {}
+        for name in node.get("required") or ():
+            if isinstance(name, str) and (found := required_refs(properties.get(name), path, depth + 1)) is not None:
+                return found
+        if (node.get("minItems") or 0) >= 1:
+            return required_refs(node.get("items"), path, depth + 1)
+        return None
+
+    return required_refs(root, ("#",)) if isinstance(root, dict) else None
+
+
 def response_format(schema: dict[str, Any] | None, where: str, prefix: str = "",
                     offered: Sequence[Tool] = ()) -> OutputConstraint:
     """The reply held to JSON matching ``schema`` (None: any JSON object); ``prefix``: the
@@ -92,9 +135,13 @@ def response_format(schema: dict[str, Any] | None, where: str, prefix: str = "",
 
     Raises:
         InvalidRequest: naming ``where``, when llguidance cannot hold the schema (an
-            unsupported keyword, a dangling ``$ref``, ...).
+            unsupported keyword, a dangling ``$ref``, ...) or no finite JSON fits it (``endless``).
     """
     schema = ANY_OBJECT if schema is None else schema
+    cycle = endless(schema)
+    if cycle is not None:
+        raise InvalidRequest(f"{where}: no finite JSON fits the schema: its required properties recurse ({cycle})",
+                             where)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_styled(schema))
     except ValueError as exc:

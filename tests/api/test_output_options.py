@@ -193,6 +193,13 @@ REFUSED = [
      "response_format.json_schema.schema"),
     ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/$defs/missing"}}}}, "response_format.json_schema.schema"),
+    # A node that requires a child node: no finite JSON fits (it was a 200 holding `{"`, issue 59 item 7).
+    ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "tree", "schema": {"$defs": {"node": {"type": "object", "properties": {"child": {
+            "$ref": "#/$defs/node"}}, "required": ["child"]}}, "$ref": "#/$defs/node"}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/messages", MESSAGES, {"output_format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]}}}, "output_format.schema"),
     ("/v1/chat/completions", CHAT, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
      "response_format.json_schema.name"),
     ("/v1/messages", MESSAGES, {"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers"),
