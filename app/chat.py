@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import sys
 import time
 import urllib.parse
@@ -147,6 +148,16 @@ def _error_text(status: int, answer: Any) -> str:
     return f"the server answered {status}: {message or answer}"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Model output as a terminal may show it: control characters (an escape sequence's ESC,
+    which would move the cursor, recolour or retitle the terminal) written as ``\\x1b``;
+    newlines and tabs kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def new_agent_id() -> str:
     return f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
@@ -211,7 +222,7 @@ def _reply(client: ChatClient, agent: str, text: str, max_tokens: int, temperatu
                 say("")
                 say(piece.line())
             else:
-                say(piece, end="")
+                say(printable(piece), end="")
     except KeyboardInterrupt:
         turn.close()  # closes the connection: the server cancels the generation
         say("\n[stopped]")

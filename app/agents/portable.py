@@ -286,6 +286,8 @@ def _read_archive(source: IO[bytes], spool: Path) -> tuple[dict[str, Any], dict[
         manifest = json.loads(manifest_bytes if manifest_bytes is not None else b"")
     except ValueError as exc:
         raise InvalidRequest("archive: no readable agent.json (not an exported agent)", "archive") from exc
+    except RecursionError:
+        raise InvalidRequest("archive: agent.json is nested too deeply (not an exported agent)", "archive") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise InvalidRequest(f"archive: not a {FORMAT} version {VERSION} file", "archive")
     if not isinstance(manifest.get("agent"), dict) or not isinstance(manifest["agent"].get("id"), str) \

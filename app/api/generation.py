@@ -70,7 +70,7 @@ def render_turn(engine: EngineSurface, parsed: ParsedTurn, model: str) -> Prompt
     """The prompt ``model`` sees for ``parsed``."""
     if parsed.completion is not None:
         return engine.render_completion(parsed.completion.prompt, parsed.completion.suffix, model)
-    return engine.render(parsed.messages, parsed.reply_start, model, parsed.tool_specs)
+    return engine.render(parsed.messages, parsed.reply_prefix, model, parsed.tool_specs, prefill=parsed.prefill)
 
 
 @dataclass(frozen=True)

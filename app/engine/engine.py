@@ -171,12 +171,12 @@ class Engine:
             return self._specs[name]
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None,
-               tools: Sequence[dict[str, Any]] = ()) -> Prompt:
+               tools: Sequence[dict[str, Any]] = (), prefill: str = "") -> Prompt:
         """The prompt ``model`` (default: the default model) would see for ``messages``
         (``tools``: definitions for a template that writes them, see ``ModelInfo.tool_syntax``)."""
         spec = self._spec(model)
         return render_chat(spec.tokenizer, messages, reply_prefix, max_tokens=spec.context_length - 1,
-                           max_token_chars=spec.token_bytes.longest, tools=tools)
+                           max_token_chars=spec.token_bytes.longest, tools=tools, prefill=prefill)
 
     def render_completion(self, prompt: str, suffix: str | None = None, model: str | None = None) -> Prompt:
         """The prompt ``model`` (default: the default model) reads for a raw ``prompt``

@@ -106,9 +106,10 @@ def _apply_template(tokenizer: Any, messages: Sequence[ChatMessage], tools: Sequ
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: str = "",
                 max_tokens: int | None = None, max_token_chars: int = 1,
-                tools: Sequence[dict[str, Any]] = ()) -> Prompt:
+                tools: Sequence[dict[str, Any]] = (), prefill: str = "") -> Prompt:
     """Render ``messages`` (and ``tools``, for a template that defines them) with the
-    model's chat template, ready for a reply that starts with ``reply_prefix``.
+    model's chat template, ready for a reply that starts with the client's ``prefill``
+    (neutralized, as its messages are) and then ``reply_prefix`` (the server's own, as is).
 
     With ``max_tokens``, a text that cannot fit is refused before it is tokenized
     (no token spells more than ``max_token_chars`` characters): a huge body costs
@@ -119,7 +120,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], reply_prefix: s
             conversation (e.g. roles that must alternate).
         ContextTooLong: the text alone proves the prompt longer than ``max_tokens``.
     """
-    text = _apply_template(tokenizer, messages, tools) + reply_prefix
+    text = _apply_template(tokenizer, messages, tools) + neutralize(tokenizer, prefill) + reply_prefix
     at_least = -(-len(text) // max_token_chars)
     if max_tokens is not None and at_least > max_tokens:
         raise ContextTooLong(at_least, max_tokens)

@@ -127,9 +127,11 @@ class EngineSurface(Protocol):
         ...
 
     def render(self, messages: Sequence[ChatMessage], reply_prefix: str = "", model: str | None = None,
-               tools: Sequence[dict[str, Any]] = ()) -> Prompt:
+               tools: Sequence[dict[str, Any]] = (), prefill: str = "") -> Prompt:
         """The prompt ``model`` (default: the default model) would see for ``messages``
-        (``tools``: definitions for a template that writes them, see ``ModelInfo.tool_syntax``)."""
+        (``tools``: definitions for a template that writes them, see ``ModelInfo.tool_syntax``),
+        the reply started by the client's ``prefill`` (its special tokens' text neutralized, as
+        every message's is) and then the server's ``reply_prefix`` (a forced call's start)."""
         ...
 
     def render_completion(self, prompt: str, suffix: str | None = None, model: str | None = None) -> Prompt:

@@ -76,11 +76,6 @@ class ParsedTurn:
                       for label, text in self.parts)
         return replace(self, messages=messages, parts=parts, snapshot=pinned)
 
-    @property
-    def reply_start(self) -> str:
-        """What the prompt holds after the template's generation prompt."""
-        return self.prefill + self.reply_prefix
-
 
 def locate_part(parts: tuple[tuple[str, str], ...], text: str, offset: int) -> str:
     """Which piece of the rendered prompt ``text`` character ``offset`` falls in:

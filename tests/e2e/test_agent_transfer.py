@@ -250,6 +250,19 @@ def test_an_archive_naming_other_paths_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "x.tar").exists() and not (tmp_path / "x.tar.partial").exists()
 
 
+def test_a_deeply_nested_agent_json_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Issue 59, item 10: it was a RecursionError traceback, not exit 2."""
+    deep = tmp_path / "deep.tar"
+    data = b"[" * 100_000 + b"]" * 100_000
+    with tarfile.open(deep, "w") as archive:
+        info = tarfile.TarInfo("agent.json")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    result = semantic(tmp_path / "home", "agents", "import", str(deep))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "agent.json is nested too deeply" in result.stderr
+
+
 def _sparse_member(name: str, real_size: int) -> bytes:
     """A GNU sparse member (old format) of 512 stored bytes that reads back as ``real_size``
     bytes (zeros past them), built by hand: Python's tarfile reads such members, never writes them."""

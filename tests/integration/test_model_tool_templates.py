@@ -45,7 +45,7 @@ def spec(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def render(spec: ModelSpec, parsed: ParsedTurn) -> Prompt:
-    prompt = render_chat(spec.tokenizer, parsed.messages, parsed.reply_start, tools=parsed.tool_specs)
+    prompt = render_chat(spec.tokenizer, parsed.messages, parsed.reply_prefix, tools=parsed.tool_specs, prefill=parsed.prefill)
     assert prompt.n_tokens == len(spec.tokenizer._tokenizer.encode(prompt.text, add_special_tokens=False))
     return prompt
 

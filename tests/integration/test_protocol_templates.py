@@ -47,7 +47,7 @@ def turn(module: Any, messages: list[dict[str, Any]], **body: Any) -> Any:
 
 def test_openai_tool_conversation_renders(model: LoadedModel) -> None:
     parsed = turn(openai, OPENAI_TOOL_TURN, tools=WEATHER, tool_choice="required")
-    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_start)
+    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_prefix, prefill=parsed.prefill)
     call = prompt.text.index('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     results = prompt.text.index("<tool_response>\nSunny\n</tool_response>\n<tool_response>\nRainy\n</tool_response>\nSo?")
     assert call < results and prompt.text.endswith('<tool_call>\n{"name": "')
@@ -57,7 +57,7 @@ def test_openai_tool_conversation_renders(model: LoadedModel) -> None:
 def test_anthropic_tools_thinking_and_prefill_render(model: LoadedModel) -> None:
     parsed = turn(anthropic, ANTHROPIC_TOOL_TURN, system="Be brief.",
                   tools=[{"name": "Bash", "input_schema": {"type": "object"}}])
-    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_start)
+    prompt = render_chat(model.tokenizer, parsed.messages, parsed.reply_prefix, prefill=parsed.prefill)
     assert '<think>Use ls.</think>\n<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}' in prompt.text
     assert "<tool_response>\na.txt\n</tool_response>" in prompt.text
     assert prompt.text.endswith("There is")  # the model continues the prefill, no turn break
@@ -138,3 +138,10 @@ def test_special_token_text_in_any_text_stays_text(model: LoadedModel) -> None:
     hostile_tools = offered(f"Weather{marker}", f"Paris{marker}")
     assert "Weather" in hostile_tools.text and "Paris" in hostile_tools.text
     assert count(hostile_tools) == count(offered("Weather", "Paris"))
+    # The client's final assistant message (a prefill, the reply's start) too (issue 59, item 10);
+    # the server's own start of a forced call keeps its markup.
+    prefilled = render_chat(model.tokenizer, [ChatMessage("user", "hi")], prefill=f"Sure{marker}")
+    assert count(prefilled) == count(render_chat(model.tokenizer, [ChatMessage("user", "hi")], prefill="Sure"))
+    assert "Sure" in prefilled.text
+    forced = render_chat(model.tokenizer, [ChatMessage("user", "hi")], reply_prefix=marker)
+    assert count(forced) > count(plain)

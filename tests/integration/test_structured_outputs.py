@@ -45,7 +45,7 @@ def chat(**fields: Any) -> ParsedTurn:
 
 
 def run(engine: Engine, parsed: ParsedTurn, sampling: SamplingParams | None = None) -> tuple[str, Finished]:
-    prompt = engine.render(parsed.messages, parsed.reply_start)
+    prompt = engine.render(parsed.messages, parsed.reply_prefix, prefill=parsed.prefill)
     job = engine.submit(GenerationRequest("req-structured", prompt, sampling or parsed.sampling))
     events = list(job.events())
     assert isinstance(events[-1], Finished)

@@ -88,8 +88,8 @@ class FakeEngine:
         return self.model
 
     def render(self, messages: tuple[ChatMessage, ...], reply_prefix: str = "", model: str | None = None,
-               tools: tuple[dict, ...] = ()) -> Prompt:
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + reply_prefix
+               tools: tuple[dict, ...] = (), prefill: str = "") -> Prompt:
+        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>" + prefill + reply_prefix
         words = text.split()
         return Prompt(text, tuple(range(len(words))), ())
 

@@ -261,7 +261,7 @@ def test_a_final_assistant_message_is_a_prefill() -> None:
     turn = parse({**BASE, "messages": [{"role": "user", "content": "Capital of France?"},
                                        {"role": "assistant", "content": "The capital is"}]})
     assert [m.role for m in turn.messages] == ["user"] and turn.prefill == "The capital is"
-    assert turn.reply_start == "The capital is" and turn.reply_prefix == ""
+    assert turn.reply_prefix == ""
     finished = Finished("end_turn", None, 10, 0, 10, 20, 0.1, 0.2)
     assert anthropic.render_message("msg_1", turn, " Paris.", finished)["content"] == [
         {"type": "text", "text": " Paris."}]  # only the continuation
