@@ -85,3 +85,12 @@ class UnsupportedMediaType(SemanticError):
 
 class RequestTooLarge(SemanticError):
     """The request body exceeds the configured limit."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out (Python's MemoryError, or MLX's allocator failing:
+    a RuntimeError that says so), not that the data was wrong."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "malloc" in text or "allocat" in text)

@@ -27,6 +27,7 @@ from app.cache.persist import Forget, Persister
 from app.cache.records import ConversationCache
 from app.store.cache_index import CacheEntry, CacheIndex
 from app.clock import utcnow
+from app.errors import out_of_memory
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -112,12 +113,15 @@ class Loader:
         return self._put(conversation_id, entry, cache, stored.blocks)
 
     def _miss(self, conversation_id: str, entry: CacheEntry, exc: Exception) -> None:
-        """A conversation could not be read back (``exc``): a miss. Unreadable just now, or (in
-        a pool) a file the shared tier did not deliver, down or having lost the object: nothing
-        says it is damaged, so the row and the writer's files stay. Anything else is damage:
-        the cache is discarded."""
+        """A conversation could not be read back (``exc``): a miss. Unreadable just now, (in
+        a pool) a file the shared tier did not deliver, down or having lost the object, or no
+        memory to hold it: nothing says it is damaged, so the row and the writer's files stay.
+        Anything else is damage: the cache is discarded."""
         if isinstance(exc, FileUnavailable) or (isinstance(exc, FileMissing) and self._files.tier is not None):
             log.warning("conversation %s: cache unavailable just now (%s); a miss", conversation_id, exc)
+        elif out_of_memory(exc):  # the files are not at fault: the cache stays for a later turn
+            log.warning("conversation %s: no memory to read its cache back just now (%s); a miss, the cache kept",
+                        conversation_id, exc)
         else:
             log.warning("conversation %s: cache on disk unusable (%s); treating as a miss", conversation_id, exc)
             self._discard(conversation_id, entry)
@@ -262,6 +266,9 @@ class Loader:
             verified = dict(zip(stored.blocks, checking.result()))
         except Exception as exc:  # a block's data is not what its file claims: damaged
             self._miss(conversation_id, entry, exc)
+            return None
+        if unbuilt is not None and out_of_memory(unbuilt):
+            self._miss(conversation_id, entry, unbuilt)  # a miss; the cache stays for a later turn
             return None
         if unbuilt is not None:
             raise unbuilt  # what was read is what was written: not the files' fault

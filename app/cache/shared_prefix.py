@@ -20,6 +20,7 @@ from app.cache.hot_set import HotSet
 from app.cache.pool import RecentWithin
 from app.store.cache_index import CacheIndex, SharedCheckpoint
 from app.types import CacheSource, Prompt
+from app.errors import out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ class SharedPrefix:
                                                                             BLOCK_TOKENS))
         except (*UNUSABLE, FileUnavailable) as exc:
             log.warning("shared block %s unusable: %s", block, exc)
+            return False
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
+            log.warning("shared block %s: no memory to read it just now (%s)", block, exc)
             return False
         self._memory.add_block(block, data)
         self._memory.blocks_read[block] = "tier" if self._files.take_fetched([found[0]]) else "disk"

@@ -222,3 +222,39 @@ def test_a_block_file_forged_to_verify_alone_is_a_miss_and_quarantined(tmp_path:
     (rewritten,), = query(tmp_path / "semantic.db", f"SELECT checksum FROM blocks WHERE hash = '{first}'")
     assert files.read_metadata(block)[files.CHECKSUM_KEY] == rewritten != forged
     files.read(block, rewritten)  # the home's own block, verified against its row
+
+
+@pytest.mark.parametrize("where", ["blocks", "working copy"])
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("[metal::malloc] Attempting to allocate 9 GB")],
+                         ids=["MemoryError", "MLX allocator"])
+def test_running_out_of_memory_while_restoring_is_a_miss_that_keeps_the_cache(  # type: ignore[no-untyped-def]
+        tmp_path: Path, monkeypatch, error, where) -> None:
+    """Issue 59, item 8: memory that runs out while a cache is read back (its blocks made into
+    arrays, or its working copy built) says nothing of its files: the turn is a miss, nothing is
+    quarantined, and the next restore reads it whole."""
+    from app.cache import loading
+
+    model = build("llama")
+    tokens = np.random.default_rng(5).integers(0, VOCAB, 600).tolist()
+    caches = manager(tmp_path, len(model.layers))
+    store_turn(caches, model, "c", tokens)
+    assert caches.flush(60)
+    caches.close()
+
+    restarted = manager(tmp_path, len(model.layers))
+
+    def exhausted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise error
+        yield  # a generator, as to_working_cache_steps is
+
+    with monkeypatch.context() as patched:
+        if where == "blocks":
+            patched.setattr(loading.KVBlock, "from_numpy", lambda *a, **k: (_ for _ in ()).throw(error))
+        else:
+            patched.setattr(loading, "to_working_cache_steps", exhausted)
+        lease = restarted.lease("a", "c", as_prompt(tokens + [7]))
+        assert lease.report.reason in ("miss", "shared")  # (the blocks read may serve as shared ones)
+    assert not list(files.quarantined_files(tmp_path / "blocks"))
+    again = restarted.lease("a", "c", as_prompt(tokens + [7]))
+    assert again.n_reused == len(tokens)
+    restarted.close()
