@@ -109,7 +109,12 @@ def _serve(settings: Settings) -> None:
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
                     speculative_tokens=speculative_tokens,
                     draft_model=draft)
-    app = create_app(Deps(settings, engine, AgentService(sessions), sessions))
+    agents = AgentService(sessions, settings.effective_server_id)
+    interrupted = agents.interrupt_unfinished(alone=not is_postgres_url(settings.db_url))
+    if interrupted:
+        log.warning("%d request(s) left running by this server's last process (a crash, a kill, a full disk) "
+                    "marked interrupted", interrupted)
+    app = create_app(Deps(settings, engine, agents, sessions))
     try:
         server = make_server(app, **waitress_options(settings))
     except OSError as exc:

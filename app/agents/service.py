@@ -55,8 +55,16 @@ class StoredReply:
 
 
 class AgentService:
-    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+    def __init__(self, session_factory: sessionmaker[Session], server_id: str | None = None) -> None:
+        """``server_id``: the server whose requests this records (each row names it)."""
         self._sessions = session_factory
+        self._server_id = server_id
+
+    def interrupt_unfinished(self, *, alone: bool) -> int:
+        """At start: mark the requests this server left running ``interrupted`` (``alone``:
+        the store's only server, every running row); how many."""
+        with self._sessions.begin() as session:
+            return history.interrupt_unfinished(session, self._server_id or "", utcnow(), alone=alone)
 
     def resolve(self, named: AgentKey | None, system_digest: str, digests: Sequence[str]) -> ConversationTarget:
         """The conversation a request continues, by content: the one whose stored messages
@@ -171,7 +179,7 @@ class AgentService:
             with self._sessions.begin() as session:
                 history.start_request(session, request_id, protocol=protocol, model=model,
                                       served_model=served_model, stream=stream, n_input_tokens=n_input_tokens,
-                                      now=utcnow())
+                                      now=utcnow(), server_id=self._server_id)
 
         with_retries(write, attempts=1)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Sequence
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.store.db import insert_or_ignore
@@ -136,10 +136,26 @@ def _text(value: str | None) -> str | None:
 
 
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,
-                  served_model: str | None, stream: bool, n_input_tokens: int | None, now: datetime) -> None:
+                  served_model: str | None, stream: bool, n_input_tokens: int | None, now: datetime,
+                  server_id: str | None = None) -> None:
     """The request's row, before the engine runs it (its agent is written when it ends)."""
-    session.add(Request(id=request_id, protocol=protocol, model=model, served_model=served_model,
-                        stream=stream, n_input_tokens=n_input_tokens, status="running", created_at=now))
+    session.add(Request(id=request_id, protocol=protocol, server_id=server_id, model=model,
+                        served_model=served_model, stream=stream, n_input_tokens=n_input_tokens, status="running",
+                        created_at=now))
+
+
+def interrupt_unfinished(session: Session, server_id: str, now: datetime, *, alone: bool) -> int:
+    """Mark the requests ``server_id`` left ``running`` (it stopped before they ended: a
+    crash, a kill, a full disk) ``interrupted``; with ``alone`` (the only server of its store:
+    SQLite, one server a home) every running row, those from before revision 0012 included.
+    Returns how many."""
+    unfinished = update(Request).where(Request.status == "running")
+    if not alone:
+        unfinished = unfinished.where(Request.server_id == server_id)
+    result = session.execute(unfinished.values(
+        status="interrupted", error_type="interrupted",
+        error_message="the server stopped before the request ended (it was started again)", finished_at=now))
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def finish_request(session: Session, request_id: str, finished: Finished, now: datetime, *,

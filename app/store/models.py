@@ -84,6 +84,7 @@ class Request(Base):
     conversation_id: Mapped[str | None] = mapped_column(ForeignKey("conversations.id", ondelete="SET NULL"),
                                                         index=True)
     protocol: Mapped[str] = mapped_column(String(16))  # anthropic / openai / responses / direct / ollama (protocol_of)
+    server_id: Mapped[str | None] = mapped_column(String(128))  # the server that ran it (NULL: before 0012)
     model: Mapped[str | None] = mapped_column(String(256))  # as requested
     served_model: Mapped[str | None] = mapped_column(String(256))
     stream: Mapped[bool] = mapped_column(default=False)
@@ -112,7 +113,8 @@ class Request(Base):
     restore_ms: Mapped[float | None]
     prefill_ms: Mapped[float | None]
     total_ms: Mapped[float | None]
-    # running / ok / error / rejected / cancelled
+    # running / ok / error / rejected / cancelled / interrupted (its server stopped before it ended:
+    # a crash, a kill, a full disk; marked by the server's next start)
     status: Mapped[str] = mapped_column(String(16), index=True)
     stop_reason: Mapped[str | None] = mapped_column(String(32))
     error_type: Mapped[str | None] = mapped_column(String(64))

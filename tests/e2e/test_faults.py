@@ -130,6 +130,8 @@ def test_random_kills_lose_no_finished_turn_and_leave_a_consistent_store(tmp_pat
                 stored = stored_replies(home / "semantic.db", agent)
                 assert all(reply in stored for reply in answered[agent]), (agent, round_)
             server = start_server(home, smollm2_dir)
+            # The start marks what the killed process left running (issue 59, item 9).
+            assert query(home / "semantic.db", "SELECT count(*) FROM requests WHERE status = 'running'") == [(0,)]
         for agent in AGENTS:  # a last turn each, uninterrupted
             reply = ask(server, agent, next_turn(conversations[agent], len(answered[agent])))
             assert reply in stored_replies(home / "semantic.db", agent)
@@ -137,3 +139,6 @@ def test_random_kills_lose_no_finished_turn_and_leave_a_consistent_store(tmp_pat
         stop_server(server)
     assert store_problems(home) == []
     assert sum(map(len, answered.values())) >= 4  # at least one turn a round finished before its kill
+    (interrupted,), = query(home / "semantic.db", "SELECT count(*) FROM requests WHERE status = 'interrupted'")
+    assert interrupted >= 1 and "marked interrupted" in "".join(
+        p.read_text() for p in home.glob("server.log*")), "no kill cut a request in flight"
