@@ -296,6 +296,19 @@ def _calibrate(settings: Settings, name: str, path: Path) -> None:
     print(f"{name}: KV format {kv.describe()}")
 
 
+def cmd_models_calibrate(settings: Settings, args: argparse.Namespace) -> int:
+    from app.catalog.registry import configured_model_dir
+    from app.engine.blas import load_fast_blas
+
+    load_fast_blas(settings.blas_library)  # an embedded model not imported yet is imported first
+    path = configured_model_dir(settings.models_dir, args.name)
+    if settings.kv_format_for(args.name) != "auto":
+        print(f"{args.name}: its KV format is set ({settings.kv_format_for(args.name)}), not calibrated")
+        return 0
+    _calibrate(settings, args.name, path)
+    return 0
+
+
 def cmd_models_list(settings: Settings, _args: argparse.Namespace) -> int:
     from app.catalog.embedded import EMBEDDED
     from app.catalog.gguf_stores import import_name, stored_models
@@ -593,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("name", choices=EMBEDDED, metavar="MODEL",
                          help=f"one of: {', '.join(EMBEDDED)} (`semantic models list` describes them)")
     install.set_defaults(handler=cmd_models_install)
+    calibrate = model_commands.add_parser(
+        "calibrate", help="measure a model's auto KV format now (a server serves f16 until it is recorded)",
+        epilog="example: semantic models calibrate ollama-qwen2.5-coder-1.5b")
+    calibrate.add_argument("name", help="an installed model (semantic models list)")
+    calibrate.set_defaults(handler=cmd_models_calibrate)
     pull = model_commands.add_parser(
         "pull", help="download an MLX model from the Hugging Face Hub into its cache",
         epilog="example: semantic models pull mlx-community/Qwen2.5-0.5B-Instruct-4bit  (then: semantic serve "

@@ -108,7 +108,7 @@ def _serve(settings: Settings) -> None:
                     max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
                     speculative_tokens=speculative_tokens,
-                    draft_model=draft)
+                    draft_model=draft, calibrate_at_load=False)  # a first start serves at once
     agents = AgentService(sessions, settings.effective_server_id)
     interrupted = agents.interrupt_unfinished(alone=not is_postgres_url(settings.db_url))
     if interrupted:

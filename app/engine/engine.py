@@ -67,13 +67,15 @@ class Engine:
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
                  max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8,
-                 draft_model: Path | None = None) -> None:
+                 draft_model: Path | None = None, calibrate_at_load: bool = True) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``. ``speculative_tokens``: the
         longest prompt-lookup draft a greedy request proposes a step (0: no speculation;
         ``speculation.py``). ``draft_model``: the directory of a smaller model sharing the
-        served models' vocabulary, which drafts instead (``draft_model.py``)."""
+        served models' vocabulary, which drafts instead (``draft_model.py``). ``calibrate_at_load``
+        False: a model whose KV format is not calibrated yet serves the lossless one at once
+        (``load_model``'s ``calibrate_pending``)."""
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
@@ -85,7 +87,8 @@ class Engine:
         self._stager = Stager(cache.blocks_dir, cache.sessions, cache.tier)
         warmup = warmup_chunks(detect(), prefill_step_size)
         self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
-                                                      cache.kv_format_for(name), split_cores, warmup=warmup),
+                                                      cache.kv_format_for(name), split_cores, warmup=warmup,
+                                                      calibrate_pending=calibrate_at_load),
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               admission=self._admission, repetition_penalty=repetition_penalty,

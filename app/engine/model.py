@@ -329,15 +329,17 @@ def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
 
 def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto",
                split_cores: bool = False, progress: calibration.Progress | None = None,
-               warmup: tuple[int, ...] = ()) -> LoadedModel:
+               warmup: tuple[int, ...] = (), calibrate_pending: bool = True) -> LoadedModel:
     """Load ``path`` (an mlx-lm model directory).
 
     On the CPU backend weights are cast to float32: bf16/fp16 matmuls do not go
     through BLAS there and are an order of magnitude slower. With ``split_cores``,
     batched decode steps split their work over both CPU cores (``cores``).
     ``kv_format`` "auto" on a model not calibrated yet calibrates it first (``calibrate``;
-    ``progress`` is called once per step). ``warmup``: forward passes to run before it serves
-    (``warm_up``; ``backend.warmup_chunks`` chooses them per device).
+    ``progress`` is called once per step), unless ``calibrate_pending`` is False: then it
+    serves the lossless format (``calibration.LOSSLESS``) until a calibration is recorded.
+    ``warmup``: forward passes to run before it serves (``warm_up``; ``backend.warmup_chunks``
+    chooses them per device).
 
     Raises:
         InvalidModelFile: the directory is missing or not loadable, or the KV format
@@ -380,9 +382,13 @@ def load_model(name: str, path: Path, dtype: str = "auto", kv_format: str = "aut
     if warmup:
         log.info("warmed up for the first requests (its kernels compiled or found compiled): forward passes of "
                  "%s tokens in %.1f s", ", ".join(map(str, warmup)), warm_up(model, warmup))
-    if spec.kv.chosen_by == "pending":
+    if spec.kv.chosen_by == "pending" and calibrate_pending:
         fields["kv"] = calibrate(model, spec.tokenizer, path, head_dims, progress, name)
         fields["fingerprint"] = model_fingerprint(path, fields["kv"].format.fingerprint)
+    elif spec.kv.chosen_by == "pending":
+        log.warning("KV format of %s: %s (lossless) until its calibration is recorded: `semantic models calibrate "
+                    "%s` measures the smallest format that keeps its answers (minutes for a 1B-class model on a "
+                    "CPU); the next start uses it", name, spec.kv.format.name, name)
     try:
         _refuse_unstorable(head_dims, fields["kv"].format)
     except InvalidModelFile as exc:
