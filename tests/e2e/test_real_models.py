@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -31,8 +32,8 @@ def coder05(tmp_path_factory: pytest.TempPathFactory, coder05_dir: Path) -> Iter
 
 
 def test_the_05b_starts_on_its_shipped_calibration_and_answers_paris(coder05: ServerProcess) -> None:
-    log = coder05.log()
-    assert "the record shipped for this model" in log or "calibrating" not in log, log[-2000:]
+    kv = httpx.get(f"{coder05.url}/health", timeout=10).json()["kv_format"]
+    assert kv["chosen_by"] == "calibration" and kv["name"] == "f16", kv  # its shipped record's choice
     client = anthropic.Anthropic(base_url=coder05.url, api_key="unused")
     answer = client.messages.create(model="qwen2.5-coder-0.5b", max_tokens=16, extra_body=GREEDY,
                                     messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -95,8 +96,8 @@ def test_the_15b_serves_from_its_shipped_calibration_answers_and_calls_a_tool(
         tmp_path: Path, coder15_dir: Path) -> None:
     server = start_server(tmp_path / "home", coder15_dir)
     try:
-        log = server.log()
-        assert "calibrating" not in log, log[-2000:]
+        kv = httpx.get(f"{server.url}/health", timeout=10).json()["kv_format"]
+        assert kv["chosen_by"] == "calibration" and kv["name"] == "q8", kv  # its shipped record's choice
         client = anthropic.Anthropic(base_url=server.url, api_key="unused")
         answer = client.messages.create(model="qwen2.5-coder-1.5b", max_tokens=16, extra_body=GREEDY,
                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
