@@ -25,6 +25,10 @@ CODEX_KEY_VARIABLE = "SEMANTIC_API_KEY"  # the variable Codex reads the key from
 # Claude Code contacts nothing but ANTHROPIC_BASE_URL with these (no telemetry, updates, error reports).
 CLAUDE_QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                 "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
+# A local model's prefill of a long prompt can take many minutes. Claude Code (2.1.197, read in
+# its binary) gives a request 600 s in all by default (API_TIMEOUT_MS) and a stream 300 s
+# without a byte (CLAUDE_STREAM_IDLE_TIMEOUT_MS; its floor): an hour each.
+CLAUDE_PATIENT = {"API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def plan(client: str, url: str, home: Path, api_key: str | None, model: str | No
         raise ConfigError(f"{client} is not on the PATH: {INSTALL[client]}, or give its path with --bin")
     key = api_key or "unused"
     if client == "claude":
-        env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": key, **CLAUDE_QUIET,
+        env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": key, **CLAUDE_QUIET, **CLAUDE_PATIENT,
                **({"ANTHROPIC_MODEL": model} if model else {})}
         return Launch([found, *args], env)
     codex_home = home / "clients" / "codex"
