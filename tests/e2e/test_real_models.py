@@ -31,13 +31,18 @@ def coder05(tmp_path_factory: pytest.TempPathFactory, coder05_dir: Path) -> Iter
     stop_server(server)
 
 
-def test_the_05b_starts_on_its_shipped_calibration_and_answers_paris(coder05: ServerProcess) -> None:
-    kv = httpx.get(f"{coder05.url}/health", timeout=10).json()["kv_format"]
-    assert kv["chosen_by"] == "calibration" and kv["name"] == "f16", kv  # its shipped record's choice
-    client = anthropic.Anthropic(base_url=coder05.url, api_key="unused")
-    answer = client.messages.create(model="qwen2.5-coder-0.5b", max_tokens=16, extra_body=GREEDY,
-                                    messages=[{"role": "user", "content": "What is the capital of France?"}])
+def assert_shipped_format_and_paris(server: ServerProcess, model: str, kv_format: str) -> None:
+    """The server runs ``model`` in its shipped record's KV format, and answers Paris greedily."""
+    kv = httpx.get(f"{server.url}/health", timeout=10).json()["kv_format"]
+    assert kv["chosen_by"] == "calibration" and kv["name"] == kv_format, kv
+    answer = anthropic.Anthropic(base_url=server.url, api_key="unused").messages.create(
+        model=model, max_tokens=16, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in answer.content[0].text
+
+
+def test_the_05b_starts_on_its_shipped_calibration_and_answers_paris(coder05: ServerProcess) -> None:
+    assert_shipped_format_and_paris(coder05, "qwen2.5-coder-0.5b", "f16")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -96,12 +101,8 @@ def test_the_15b_serves_from_its_shipped_calibration_answers_and_calls_a_tool(
         tmp_path: Path, coder15_dir: Path) -> None:
     server = start_server(tmp_path / "home", coder15_dir)
     try:
-        kv = httpx.get(f"{server.url}/health", timeout=10).json()["kv_format"]
-        assert kv["chosen_by"] == "calibration" and kv["name"] == "q8", kv  # its shipped record's choice
+        assert_shipped_format_and_paris(server, "qwen2.5-coder-1.5b", "q8")
         client = anthropic.Anthropic(base_url=server.url, api_key="unused")
-        answer = client.messages.create(model="qwen2.5-coder-1.5b", max_tokens=16, extra_body=GREEDY,
-                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in answer.content[0].text
         message = client.messages.create(model="qwen2.5-coder-1.5b", max_tokens=64, tools=[READ_FILE],
                                          extra_body=GREEDY, messages=[{"role": "user", "content": ASK}])
         calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
