@@ -11,9 +11,11 @@ and the damaged files it quarantined; the janitor cleans those on its own host, 
   (``upkeep.orphan_files``), unused for the grace period, are deleted, each rechecked under
   the store's write lock (``upkeep.delete_unreferenced``: a file a row came to name stays);
 - with a shared tier, while the cache files exceed ``budget_bytes``: the least recently used
-  files the tier holds (a HEAD each, just before), unused for the grace period, are
-  deleted: this host's disk is then a cache of the tier. A file the tier does not hold (not
-  uploaded yet, or lost) is kept whatever the budget. Whoever needs a deleted file gets it
+  files the tier holds a copy of, unused for the grace period, are deleted: this host's
+  disk is then a cache of the tier. Each copy is checked just before (``S3Tier.holds_copy``:
+  its ETag against the file's MD5), as a HEAD alone proves a key and not the bytes. A file
+  the tier does not hold (not uploaded yet, or lost) or holds other bytes of (damaged) is
+  kept whatever the budget: the pool's last good copy may be this one. Whoever needs a deleted file gets it
   again: a restore fetches it (``CacheFiles.local``), the persister writes a block again
   when its file is gone (``CacheFiles.write_block``), the uploader skips a block that went
   (the tier holds it).
@@ -91,8 +93,8 @@ def _local_files(root: Path) -> list[LocalFile]:
 def over_budget(root: Path, tier: S3Tier, budget_bytes: int, now_s: float) -> list[LocalFile]:
     """The cache files under ``root`` to delete, least recently used first, until they fit
     ``budget_bytes``: those unused for the grace period (``GRACE_S``: a file written or read
-    this recently may be in use) that the tier holds (asked one by one,
-    only as far as needed; a tier that does not answer holds nothing)."""
+    this recently may be in use) that the tier holds a copy of (asked one by one, only as
+    far as needed; a tier that does not answer holds nothing)."""
     local = _local_files(root)
     used = sum(f.nbytes for f in local)
     doomed = []
@@ -101,8 +103,11 @@ def over_budget(root: Path, tier: S3Tier, budget_bytes: int, now_s: float) -> li
             break
         if now_s - candidate.last_used <= GRACE_S:
             continue
+        key = candidate.path.relative_to(root).as_posix()
         try:
-            held = tier.holds(candidate.path.relative_to(root).as_posix())
+            held = tier.holds_copy(key, candidate.path)
+        except FileNotFoundError:
+            continue
         except Exception as exc:  # noqa: BLE001  (the tier does not answer: nothing is known held)
             log.warning("janitor: the shared tier did not answer (%s); no copy deleted", exc)
             break

@@ -13,17 +13,20 @@ come from the usual AWS variables (``AWS_ACCESS_KEY_ID``, ...).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import queue
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import parse_qs, urlparse
 
 from app.cache import durable
@@ -118,18 +121,29 @@ class S3Tier:
             partial.unlink(missing_ok=True)
         return True
 
-    def holds(self, key: str) -> bool:
-        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
-        does not answer."""
+    def holds_copy(self, key: str, path: Path) -> bool:
+        """Whether the object ``key`` has the bytes of the local file ``path``: its ETag (one
+        HEAD) is the MD5 of a single-part put's bytes (``put`` makes those), compared to the
+        file's; any other ETag (a multipart upload's) is checked by reading the object. A HEAD
+        alone proves a key, not a readable copy. Raises what boto3 raises when the store does
+        not answer, OSError when the file cannot be read."""
         from botocore.exceptions import ClientError
 
         try:
-            self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+            head = self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
-        return True
+        local = _md5(path.open("rb"))
+        etag = str(head.get("ETag", "")).strip('"')
+        if re.fullmatch(r"[0-9a-f]{32}", etag):
+            same = etag == local
+        else:
+            same = _md5(self._client.get_object(Bucket=self.location.bucket, Key=self._key(key))["Body"]) == local
+        if not same:
+            log.warning("the shared tier's %s differs from this host's copy", key)
+        return same
 
     def listing(self) -> Iterator[tuple[str, datetime]]:
         """Every object under the prefix: (key below the prefix, when it was last written)."""
@@ -263,3 +277,13 @@ class Uploader(threading.Thread):
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def _md5(stream: Any) -> str:
+    """The MD5 of what a binary stream holds (read in 1 MiB pieces, then closed): S3's ETag
+    of a single-part put, not a security check."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with closing(stream):
+        while piece := stream.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()

@@ -377,7 +377,9 @@ class Runner(threading.Thread):
             return
         sequence = self._prefilling[self._policy.pick(self._prefilling)]
         if sequence.n_pending > 0:
-            alone = len(self._prefilling) == 1 and not self._decoding and not len(self._queue)
+            # Longer prefills paused behind this one do not wait on its chunk's size: the
+            # shortest goes first anyway, so a side request's prompt takes whole chunks.
+            alone = not self._decoding and not len(self._queue)
             n = sequence.clip_chunk(self._policy.chunk(sequence, alone))
             loaded = self._loaded
             assert loaded is not None

@@ -2,7 +2,7 @@
 started as ``semantic serve`` starts it, ``main.start_janitor``) deletes, on its own disk,
 the copies of the shared tier's files (a real moto S3 server) that no row names any more,
 the copies beyond its local budget that the tier still holds, and the quarantined files
-past their retention; a copy the tier lost stays, and the conversation it serves is
+past their retention; a copy the tier lost or holds damaged stays, and the conversation it serves is
 restored warm after the sweep."""
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
     key = Path(blocks_c[0]).relative_to(tmp_path / "a" / "blocks").as_posix()
     tier.delete([key])  # the tier lost one of c's blocks: b's copy is the only one left
     lost_copy = b_root / key
+    damaged_key = Path(blocks_c[1]).relative_to(tmp_path / "a" / "blocks").as_posix()
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"\0" * (b_root / damaged_key).stat().st_size)
+    tier.put(damaged_key, damaged)  # the tier holds the other one, damaged: a HEAD still answers it
+    damaged_copy = b_root / damaged_key
     _age(copies, HOUR_AGO - 60)
     _age([lost_copy], HOUR_AGO - 120)  # the least recently used of all: first in line, were it held
     quarantine = b_root / "quarantine"
@@ -113,7 +118,9 @@ def test_a_servers_janitor_cleans_its_own_copies_and_quarantine(tmp_path: Path, 
             janitor.stop()
 
     left = sorted(files.cache_files(b_root))  # the quarantine aside
-    assert left == [lost_copy], left  # d's copies (no row); c's, over budget, those the tier holds
+    # d's copies (no row) went; of c's, over budget, those the tier holds a copy of: not the
+    # one it lost, nor the one whose bytes in the tier differ (the pool's only good copy).
+    assert left == sorted([lost_copy, damaged_copy]), left
     assert sorted(quarantine.iterdir()) == [quarantine / "new.safetensors"]
     # a's files are named by rows and within its budget: they stay; the one no row names goes.
     assert sorted((tmp_path / "a" / "blocks").rglob("*.safetensors")) == a_files

@@ -25,3 +25,15 @@ def test_a_chunk_fits_the_time_budget() -> None:
     assert policy.chunk(Pending(6000, 0.01)) == 25
     assert policy.chunk(Pending(6000, 0.5)) == 8  # slow (long context): never below the minimum
     assert policy.chunk(Pending(5, 0.0001)) == 5  # never more than pending
+
+
+def test_a_chunk_taken_alone_is_a_full_step_until_it_would_hold_a_newcomer_long() -> None:
+    """Alone (nothing decodes or is queued), a chunk is a full step while that takes at most
+    ``alone_budget_s``, which bounds what a request arriving mid-prefill waits for the chunk
+    under way; deep in a long prompt (slow tokens) it shrinks, never below ``alone_min_tokens``."""
+    policy = PrefillPolicy(step_tokens=256, alone_budget_s=1.0, alone_min_tokens=64)
+    assert policy.chunk(Pending(9000), alone=True) == 256  # speed not known yet: a full step
+    assert policy.chunk(Pending(9000, 0.001), alone=True) == 256  # 1,000 tokens/s: a full step in 0.26 s
+    assert policy.chunk(Pending(9000, 1 / 120), alone=True) == 120  # 120 tokens/s: a second's worth
+    assert policy.chunk(Pending(9000, 0.1), alone=True) == 64  # 10 tokens/s: the floor
+    assert policy.chunk(Pending(40, 0.1), alone=True) == 40  # never more than pending
