@@ -65,6 +65,15 @@ class Overloaded(SemanticError):
     retry_after_s = 1
 
 
+class QueueTimeout(Overloaded):
+    """A request waited ``max_queue_wait_s`` in the queue without starting (a 429); its
+    ``retry_after_s`` is the engine's estimate of when a place frees up."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class StoreBusy(Overloaded):
     """The database stayed locked past the busy timeout (and the retries a write was allowed)."""
 

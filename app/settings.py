@@ -96,6 +96,10 @@ class Settings(BaseSettings):
         "Generations the engine runs at once (prefilling or decoding, in one batch)."))
     max_queue: int = Field(16, ge=1, le=1 << 16, description=(
         "Requests waiting for a place in the batch before new ones get 429."))
+    max_queue_wait_s: float = Field(300.0, ge=1, le=86400, description=(
+        "Seconds a request may wait in the queue for a place in the batch (behind a long prefill, or beside "
+        "generations that fill the memory budget) before it gets 429, with a retry-after estimated from the "
+        "pace turns end at (a stream gets its protocol's error event)."))
     threads: int = Field(32, ge=2, le=1024, description=(
         "Waitress worker threads (each streaming response holds one): more than max_batch + max_queue, so a full "
         "engine answers 429 and /health still answers."))

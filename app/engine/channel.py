@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from app.errors import EngineUnavailable, Overloaded
+from app.errors import EngineUnavailable, Overloaded, SemanticError
 from app.types import Finished, GenerationEvent, GenerationRequest, Heartbeat
 
 if TYPE_CHECKING:
@@ -30,9 +30,11 @@ PROGRESS_S = 1.0  # a stream's prefill progress, at most this often
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The generation raised; ``message`` says why."""
+    """The generation raised, or was refused: ``message`` says why; ``error``, if given, is
+    what the reader raises (else EngineUnavailable)."""
 
     message: str
+    error: SemanticError | None = None
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Job:
 
         Raises:
             EngineUnavailable: the generation failed or the engine thread died.
+            QueueTimeout: it waited ``max_queue_wait_s`` without starting.
         """
         last = time.monotonic()
         shown = None  # the progress the last heartbeat carried
@@ -97,7 +100,7 @@ class Job:
                 continue
             last = time.monotonic()
             if isinstance(event, Failed):
-                raise EngineUnavailable(event.message)
+                raise event.error if event.error is not None else EngineUnavailable(event.message)
             yield event
             if isinstance(event, Finished):
                 return
@@ -160,6 +163,15 @@ class JobQueue:
             taken = [j for j in self._jobs if which(j)]
             self._jobs = deque(j for j in self._jobs if not which(j))
         return taken
+
+    def take_expired(self, max_wait_s: float, now: float) -> list[tuple[int, Job]]:
+        """The jobs that have waited over ``max_wait_s`` since they arrived (by
+        ``time.perf_counter``), taken out, each with its place in the queue (0: first)."""
+        with self._lock:
+            expired = [(i, j) for i, j in enumerate(self._jobs) if now - j.arrived > max_wait_s]
+            if expired:
+                self._jobs = deque(j for j in self._jobs if now - j.arrived <= max_wait_s)
+        return expired
 
     def drop_cancelled(self) -> list[Job]:
         with self._lock:

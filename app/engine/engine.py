@@ -67,7 +67,8 @@ class Engine:
     def __init__(self, catalog: Catalog, cache: CacheConfig, *, dtype: str = "auto",
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
                  max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8,
-                 draft_model: Path | None = None, calibrate_at_load: bool = True) -> None:
+                 draft_model: Path | None = None, calibrate_at_load: bool = True,
+                 max_queue_wait_s: float = 300) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``. ``speculative_tokens``: the
@@ -75,7 +76,8 @@ class Engine:
         ``speculation.py``). ``draft_model``: the directory of a smaller model sharing the
         served models' vocabulary, which drafts instead (``draft_model.py``). ``calibrate_at_load``
         False: a model whose KV format is not calibrated yet serves the lossless one at once
-        (``load_model``'s ``calibrate_pending``)."""
+        (``load_model``'s ``calibrate_pending``). ``max_queue_wait_s``: a request that waits
+        that long in the queue without starting is refused (QueueTimeout, a 429)."""
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
@@ -92,7 +94,7 @@ class Engine:
                               cache.manager_for, default=catalog.default,
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               admission=self._admission, repetition_penalty=repetition_penalty,
-                              speculative_tokens=speculative_tokens,
+                              speculative_tokens=speculative_tokens, max_queue_wait_s=max_queue_wait_s,
                               load_draft=None if draft_model is None else
                               lambda loaded: DraftModel(load_draft_model(draft_model, loaded, dtype)))
         self.started_at = time.time()

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,11 +45,11 @@ from app.engine.drafting import DraftSource
 from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
 from app.engine.model import LoadedModel
 from app.engine.sampling import token_logprobs
-from app.engine.scheduler import PrefillPolicy
+from app.engine.scheduler import PrefillPolicy, queue_retry_after
 from app.engine.sequence import Sequence
 from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
 from app.engine.surface import EngineCounters
-from app.errors import EngineUnavailable
+from app.errors import EngineUnavailable, QueueTimeout
 from app.types import CacheStats, GenerationRequest, Started
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class Runner(threading.Thread):
     def __init__(self, load: Callable[[str], LoadedModel], make_caches: Callable[[LoadedModel], CacheManager], *,
                  default: str, max_queue: int, prefill_step_size: int, admission: Admission,
                  repetition_penalty: float = 1.0, speculative_tokens: int = 0,
-                 load_draft: Callable[[LoadedModel], DraftSource] | None = None) -> None:
+                 load_draft: Callable[[LoadedModel], DraftSource] | None = None,
+                 max_queue_wait_s: float = 300) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._load_draft = load_draft  # a loaded model's draft model (draft_model.py), or None
@@ -86,6 +88,8 @@ class Runner(threading.Thread):
         self._default = default
         self._caches: CacheManager | None = None
         self._queue = JobQueue(max_queue)
+        self._max_queue_wait_s = max_queue_wait_s
+        self._finishes: deque[float] = deque(maxlen=16)  # when the last turns ended (perf_counter)
         self._calls: queue.Queue[Call | None] = queue.Queue()
         self._wake = threading.Event()
         self._stopping = False
@@ -289,6 +293,13 @@ class Runner(threading.Thread):
         for job in self._queue.drop_cancelled():
             log.info("request %s: cancelled while queued", job.request.request_id)
             job.put(cancelled_in_queue(job))
+        now = time.perf_counter()
+        for place, job in self._queue.take_expired(self._max_queue_wait_s, now):
+            retry_after = queue_retry_after(place, list(self._finishes), now, self._max_queue_wait_s)
+            message = (f"the request waited {now - job.arrived:.0f} s in the queue without starting "
+                       f"(max_queue_wait_s {self._max_queue_wait_s:g}); retry in about {retry_after} s")
+            log.warning("request %s: %s", job.request.request_id, message)
+            job.put(Failed(message, QueueTimeout(message, retry_after)))
         loaded = self._loaded
         assert loaded is not None
 
@@ -461,6 +472,7 @@ class Runner(threading.Thread):
                               persist=request.persist, hot_ttl_s=request.hot_ttl_s)
             except Exception:  # the reply is still good; only reuse is lost
                 log.exception("request %s: storing the cache failed", request.request_id)
+        self._finishes.append(time.perf_counter())
         self._publish()
         if not reply_first:
             sequence.put(sequence.finished(committed))

@@ -56,3 +56,16 @@ class PrefillPolicy:
         else:
             fit = self.first_tokens if rate is None or rate <= 0 else int(self.budget_s / rate)
         return max(1, min(sequence.n_pending, self.step_tokens, max(self.min_tokens, fit)))
+
+
+def queue_retry_after(place: int, finishes: Sequence[float], now: float, max_wait_s: float) -> int:
+    """Seconds a request that waited too long in the queue should wait before trying again:
+    the ``place + 1`` turns ahead of it at the pace turns ended lately (``finishes``: when the
+    last ones ended, oldest first, within ``max_wait_s`` of ``now``), or ``max_wait_s`` when too
+    few ended to tell. At least 1, at most an hour."""
+    recent = [t for t in finishes if now - t <= max_wait_s]
+    if len(recent) < 2:
+        estimate = max_wait_s
+    else:
+        estimate = (place + 1) * (recent[-1] - recent[0]) / (len(recent) - 1)
+    return max(1, min(3600, round(estimate)))

@@ -20,7 +20,7 @@ from app.agents.service import AgentService
 from app.api.routes import Deps
 from app.engine.surface import EngineSurface, GenerationJob
 from app.engine.timing import PrefillProgress
-from app.errors import Overloaded, TooLargeForMemory
+from app.errors import Overloaded, QueueTimeout, TooLargeForMemory
 from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
@@ -105,6 +105,28 @@ def test_time_to_first_token_counts_from_arrival_and_is_stored_and_reported_in_p
     for name, total in (("semantic_ttft_seconds", 2.5), ("semantic_ttft_queue_seconds", 0.25),
                         ("semantic_ttft_restore_seconds", 1.5), ("semantic_ttft_prefill_seconds", 0.75)):
         assert f"{name}_count 1.0" in metrics and f"{name}_sum {total}" in metrics, name
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_request_refused_from_the_queue_gets_429_or_the_streams_error_event(  # type: ignore[no-untyped-def]
+        app, stream) -> None:
+    """Past ``max_queue_wait_s`` in the queue (the engine's QueueTimeout, tested on the real
+    engine in tests/integration/test_queue_wait.py): a 429 with the engine's retry-after, or,
+    once a stream's headers went out (it waited past a heartbeat), an Anthropic error event."""
+    client, engine, db = app
+    engine.expire = QueueTimeout("the request waited 300 s in the queue without starting", 42)
+    engine.queued = stream
+    response = client.simulate_post("/v1/messages", json={**MESSAGES, "stream": stream},
+                                    headers={"x-session-id": f"s-expired-{stream}"})
+    if stream:
+        assert response.status_code == 200
+        assert "event: error" in response.text and "rate_limit_error" in response.text, response.text
+    else:
+        assert response.status_code == 429 and response.headers["retry-after"] == "42"
+        assert response.json["error"]["type"] == "rate_limit_error"
+    assert "waited 300 s in the queue" in response.text
+    rows = query(db, "SELECT status FROM requests WHERE agent_id = ?", f"s-expired-{stream}")
+    assert rows and rows[0][0] != "running", rows
 
 
 @pytest.mark.parametrize("refusal,status,kind,retry", [

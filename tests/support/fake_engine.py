@@ -38,11 +38,14 @@ class FakeJob:
     reuse: ReuseReport | None = None  # its lease's report (provenance)
     queued: bool = False  # it waits in the queue past a heartbeat before its lease
     drafts: tuple[int, int] = (0, 0)  # draft tokens proposed, kept
+    expire: Exception | None = None  # raised from the queue (a QueueTimeout), after its heartbeat if queued
 
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
         if self.queued:
             yield Heartbeat()
+        if self.expire is not None:
+            raise self.expire
         yield Started(n, 0, n, self.reuse)
         n_top = self.request.sampling.logprobs
         logprobs = () if n_top is None else fake_logprobs(("Hello", " there", "."), n_top)
@@ -82,6 +85,7 @@ class FakeEngine:
         self.reuse: ReuseReport | None = None  # what its jobs' leases report
         self.queued = False  # its jobs wait in the queue past a heartbeat
         self.drafts = (0, 0)  # draft tokens its jobs report proposed and kept
+        self.expire: Exception | None = None  # what its jobs raise from the queue (a QueueTimeout)
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -111,7 +115,8 @@ class FakeEngine:
             raise self.refuse
         self.submitted.append(request)
         self.submitted_at.append(time.perf_counter())
-        return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued, drafts=self.drafts)
+        return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued, drafts=self.drafts,
+                       expire=self.expire)
 
     def model_names(self) -> dict[str, str]:
         return {self.model.fingerprint: self.model.name}

@@ -37,3 +37,14 @@ def test_a_chunk_taken_alone_is_a_full_step_until_it_would_hold_a_newcomer_long(
     assert policy.chunk(Pending(9000, 1 / 120), alone=True) == 120  # 120 tokens/s: a second's worth
     assert policy.chunk(Pending(9000, 0.1), alone=True) == 64  # 10 tokens/s: the floor
     assert policy.chunk(Pending(40, 0.1), alone=True) == 40  # never more than pending
+
+
+def test_a_request_refused_after_its_queue_wait_is_told_the_pace_turns_end_at() -> None:
+    from app.engine.scheduler import queue_retry_after
+
+    assert queue_retry_after(0, [], now=100.0, max_wait_s=300) == 300  # nothing ended yet: the bound itself
+    assert queue_retry_after(0, [90.0], now=100.0, max_wait_s=300) == 300  # one end: no pace yet
+    assert queue_retry_after(0, [40.0, 60.0, 80.0], now=100.0, max_wait_s=300) == 20  # a turn each 20 s
+    assert queue_retry_after(3, [40.0, 60.0, 80.0], now=100.0, max_wait_s=300) == 80  # four turns ahead
+    assert queue_retry_after(0, [1.0, 2.0, 80.0, 81.0], now=100.0, max_wait_s=30) == 1  # old ends left out
+    assert queue_retry_after(500, [0.0, 100.0], now=100.0, max_wait_s=300) == 3600  # at most an hour
