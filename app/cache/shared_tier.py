@@ -36,9 +36,9 @@ from app.redaction import redact
 log = logging.getLogger(__name__)
 
 # A block this server put in the tier (or found there) is taken to be there for this long,
-# then put again with ``If-None-Match`` (a no-op while the object exists): a tier that lost
-# it gets it back from the next turn that uses it. At most this many keys are remembered.
-UPLOADED_MEMO_S = 600.0
+# then asked for again (a HEAD: no body sent) and put only if the tier lost it, which it
+# gets back from the next turn that uses it. At most this many keys are remembered.
+UPLOADED_MEMO_S = 60.0
 UPLOADED_MEMO_KEYS = 100_000
 
 
@@ -121,6 +121,19 @@ class S3Tier:
             partial.unlink(missing_ok=True)
         return True
 
+    def holds(self, key: str) -> bool:
+        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
+        does not answer."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
     def holds_copy(self, key: str, path: Path) -> bool:
         """Whether the object ``key`` has the bytes of the local file ``path``: its ETag (one
         HEAD) is the MD5 of a single-part put's bytes (``put`` makes those), compared to the
@@ -198,6 +211,10 @@ class UploadMemo:
         seen = self._uploaded.get(key)
         return seen is not None and self._clock() - seen < self._memo_s
 
+    def seen(self, key: str) -> bool:
+        """Whether the block was ever seen in the tier (however long ago, while remembered)."""
+        return key in self._uploaded
+
     def remember(self, key: str) -> None:
         self._uploaded[key] = self._clock()
         self._uploaded.move_to_end(key)
@@ -207,9 +224,10 @@ class UploadMemo:
 
 def upload_conversation(tier: S3Tier, upload: Upload, memo: UploadMemo | None = None) -> None:
     """Put a conversation's files in the tier: each block once (``If-None-Match``; skipped
-    while ``memo`` has seen it in the tier; one gone from this disk since is skipped: the
-    janitor saw the tier hold it, or its row went), then the record, last: a record in the
-    tier means its blocks are there. The one upload path of the persister's turns and fork
+    while ``memo`` has seen it in the tier recently, asked for with a HEAD and put only if
+    lost once it saw it longer ago; one gone from this disk since is skipped: the janitor
+    saw the tier hold it, or its row went), then the record, last: a record in the tier
+    means its blocks are there. The one upload path of the persister's turns and fork
     copies (through ``Uploader``) and of an agent's import.
 
     Raises:
@@ -220,7 +238,8 @@ def upload_conversation(tier: S3Tier, upload: Upload, memo: UploadMemo | None = 
         if memo is not None and memo.known(key):
             continue
         try:
-            tier.put(key, path, once=True)
+            if not (memo is not None and memo.seen(key) and tier.holds(key)):
+                tier.put(key, path, once=True)
         except FileNotFoundError:
             continue
         if memo is not None:

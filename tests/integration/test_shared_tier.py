@@ -321,13 +321,22 @@ def test_a_block_the_tier_lost_is_a_miss_that_deletes_neither_the_row_nor_the_wr
 
 def test_a_block_the_tier_lost_is_uploaded_again_by_the_server_that_uploaded_it(tmp_path: Path, s3_url: str) -> None:
     """The uploader skips blocks it put recently, not for the life of the process: once its
-    memo of a block is older than ``memo_s`` the next upload that names the block puts it
-    again, so a tier that lost the object gets it back (before: never, from that server)."""
+    memo of a block is older than ``memo_s`` the next upload that names the block asks the
+    tier for it (a HEAD) and puts it again if lost, so a tier that lost the object gets it
+    back (before: never, from that server); one the tier still holds is not sent again."""
     from app.cache.shared_tier import Upload, Uploader
 
     tier = S3Tier(s3_url.replace("/pool?", "/reupload-test?"))  # moto keeps one store per process
     now = [0.0]
     uploader = Uploader(tier, clock=lambda: now[0], memo_s=60)
+    puts: list[str] = []
+    real_put = tier.put
+
+    def counted(key: str, path: Path, once: bool = False) -> bool:
+        puts.append(key)
+        return real_put(key, path, once)
+
+    tier.put = counted  # type: ignore[method-assign]  (a spy: the real put still runs)
     uploader.start()
     block, record = tmp_path / "block", tmp_path / "record"
     block.write_bytes(b"kv")
@@ -344,6 +353,10 @@ def test_a_block_the_tier_lost_is_uploaded_again_by_the_server_that_uploaded_it(
     assert "fp/aa/block.safetensors" not in keys()  # within the memo: not checked again
     now[0] += 60
     assert "fp/aa/block.safetensors" in keys()  # the memo expired: put again
+    now[0] += 60
+    n_puts = puts.count("fp/aa/block.safetensors")
+    assert "fp/aa/block.safetensors" in keys()
+    assert puts.count("fp/aa/block.safetensors") == n_puts  # held: asked for, not sent again
     uploader.stop()
 
 
