@@ -665,10 +665,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
+    if getattr(args, "handler", None) is cmd_launch and "--" in argv:
+        # The client's own arguments: everything after the first --, cut before argparse sees
+        # it (argparse drops a -- that follows a positional, and then reads what comes after
+        # it as its own: `launch claude -- -p hi` failed so on Python 3.11-3.13).
+        cut = argv.index("--")
+        args, extra = parser.parse_known_args(argv[:cut])
+        args.args = argv[cut + 1:]
     chosen = _chosen(parser, args)
-    if getattr(args, "handler", None) is cmd_launch and extra[:1] == ["--"]:  # the client's own arguments
-        args.args, extra = extra[1:], []
     if extra:  # the usage of the command given, not the top level's
         hint = " (the client's own arguments go after --)" if getattr(args, "handler", None) is cmd_launch else ""
         chosen.error(f"unrecognized arguments: {' '.join(extra)}{hint}")

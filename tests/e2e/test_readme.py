@@ -85,3 +85,41 @@ def test_sql_and_job_examples_run_on_what_the_examples_stored(fresh_server: Serv
         outputs.append(done.stdout)
     # The agents the API examples created are in the turns view.
     assert any("my-app-1" in out and "weather-1" in out for out in outputs), outputs
+
+
+LAUNCH_LINES = sorted({line.strip() for page in PAGES
+                       for line in re.findall(r"`(\.venv/bin/semantic launch [^`]+)`", page.read_text())
+                       + re.findall(r"^(semantic launch .+)$", page.read_text(), re.MULTILINE)})
+
+
+def test_the_launch_lines_of_the_docs_run_as_written(fresh_server: ServerProcess, tmp_path: Path) -> None:
+    """`semantic launch claude -- -p "say hello"` as the README writes it: argparse dropped
+    a `--` right after the client's name and refused the client's arguments (issue 62; the
+    tests passed `--bin` first, which hid it). Each line runs against the fresh server with a
+    stand-in `claude` and `codex` on the PATH that record what they were given."""
+    import shlex
+
+    assert any(line.startswith(".venv/bin/semantic launch claude -- ") for line in LAUNCH_LINES), LAUNCH_LINES
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for client in ("claude", "codex"):
+        stand_in = bin_dir / client
+        stand_in.write_text(f'#!/bin/sh\nprintf "%s\\n" "$ANTHROPIC_BASE_URL" "$@" > "{tmp_path}/{client}.args"\n')
+        stand_in.chmod(0o755)
+    port = fresh_server.url.rsplit(":", 1)[1]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SEMANTIC_HOME": str(fresh_server.home), "SEMANTIC_PORT": port}
+    for line in LAUNCH_LINES:
+        command = f"{sys.executable} -m app " + line.split(" ", 1)[1]  # after .venv/bin/semantic or semantic
+        words = shlex.split(line)
+        client = words[words.index("launch") + 1]
+        recorded = tmp_path / f"{client}.args"
+        recorded.unlink(missing_ok=True)
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+        if "--print" in words:
+            assert client in done.stdout and not recorded.exists(), line  # shown, not run
+            continue
+        given = recorded.read_text().splitlines()
+        assert given[1:] == words[words.index("--") + 1:], (line, given)  # the client's own arguments
+        if client == "claude":
+            assert given[0] == fresh_server.url.rstrip("/"), given
