@@ -105,7 +105,7 @@ def _serve(settings: Settings) -> None:
                         settings.effective_server_id if tier is not None else None)
     draft = configured_model_dir(settings.models_dir, settings.draft_model) if settings.draft_model else None
     engine = Engine(catalog, cache, dtype=settings.dtype, max_queue=settings.max_queue,
-                    max_queue_wait_s=settings.max_queue_wait_s,
+                    max_queue_wait_s=settings.max_queue_wait_s, prefill_checkpoint_s=settings.prefill_checkpoint_s,
                     max_batch=settings.max_batch, prefill_step_size=prefill_step_size,
                     repetition_penalty=settings.repetition_penalty, split_cores=settings.split_cores,
                     speculative_tokens=speculative_tokens,

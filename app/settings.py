@@ -92,6 +92,11 @@ class Settings(BaseSettings):
         "The largest prefill chunk in tokens (bounds peak memory on long prompts): a prompt prefilling alone takes "
         "chunks of this size; while other requests run, chunks are sized to take about 0.25 s so that none waits "
         "long. 0 = per backend (app/engine/backend.py): 256 on a CPU, 2048 on a GPU; startup logs the choice."))
+    prefill_checkpoint_s: float = Field(30.0, ge=0, le=3600, description=(
+        "A prefill still under way after this many seconds stores what it has computed so far (its blocks in "
+        "memory and on disk, as a finished turn's), again every as many seconds: a process killed during a long "
+        "prefill keeps them, and the same prompt resumes from there after the restart. 0 = only when the prefill "
+        "ends or is cancelled."))
     max_batch: int = Field(8, ge=1, le=256, description=(
         "Generations the engine runs at once (prefilling or decoding, in one batch)."))
     max_queue: int = Field(16, ge=1, le=1 << 16, description=(

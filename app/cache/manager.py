@@ -302,12 +302,24 @@ class CacheManager:
                hot_ttl_s: float | None = None) -> threading.Event | None:
         """Store the cache after a turn as the lease's conversation's: ``record`` describes
         exactly what ``cache`` holds. Without ``persist`` it stays in memory only (gone on
-        restart or eviction); with ``hot_ttl_s`` it goes warm once unused that long.
+        restart or eviction); with ``hot_ttl_s`` it goes warm once unused that long. The
+        cache becomes the conversation's working copy (made equal to the stored blocks).
 
         Returns:
             With ``persist``, an event set once the cache is on disk (written in the
             background); else None.
         """
+        return self._store(lease, record, cache, persist, hot_ttl_s, working_copy=True)
+
+    def checkpoint(self, lease: Lease, record: CacheRecord, cache: list[KVCache]) -> threading.Event | None:
+        """Store what a prefill still under way has computed (``record``: the first tokens of
+        the turn's, ``cache`` holding exactly them), in memory and on disk, as a commit would,
+        but leave ``cache`` untouched (the prefill goes on in it, in floats): a process killed
+        before the turn ends keeps these blocks. The turn's own commit supersedes it."""
+        return self._store(lease, record, cache, True, None, working_copy=False)
+
+    def _store(self, lease: Lease, record: CacheRecord, cache: list[KVCache], persist: bool,
+               hot_ttl_s: float | None, working_copy: bool) -> threading.Event | None:
         if not self.enabled or lease.agent_id is None or lease.conversation_id is None:
             return None
         conversation_id = lease.conversation_id
@@ -347,7 +359,8 @@ class CacheManager:
         for block_id, point in shared.items():
             self._shared.keep(block_id, point)
         self._memory.set_hot(stored)
-        self._memory.keep_working_copy(conversation_id, cache, computed, begin)
+        if working_copy:
+            self._memory.keep_working_copy(conversation_id, cache, computed, begin)
         written = self._persister.submit(Snapshot(stored, {h: self._blocks[h] for h in stored.chain},
                                                   lease.epoch, shared)) if persist else None
         if hot_ttl_s is not None and persist:

@@ -68,7 +68,7 @@ class Engine:
                  max_queue: int = 16, prefill_step_size: int = 256, repetition_penalty: float = 1.0,
                  max_batch: int = 8, split_cores: bool = True, speculative_tokens: int = 8,
                  draft_model: Path | None = None, calibrate_at_load: bool = True,
-                 max_queue_wait_s: float = 300) -> None:
+                 max_queue_wait_s: float = 300, prefill_checkpoint_s: float = 0) -> None:
         """The default model loads when the engine starts (an embedded model is imported
         first, while the server already answers); a request for another model of the
         ``catalog`` swaps it in. ``split_cores``: see ``cores.py``. ``speculative_tokens``: the
@@ -77,7 +77,9 @@ class Engine:
         served models' vocabulary, which drafts instead (``draft_model.py``). ``calibrate_at_load``
         False: a model whose KV format is not calibrated yet serves the lossless one at once
         (``load_model``'s ``calibrate_pending``). ``max_queue_wait_s``: a request that waits
-        that long in the queue without starting is refused (QueueTimeout, a 429)."""
+        that long in the queue without starting is refused (QueueTimeout, a 429).
+        ``prefill_checkpoint_s``: a long prefill stores what it computed that often (0: never
+        before it ends; ``Runner._checkpoint``)."""
         self._catalog = catalog
         self._dtype = dtype
         self._scope = cache.scope
@@ -95,6 +97,7 @@ class Engine:
                               max_queue=max_queue, prefill_step_size=prefill_step_size,
                               admission=self._admission, repetition_penalty=repetition_penalty,
                               speculative_tokens=speculative_tokens, max_queue_wait_s=max_queue_wait_s,
+                              prefill_checkpoint_s=prefill_checkpoint_s,
                               load_draft=None if draft_model is None else
                               lambda loaded: DraftModel(load_draft_model(draft_model, loaded, dtype)))
         self.started_at = time.time()

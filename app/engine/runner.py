@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from app.cache.hashing import BLOCK_TOKENS
 from app.cache.manager import CacheManager
 from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
@@ -79,7 +80,7 @@ class Runner(threading.Thread):
                  default: str, max_queue: int, prefill_step_size: int, admission: Admission,
                  repetition_penalty: float = 1.0, speculative_tokens: int = 0,
                  load_draft: Callable[[LoadedModel], DraftSource] | None = None,
-                 max_queue_wait_s: float = 300) -> None:
+                 max_queue_wait_s: float = 300, prefill_checkpoint_s: float = 0) -> None:
         super().__init__(name="semantic-engine", daemon=True)
         self._load = load
         self._load_draft = load_draft  # a loaded model's draft model (draft_model.py), or None
@@ -89,6 +90,7 @@ class Runner(threading.Thread):
         self._caches: CacheManager | None = None
         self._queue = JobQueue(max_queue)
         self._max_queue_wait_s = max_queue_wait_s
+        self._prefill_checkpoint_s = prefill_checkpoint_s  # 0: a prefill stores nothing until it ends
         self._finishes: deque[float] = deque(maxlen=16)  # when the last turns ended (perf_counter)
         self._calls: queue.Queue[Call | None] = queue.Queue()
         self._wake = threading.Event()
@@ -403,6 +405,8 @@ class Runner(threading.Thread):
             self._log_progress(sequence, n)
             sequence.after_prefill()
             self._counters = self._counters.after_prefill(n, elapsed)
+            if sequence.n_pending > 0:
+                self._checkpoint(sequence)
         if sequence.n_pending <= 0:
             self._prefilling.remove(sequence)
             if sequence.max_new > 0:
@@ -426,6 +430,33 @@ class Runner(threading.Thread):
             log.exception("request %s: keeping the prefilled cache failed", request.request_id)
             return False
         return True
+
+    def _checkpoint(self, sequence: Sequence) -> None:
+        """Every ``prefill_checkpoint_s`` of a long prefill, store what it has computed, in
+        memory and on disk (``CacheManager.checkpoint``: the working cache is left as it is),
+        once it holds a block more than the last time: a process killed mid-prefill (a SIGKILL,
+        a power cut) keeps the blocks that reached disk, and the same prompt sent again after
+        the restart resumes from there."""
+        if self._prefill_checkpoint_s <= 0 or not sequence.job.request.persist:
+            return
+        now = time.perf_counter()
+        since = sequence.checkpointed_at if sequence.checkpointed_at is not None else sequence.clock.leased
+        reused = sequence.lease.n_reused
+        blocks_now = (reused + sequence.n_prefilled) // BLOCK_TOKENS
+        if now - since < self._prefill_checkpoint_s or blocks_now <= (reused + sequence.n_checkpointed) // BLOCK_TOKENS:
+            return
+        sequence.checkpointed_at = now
+        record, caches = sequence.prefilled_record(), self._caches
+        if record is None or caches is None:
+            return
+        try:
+            caches.checkpoint(sequence.lease, record, sequence.cache)
+        except Exception:  # only what a crash would keep is lost
+            log.exception("request %s: storing the prefill's checkpoint failed", sequence.job.request.request_id)
+            return
+        sequence.n_checkpointed = sequence.n_prefilled
+        log.info("request %s: prefill checkpoint, %d of %d prompt tokens stored", sequence.job.request.request_id,
+                 record.n_tokens, sequence.n_prompt)
 
     def _log_progress(self, sequence: Sequence, n: int) -> None:
         """A long prompt's prefill logs a line at the chunk that crosses each quarter (a client

@@ -46,6 +46,8 @@ class Sequence:
     distribution: Distribution | None = None  # what ``sampler`` draws from (None: greedy)
     grammar: GrammarMask | None = None  # its structured output's logits processor
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each output token's, when asked
+    checkpointed_at: float | None = None  # when its prefill last stored what it computed (perf_counter)
+    n_checkpointed: int = 0  # the prompt tokens that stored, of ``prompt_ids``
 
     @classmethod
     def begin(cls, job: Job, lease: Lease, model: ModelSpec, clock: TurnClock) -> Sequence:

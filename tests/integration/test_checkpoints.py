@@ -83,6 +83,39 @@ def test_a_restart_resumes_an_edited_prompt_at_the_checkpoint_before_the_edit(fa
 
 
 @pytest.mark.parametrize("family", SERVED)
+def test_a_prefill_stopped_part_way_resumes_at_the_last_checkpoint_it_reached(family: str, tmp_path: Path) -> None:
+    """Issue 58: a hybrid model's prefill cancelled (or checkpointed mid-way) commits what it
+    computed, as ``Runner._keep_prefilled`` and ``Runner._checkpoint`` do: the record of the
+    tokens prefilled so far, with the recurrent-state checkpoints reached by then and one of
+    the state where it stopped. After a restart the whole prompt resumes there, with a cold
+    prefill's logits."""
+    model = build(HYBRID[family])
+    layout = CacheLayout.of(model)
+    tokens = np.random.default_rng(3).integers(100, TOKENS, 1400).tolist()
+    caches = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    lease = caches.lease("a", "a-c", as_prompt(tokens))
+    assert lease.plan is not None
+    lease.plan.positions = checkpoints.plan(0, len(tokens))  # 256, 768, 1024, 1280, 1400
+    prefill(model, lease.cache, tokens[:900], 0, lease.plan)  # stopped after 900 of 1,400 tokens
+    done = as_prompt(tokens[:900])
+    caches.commit(lease, CacheRecord(done.token_ids, done.text, done.ends), lease.cache)
+    assert [p.n_tokens for p in caches._hot["a-c"].checkpoints] == [256, 768, 900]
+    assert caches.flush(30)
+    caches.close()
+
+    reloaded = manager(tmp_path, layout.n_attention, kv_format=F32, layout=layout)
+    resumed = reloaded.lease("a", "a-c", as_prompt(tokens))
+    assert resumed.n_reused == 900, resumed.report  # where it stopped
+    warm = prefill(model, resumed.cache, tokens[900:], 900, None)
+    cold_cache = model.make_cache()
+    prefill(model, cold_cache, tokens[:768], 0, None)  # the chunks the stopped prefill took
+    prefill(model, cold_cache, tokens[768:900], 768, None)
+    cold = prefill(model, cold_cache, tokens[900:], 900, None)
+    assert mx.array_equal(warm, cold), family
+    reloaded.close()
+
+
+@pytest.mark.parametrize("family", SERVED)
 def test_checkpoints_are_lossless_on_disk_and_a_damaged_one_is_a_miss(family: str, tmp_path: Path) -> None:
     model = build(HYBRID[family])
     layout = CacheLayout.of(model)
