@@ -47,6 +47,11 @@ class ModelLoading(EngineUnavailable):
     retry_after_s = 1
 
 
+class Cancelled(EngineUnavailable):
+    """A generation was cancelled before its reply ended (the server stopping, or its client
+    gone): a 503, or the protocol's error event in a stream, never a reply that looks finished."""
+
+
 class InvalidModelFile(SemanticError):
     """A model file (GGUF or directory) is unreadable or unsupported."""
 

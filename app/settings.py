@@ -55,12 +55,15 @@ class Settings(BaseSettings):
         "`fast=smollm2-4bit,big=gemma3-270m`. A request naming another model than the loaded one makes the engine "
         "swap models."))
     map_unknown_models: bool = Field(True, description=(
-        "Serve request model names (e.g. claude-sonnet-5) that are neither aliases nor served models with `model`; "
-        "false answers them with 404."))
-    serve_installed_models: bool = Field(False, description=(
+        "Serve request model names (e.g. claude-sonnet-5, which Claude Code sends) that are neither installed "
+        "models nor aliases with `model` (logged once per name); false answers them with 404 naming the models "
+        "served. An installed model's name is never answered by another model."))
+    serve_installed_models: bool = Field(True, description=(
         "Let requests name any model installed under $SEMANTIC_HOME/models or in the Hugging Face cache, not only "
-        "`model` and the aliases' targets. Each swap reloads the model and sends every conversation's cache to "
-        "disk: on a shared server, clients alternating two names would thrash them all."))
+        "`model` and the aliases' targets: the engine swaps it in, as Ollama loads the model a request names. "
+        "Each swap reloads the model and sends every conversation's cache to disk: on a shared server, clients "
+        "alternating two names would thrash them all; false answers an installed model's name with 404 (never "
+        "with another model)."))
     dtype: str = Field("auto", description=(
         "Compute dtype: auto = float32 on CPU (fast BLAS path), the model's own elsewhere."))
     default_temperature: float = Field(1.0, ge=0.0, le=2.0, description=(

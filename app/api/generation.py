@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
 
 import falcon
 
@@ -21,7 +21,7 @@ from app.api.cache_provenance import CACHE_HEADER, header_value
 from app.api.errors import status_of
 from app.api.metrics import Metrics
 from app.api.sse import Frames, SseStream
-from app.errors import ContextTooLong, SemanticError
+from app.errors import Cancelled, ContextTooLong, SemanticError
 from app.pool.haproxy import REPLY_ID_HEADER
 from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn, locate_part
@@ -210,6 +210,20 @@ class GenerationResource:
             self._engine.check_fits(prompt, model)
         return parsed, model, prompt, target
 
+    def _end_cancelled(self, turn: Turn, finished: Finished) -> NoReturn:
+        """A turn cancelled before its reply ended (the server stopping, or its client gone):
+        recorded as cancelled with no history, and its client (if still there) told so in the
+        protocol's error shape: a reply that looked finished (``end_turn``) was taken as one.
+
+        Raises:
+            Cancelled: always.
+        """
+        self._agents.complete(turn.request_id, turn.target, [], finished, finished.reuse)
+        self._metrics.observe(turn.protocol, finished)
+        _log_turn(turn, finished, finished.reuse)
+        raise Cancelled("the request was cancelled before its reply ended (the server is stopping, or its client "
+                        "left); nothing of it was stored")
+
     def _record(self, turn: Turn, reply: Reply, finished: Finished) -> None:
         parsed = turn.parsed
         # A prefilled reply (a final assistant message) and its continuation are one message (the reply's).
@@ -234,9 +248,13 @@ class GenerationResource:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):
+                    if event.stop_reason == "cancelled":
+                        self._end_cancelled(turn, event)
                     reply = self._dialect.whole_reply(turn.message_id, turn.parsed, "".join(parts), event)
                     self._record(turn, reply, event)
                     return reply, event
+        except Cancelled:
+            raise
         except SemanticError as exc:
             self._agents.fail(turn.request_id, turn.target, "api_error", str(exc))
             raise
@@ -248,6 +266,8 @@ class GenerationResource:
         def observed() -> Iterator[GenerationEvent]:
             for event in events:
                 if isinstance(event, Finished):
+                    if event.stop_reason == "cancelled":
+                        self._end_cancelled(turn, event)
                     finished.append(event)
                 yield event
 
@@ -264,6 +284,9 @@ class GenerationResource:
                 else:
                     yield out
                 out = next(rendered, None)
+        except Cancelled as exc:  # recorded as cancelled; told in the protocol's error shape, not end_turn
+            if self._dialect.render_stream_error is not None:
+                yield self._dialect.render_stream_error(status_of(exc), str(exc))
         except SemanticError as exc:
             # The status line is gone; report in-stream, as the protocols do.
             log.error("stream %s failed: %s", turn.request_id, exc)

@@ -103,6 +103,7 @@ def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Pa
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_MAPPED: set[str] = set()  # unknown model names already logged as answered by the default
 
 
 def model_destination(models_dir: Path, name: str) -> Path:
@@ -158,8 +159,9 @@ class Catalog:
     A name resolves, in order, as: empty or "default" -> the default model; an alias ->
     its target; the default's or an alias target's own name; with ``any_installed``, a
     model installed under ``models_dir`` or an MLX model of the Hugging Face cache (by
-    repo id). Anything else is the default model when ``map_unknown`` (Claude Code asks
-    for "claude-sonnet-...") and a 404 otherwise. Requests name models, never paths: only
+    repo id); without it, an installed model's name is a 404 (never another model). Anything
+    else is the default model when ``map_unknown`` (Claude Code asks for
+    "claude-sonnet-...") and a 404 otherwise. Requests name models, never paths: only
     the configuration may point at a directory outside ``models_dir``, and only the
     configuration imports an embedded model. Each swap reloads the model and sends every
     conversation's cache to disk, so by default a client can choose only among the models
@@ -227,10 +229,18 @@ class Catalog:
             return requested
         if self.any_installed and hf_cache.is_repo_id(requested) and self._cached(requested):
             return requested
+        if _NAME.fullmatch(requested) and _installed(self.models_dir / requested):
+            # Never another model in its place: a client naming an installed model means it.
+            raise NotFound(f"model: {requested!r} is installed but not served here (serve_installed_models is off; "
+                           f"serving {self.default!r}, GET /v1/models lists them)")
         if self.map_unknown:
+            if requested not in _MAPPED:
+                _MAPPED.add(requested)
+                log.info("model %r is not installed: answered by %s (map_unknown_models)", requested, self.default)
             return self.default
-        raise NotFound(f"model: {requested!r} is not a model this server serves (serving {self.default!r} "
-                       "by default; GET /v1/models lists them)")
+        served = sorted({self.default, *self.paths, *self.aliases})
+        raise NotFound(f"model: {requested!r} is not a model this server serves (it serves "
+                       f"{', '.join(map(repr, served))}; GET /v1/models lists them)")
 
     def _cached(self, repo_id: str) -> bool:
         try:

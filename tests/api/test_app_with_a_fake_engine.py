@@ -129,6 +129,33 @@ def test_a_request_refused_from_the_queue_gets_429_or_the_streams_error_event(  
     assert rows and rows[0][0] != "running", rows
 
 
+@pytest.mark.parametrize("path,stream", [("/v1/messages", False), ("/v1/messages", True),
+                                         ("/v1/chat/completions", True), ("/api/chat", True)])
+def test_a_reply_cancelled_part_way_is_an_error_not_a_finished_reply(  # type: ignore[no-untyped-def]
+        app, path, stream) -> None:
+    """Issue 62: a stream the server cancelled (Ctrl-C on the server) ended with
+    ``stop_reason: end_turn``, and a client took the half answer as whole. Now a 503, or the
+    protocol's error in the stream; the row says cancelled and no history is stored."""
+    client, engine, db = app
+    engine.stop_reason = "cancelled"
+    session = f"s-cancelled-{path.replace('/', '-')}-{stream}"
+    body = {**MESSAGES, "stream": stream}
+    if path == "/v1/chat/completions":
+        body = {"model": "m", "stream": True, "messages": MESSAGES["messages"]}
+    elif path == "/api/chat":
+        body = {"model": "m", "stream": True, "messages": MESSAGES["messages"], "session_id": session}
+    response = client.simulate_post(path, json=body, headers={"x-session-id": session})
+    assert "end_turn" not in response.text and '"stop"' not in response.text, response.text
+    if stream:
+        assert response.status_code == 200 and "was cancelled before its reply ended" in response.text
+        assert "message_stop" not in response.text and "[DONE]" not in response.text, response.text
+    else:
+        assert response.status_code == 503 and response.json["error"]["type"] == "api_error"
+    assert query(db, "SELECT status, stop_reason FROM requests WHERE agent_id = ?", session) == \
+        [("cancelled", "cancelled")]
+    assert query(db, "SELECT count(*) FROM messages WHERE agent_id = ?", session) == [(0,)]
+
+
 @pytest.mark.parametrize("refusal,status,kind,retry", [
     (Overloaded("16 requests are already waiting"), 429, "rate_limit_error", True),
     # One that can never fit the memory budget: a 400 saying so, no retry-after (a 529 had

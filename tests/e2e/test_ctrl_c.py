@@ -67,7 +67,10 @@ def test_ctrl_c_cancels_the_answer_records_it_and_exits(tmp_path: Path, smollm2_
         log = server.log()
         assert "Ctrl-C: cancelling 1 request(s)" in log and "Ctrl-C again to stop now" in log
         assert "terminate called" not in log
-        assert b"message_stop" in b"".join(received)  # the client got an end, not a cut
+        # The client got an end, not a cut, and not one that looks finished (end_turn, issue 62).
+        got = b"".join(received)
+        assert b"event: error" in got and b"was cancelled before its reply ended" in got, got[-500:]
+        assert b"end_turn" not in got and b"message_stop" not in got
         assert query(server.db_path, "SELECT status, stop_reason FROM requests WHERE agent_id = 'interrupted'") == \
             [("cancelled", "cancelled")]
         assert query(server.db_path, "SELECT count(*) FROM messages WHERE agent_id = 'interrupted'") == [(0,)]

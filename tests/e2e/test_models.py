@@ -70,3 +70,21 @@ def test_an_unknown_model_is_a_404_in_each_protocol(two_models: ServerProcess) -
     with pytest.raises(anthropic.NotFoundError, match="not a model this server serves"):
         anthropic.Anthropic(base_url=two_models.url, api_key="k", max_retries=0).messages.create(
             model="../../etc", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_an_installed_model_a_request_names_answers_as_itself(two_models: ServerProcess, gemma3_dir: Path) -> None:
+    """Issue 62: after `semantic models install gemma3-270m`, a request naming it was
+    answered by SmolLM2 with its name echoed back. An installed model, configured nowhere,
+    is swapped in as Ollama loads the model a request names (serve_installed_models, on by
+    default), and the log says so with the swap's time."""
+    models = two_models.home / "models"
+    models.mkdir(exist_ok=True)
+    (models / "gemma-installed").symlink_to(gemma3_dir)  # installed after the server started
+    reply = anthropic.Anthropic(base_url=two_models.url, api_key="k", max_retries=0).messages.create(
+        model="gemma-installed", max_tokens=4, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "The capital of France is"}])
+    assert reply.model == "gemma-installed"
+    served = query(two_models.db_path, "SELECT served_model FROM requests WHERE model = 'gemma-installed'")
+    assert served == [("gemma-installed",)], served
+    log = two_models.log()
+    assert "for gemma-installed" in log and "model gemma-installed loaded in" in log, log[-2000:]

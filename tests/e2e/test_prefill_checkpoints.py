@@ -32,20 +32,22 @@ def test_a_sigkill_during_a_long_prefill_keeps_the_blocks_that_reached_disk(smol
         except httpx.TransportError:
             pass  # the server is killed under it
 
-    threading.Thread(target=send, daemon=True).start()
-    deadline = time.monotonic() + 120
-    on_disk = 0
-    while on_disk < 1024 and time.monotonic() < deadline:  # a checkpoint of 4 blocks or more, on disk
-        rows = query(server.db_path, "SELECT n_tokens FROM caches WHERE agent_id = ?", session) \
-            if server.db_path.exists() else []
-        on_disk = max((n for n, in rows), default=0)
-        time.sleep(0.2)
-    assert on_disk >= 1024, server.log()[-3000:]
-    log = server.log()
-    assert re.search(r"prefill checkpoint, \d+ of \d+ prompt tokens stored", log), log[-3000:]
-    assert "prompt 5" not in log.split("prefill checkpoint")[-1]  # still prefilling: no turn ended
-    server.process.kill()
-    server.process.wait()
+    try:
+        threading.Thread(target=send, daemon=True).start()
+        deadline = time.monotonic() + 120
+        on_disk = 0
+        while on_disk < 1024 and time.monotonic() < deadline:  # a checkpoint of 4 blocks or more, on disk
+            rows = query(server.db_path, "SELECT n_tokens FROM caches WHERE agent_id = ?", session) \
+                if server.db_path.exists() else []
+            on_disk = max((n for n, in rows), default=0)
+            time.sleep(0.2)
+        assert on_disk >= 1024, server.log()[-3000:]
+        log = server.log()
+        assert re.search(r"prefill checkpoint, \d+ of \d+ prompt tokens stored", log), log[-3000:]
+        assert "prompt 5" not in log.split("prefill checkpoint")[-1]  # still prefilling: no turn ended
+    finally:
+        server.process.kill()
+        server.process.wait()
 
     server = start_server(tmp_path, smollm2_dir)
     try:

@@ -39,6 +39,7 @@ class FakeJob:
     queued: bool = False  # it waits in the queue past a heartbeat before its lease
     drafts: tuple[int, int] = (0, 0)  # draft tokens proposed, kept
     expire: Exception | None = None  # raised from the queue (a QueueTimeout), after its heartbeat if queued
+    stop_reason: str = "end_turn"  # how it ends ("cancelled": the server stopped it part way)
 
     def events(self, client_gone=None, heartbeat_s=None) -> Iterator:  # type: ignore[no-untyped-def]
         n = self.request.prompt.n_tokens
@@ -51,7 +52,7 @@ class FakeJob:
         logprobs = () if n_top is None else fake_logprobs(("Hello", " there", "."), n_top)
         yield TextDelta("Hello there.", logprobs)
         queue_s, restore_s, prefill_s = self.parts
-        yield Finished("end_turn", None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01, reuse=self.reuse,
+        yield Finished(self.stop_reason, None, n, 0, n, 3, sum(self.parts), sum(self.parts) + 0.01, reuse=self.reuse,
                        queue_s=queue_s, restore_s=restore_s, prefill_s=prefill_s, logprobs=logprobs,
                        n_draft_tokens=self.drafts[0], n_draft_accepted=self.drafts[1])
 
@@ -86,6 +87,7 @@ class FakeEngine:
         self.queued = False  # its jobs wait in the queue past a heartbeat
         self.drafts = (0, 0)  # draft tokens its jobs report proposed and kept
         self.expire: Exception | None = None  # what its jobs raise from the queue (a QueueTimeout)
+        self.stop_reason = "end_turn"  # how its jobs end
 
     def resolve(self, requested: str | None) -> ModelInfo:
         assert self.catalog.resolve(requested) == "fake"
@@ -116,7 +118,7 @@ class FakeEngine:
         self.submitted.append(request)
         self.submitted_at.append(time.perf_counter())
         return FakeJob(request, parts=self.parts, reuse=self.reuse, queued=self.queued, drafts=self.drafts,
-                       expire=self.expire)
+                       expire=self.expire, stop_reason=self.stop_reason)
 
     def model_names(self) -> dict[str, str]:
         return {self.model.fingerprint: self.model.name}

@@ -128,10 +128,11 @@ def test_catalog_resolves_aliases_installed_names_and_unknown_names(tmp_path: Pa
     for unknown in ("claude-sonnet-5", "../elsewhere/big", str(elsewhere), "big/../small"):
         with pytest.raises(NotFound, match="not a model this server serves"):
             catalog.resolve(unknown)
-    _installed(models, "third")  # installed, but configured nowhere: no client may swap it in
-    for name in ("third", "gemma3-270m"):  # nor import an embedded model
-        with pytest.raises(NotFound, match="not a model this server serves"):
-            catalog.resolve(name)
+    _installed(models, "third")  # installed, configured nowhere, any_installed off: no client may swap it in
+    with pytest.raises(NotFound, match="'third' is installed but not served here"):
+        catalog.resolve("third")
+    with pytest.raises(NotFound, match="not a model this server serves .*'small'"):  # nor import an embedded model
+        catalog.resolve("gemma3-270m")
     assert [m.name for m in (models / "third", models / "other") if catalog.servable(m.name)] == ["other"]
     anything = Catalog.configure(models, "small", {}, map_unknown=False, any_installed=True)
     assert anything.resolve("third") == "third" and anything.servable("third")
@@ -139,6 +140,11 @@ def test_catalog_resolves_aliases_installed_names_and_unknown_names(tmp_path: Pa
         anything.resolve("gemma3-270m")  # embedded, not installed: only the configuration imports it
     mapping = Catalog.configure(models, "small", {}, map_unknown=True)
     assert mapping.resolve("claude-sonnet-5") == "small" and mapping.resolve("/etc") == "small"
+    # An installed model's name is never answered by another model (issue 62: gemma3-270m,
+    # installed, was answered by SmolLM2 with "model": "gemma3-270m" echoed back).
+    with pytest.raises(NotFound, match="'third' is installed but not served here"):
+        mapping.resolve("third")
+    assert Catalog.configure(models, "small", {}, map_unknown=True, any_installed=True).resolve("third") == "third"
     with pytest.raises(ConfigError, match="'missing' is not installed"):
         Catalog.configure(models, "small", {"fast": "missing"})
     with pytest.raises(ConfigError, match="'other' is already a model's name"):
