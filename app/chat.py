@@ -1,18 +1,25 @@
-"""`semantic chat [AGENT]`: talk to the running server from a terminal.
+"""`semantic chat [AGENT] [QUESTION]`: talk to the running server from a terminal.
 
 A client of the direct agent API (docs/apis.md), over HTTP like any other: the agent keeps
 its history and its cache on the server, so a chat picked up later (`semantic chat AGENT`
 again, or the /agents page) continues warm. Each reply streams as it is generated and is
 followed by one line: tokens read from cache out of the prompt, time to first token
-(from sending the request), and decode speed.
+(from sending the request), and decode speed. While a long prompt is prefilled, a
+terminal shows how far it got (the stream's progress comments).
 
-Lines starting with ``/`` are commands: ``/new [ID]`` starts a new agent, ``/agents``
-lists the server's agents, ``/help``, ``/quit`` (or Ctrl-D). Ctrl-C during a reply stops
-it (the server records it as cancelled); at the prompt it leaves.
+In a terminal, input has line editing and a history (readline, kept in
+``$SEMANTIC_HOME/chat_history``); a paste of several lines is one turn (the terminal's
+bracketed paste), and so is a block typed between lines of ``\"\"\"``. Nothing is cut:
+readline reads past the terminal's 4,095-character line. Lines starting with ``/`` are
+commands: ``/new [ID]`` starts a new agent, ``/agents`` lists the server's agents,
+``/help``, ``/quit`` (or Ctrl-D). Ctrl-C during a reply stops it (the server records it
+as cancelled); at the prompt it leaves. With a question (``semantic chat "question"``, as
+``ollama run`` does), it answers once and exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import re
@@ -21,12 +28,16 @@ import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator, TextIO
+from pathlib import Path
+from typing import Any, Callable, Generator, Iterator, TextIO
 
 HELP = ("/new [ID]  start a new agent (a new conversation)\n"
         "/agents    the server's agents, most recently used first\n"
         "/help      this list\n"
-        "/quit      leave (Ctrl-D too); Ctrl-C stops a reply")
+        "/quit      leave (Ctrl-D too); Ctrl-C stops a reply\n"
+        '"""        on a line of its own: a block of several lines, ended by another """')
+BLOCK = '"""'
+PROGRESS = re.compile(r"^: prefill (\d+)/(\d+) prompt tokens")
 
 
 class ChatError(Exception):
@@ -47,6 +58,14 @@ class TurnStats:
         first = f"{self.first_token_s:.2f} s" if self.first_token_s is not None else "-"
         return (f"[{self.n_cached}/{self.n_prompt} prompt tokens from cache, first token {first}, "
                 f"{self.n_output} tokens{speed}]")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the prompt's prefill got: tokens in the cache (reused or computed) of the prompt's."""
+
+    n_ready: int
+    n_prompt: int
 
 
 class ChatClient:
@@ -97,8 +116,9 @@ class ChatClient:
         return list(answer["data"])
 
     def turn(self, agent_id: str, text: str, max_tokens: int,
-             temperature: float | None) -> Generator[str | TurnStats, None, None]:
-        """Stream one turn: the reply's text pieces, then its ``TurnStats``."""
+             temperature: float | None) -> Generator[str | Progress | TurnStats, None, None]:
+        """Stream one turn: the prefill's progress while there is some, the reply's text
+        pieces, then its ``TurnStats``."""
         body: dict[str, Any] = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                                 "stream": True, **({"temperature": temperature} if temperature is not None else {})}
         sent = time.perf_counter()
@@ -108,7 +128,9 @@ class ChatClient:
             if response.status != 200:
                 raise ChatError(_error_text(response.status, _loads(response.read())))
             for event, data in _events(response):
-                if event == "message_start":
+                if event == "progress":
+                    yield Progress(data["n_ready"], data["n_prompt"])
+                elif event == "message_start":
                     usage = data["message"]["usage"]
                     stats.n_cached = usage["cache_read_input_tokens"]
                     stats.n_prompt = (usage["input_tokens"] + usage["cache_read_input_tokens"]
@@ -126,11 +148,14 @@ class ChatClient:
 
 
 def _events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Server-sent events: (event name, its JSON data)."""
+    """Server-sent events: (event name, its JSON data); a prefill progress comment as a
+    ``progress`` event."""
     event = ""
     for raw in response:
         line = raw.decode("utf-8").rstrip("\r\n")
-        if line.startswith("event:"):
+        if (progress := PROGRESS.match(line)) is not None:
+            yield "progress", {"n_ready": int(progress[1]), "n_prompt": int(progress[2])}
+        elif line.startswith("event:"):
             event = line[6:].strip()
         elif line.startswith("data:"):
             yield event, json.loads(line[5:])
@@ -162,9 +187,82 @@ def new_agent_id() -> str:
     return f"chat-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
+def line_editing(history: Path | None) -> None:
+    """Line editing and a history for ``input()`` (readline; its history kept in ``history``).
+    Bracketed paste (on by default since readline 8.1) makes a paste of several lines one line."""
+    try:
+        import readline
+    except ImportError:  # no readline (some Python builds): plain input
+        return
+    readline.parse_and_bind("set enable-bracketed-paste on")
+    if history is None:
+        return
+    try:
+        readline.read_history_file(history)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    atexit.register(_save_history, readline, history)
+
+
+def _save_history(readline: Any, history: Path) -> None:
+    try:
+        readline.write_history_file(history)
+    except OSError:
+        pass
+
+
+def read_turn(read: Callable[[str], str], prompt: str = "> ") -> str | None:
+    """The next turn's text (None at the end of input): a line, or the lines between two
+    lines of ``\"\"\"`` (one turn, indentation kept)."""
+    try:
+        line = read(prompt)
+    except EOFError:
+        return None
+    if line.strip() != BLOCK:
+        return line
+    lines: list[str] = []
+    while True:
+        try:
+            more = read("... ")
+        except EOFError:
+            break
+        if more.rstrip().endswith(BLOCK):
+            lines.append(more.rstrip()[:-len(BLOCK)])
+            break
+        lines.append(more)
+    return "\n".join(lines).rstrip("\n")
+
+
+def ask_once(client: ChatClient, agent_id: str | None, question: str, *, system_prompt: str | None = None,
+             max_tokens: int = 512, temperature: float | None = None, stdout: TextIO = sys.stdout,
+             stderr: TextIO = sys.stderr) -> int:
+    """Answer ``question`` once (``semantic chat "question"``): the reply on ``stdout``, its
+    line of numbers on ``stderr``; returns the exit status (1: the server refused or is gone)."""
+    def say(text: str, end: str = "\n") -> None:
+        stdout.write(text + end)
+        stdout.flush()
+
+    try:
+        agent = agent_id or new_agent_id()
+        client.ensure_agent(agent, system_prompt)
+        for piece in client.turn(agent, question, max_tokens, temperature):
+            if isinstance(piece, TurnStats):
+                say("")
+                stderr.write(piece.line() + "\n")
+            elif isinstance(piece, str):
+                say(printable(piece), end="")
+    except ChatError as exc:
+        stderr.write(f"semantic chat: {exc}\n")
+        return 1
+    return 0
+
+
 def run(client: ChatClient, agent_id: str | None, *, system_prompt: str | None = None, max_tokens: int = 512,
-        temperature: float | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    """The chat loop; returns the exit status (0; 1 when the server cannot be reached)."""
+        temperature: float | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+        history: Path | None = None) -> int:
+    """The chat loop; returns the exit status (0; 1 when the server cannot be reached).
+    In a terminal, input goes through readline (``history``: its file)."""
     def say(text: str, end: str = "\n") -> None:
         stdout.write(text + end)
         stdout.flush()
@@ -175,23 +273,32 @@ def run(client: ChatClient, agent_id: str | None, *, system_prompt: str | None =
         say(f"agent {chosen} ({'new' if created else 'continuing its latest conversation'}); /help for commands")
         return chosen
 
-    interactive = stdin.isatty()
+    interactive = stdin.isatty() and stdin is sys.stdin
+    if interactive:
+        line_editing(history)
+
+    def read(prompt: str) -> str:
+        if interactive:
+            return input(prompt)
+        line = stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
     try:
         agent = start(agent_id)
     except ChatError as exc:
         say(f"semantic chat: {exc}")
         return 1
     while True:
-        if interactive:
-            say("> ", end="")
         try:
-            line = stdin.readline()
+            entered = read_turn(read)
         except KeyboardInterrupt:
             say("")
             return 0
-        if not line:
+        if entered is None:
             return 0
-        text = line.strip()
+        text = entered.strip()
         if not text:
             continue
         try:
@@ -208,16 +315,25 @@ def run(client: ChatClient, agent_id: str | None, *, system_prompt: str | None =
             elif text.startswith("/"):
                 say(f"unknown command {text.split()[0]}; /help lists them")
             else:
-                _reply(client, agent, text, max_tokens, temperature, say)
+                _reply(client, agent, text, max_tokens, temperature, say, show_progress=stdout.isatty())
         except ChatError as exc:
             say(f"semantic chat: {exc}")
 
 
 def _reply(client: ChatClient, agent: str, text: str, max_tokens: int, temperature: float | None,
-           say: Any) -> None:
+           say: Any, show_progress: bool = False) -> None:
     turn = client.turn(agent, text, max_tokens, temperature)
+    shown = False  # a progress bar is on the line
     try:
         for piece in turn:
+            if isinstance(piece, Progress):
+                if show_progress and piece.n_prompt:
+                    say(f"\r{progress_bar(piece.n_ready, piece.n_prompt)}", end="")
+                    shown = True
+                continue
+            if shown:
+                say("\r\x1b[K", end="")  # the bar's line cleared for the reply
+                shown = False
             if isinstance(piece, TurnStats):
                 say("")
                 say(piece.line())
@@ -226,3 +342,10 @@ def _reply(client: ChatClient, agent: str, text: str, max_tokens: int, temperatu
     except KeyboardInterrupt:
         turn.close()  # closes the connection: the server cancels the generation
         say("\n[stopped]")
+
+
+def progress_bar(n_ready: int, n_prompt: int, width: int = 30) -> str:
+    """``[prefill ######......  45%  1024/4249 prompt tokens]``"""
+    done = min(width, width * n_ready // max(1, n_prompt))
+    return f"[prefill {'#' * done}{'.' * (width - done)} {100 * n_ready // max(1, n_prompt):3d}%  " \
+           f"{n_ready}/{n_prompt} prompt tokens]"

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -92,12 +93,19 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(settings: Settings, args: argparse.Namespace) -> int:
-    from app.chat import ChatClient, run
+    from app.chat import ChatClient, ask_once, run
     from app.status import server_url
+    from app.types import SESSION_ID_PATTERN
 
     client = ChatClient((args.url or server_url(settings)).rstrip("/"), settings.api_key or None)
-    return run(client, args.agent, system_prompt=args.system, max_tokens=args.max_tokens,
-               temperature=args.temperature)
+    agent, question = args.agent, args.question
+    if question is None and agent is not None and not re.fullmatch(SESSION_ID_PATTERN, agent):
+        agent, question = None, agent  # `semantic chat "a question"`: not an agent's id
+    if question is not None:
+        return ask_once(client, agent, question, system_prompt=args.system, max_tokens=args.max_tokens,
+                        temperature=args.temperature)
+    return run(client, agent, system_prompt=args.system, max_tokens=args.max_tokens,
+               temperature=args.temperature, history=settings.home / "chat_history")
 
 
 def cmd_launch(settings: Settings, args: argparse.Namespace) -> int:
@@ -497,9 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     chat = commands.add_parser("chat", help="talk to an agent of the running server in the terminal",
-                               epilog="in the chat: /new [ID], /agents, /help, /quit; Ctrl-C stops a reply")
+                               epilog='in the chat: /new [ID], /agents, /help, /quit; """ for a block of lines; '
+                                      'Ctrl-C stops a reply. example: semantic chat "What is the capital of France?" '
+                                      '(answers once)')
     chat.add_argument("agent", nargs="?", metavar="AGENT",
-                      help="the agent to talk to, created if missing (default: a new one)")
+                      help="the agent to talk to, created if missing (default: a new one); "
+                           "text that is no agent id is a question")
+    chat.add_argument("question", nargs="?", metavar="QUESTION",
+                      help="answer this once and exit, as `ollama run MODEL QUESTION` does")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt of an agent this creates")
     chat.add_argument("--max-tokens", type=int, default=512, metavar="N", help="the longest reply (default 512)")
     chat.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default: the server's)")
