@@ -84,7 +84,8 @@ def test_in_a_terminal_input_is_edited_pasted_whole_and_never_cut(server: Server
     """Issue 62: in a real terminal (a pty), a left arrow was stored as ``\\x1b[D``, a paste of
     4 lines became 4 turns without their indentation, and a 10,558-character paste was cut
     to 4,095 characters (the terminal's line limit). readline edits the line, bracketed
-    paste makes a paste one turn, and raw mode reads past the limit."""
+    paste makes a paste one turn, and raw mode reads past the limit. The long turn's prefill
+    shows its progress bar."""
     import pty
     import select
 
@@ -124,6 +125,7 @@ def test_in_a_terminal_input_is_edited_pasted_whole_and_never_cut(server: Server
             time.sleep(0.05)
         os.write(fd, b"\r")
         wait_for(b"tokens from cache", 3, 300)
+        assert re.search(rb"\[prefill #*\.* +\d+%  \d+/\d+ prompt tokens\]", seen), seen[-3000:]  # its long prefill
         os.write(fd, b"/quit\r")
         assert child.wait(timeout=30) == 0
     finally:
