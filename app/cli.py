@@ -113,11 +113,14 @@ def cmd_launch(settings: Settings, args: argparse.Namespace) -> int:
     from app.status import read_health, server_url
 
     url = (args.url or server_url(settings)).rstrip("/")
-    planned = launch.plan(args.client, url, settings.home, settings.api_key or None, args.model, args.args, args.bin)
+    health = read_health(url, settings.api_key)
+    context = health.get("context_length") if health else None
+    planned = launch.plan(args.client, url, settings.home, settings.api_key or None, args.model, args.args, args.bin,
+                          context_length=context if isinstance(context, int) else None)
     if args.print:
         print(planned.shown())
         return 0
-    if read_health(url) is None:
+    if health is None:
         print(f"semantic launch: no server answers at {url}; start one with ./scripts/serve (or semantic serve)",
               file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ CLAUDE_QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEME
 # its binary) gives a request 600 s in all by default (API_TIMEOUT_MS) and a stream 300 s
 # without a byte (CLAUDE_STREAM_IDLE_TIMEOUT_MS; its floor): an hour each.
 CLAUDE_PATIENT = {"API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000"}
+CLAUDE_OUTPUT_TOKENS = "CLAUDE_CODE_MAX_OUTPUT_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,17 @@ def codex_config(base_url: str, model: str) -> str:
             f'env_key = "{CODEX_KEY_VARIABLE}"\nsupports_websockets = true\n')
 
 
+def output_tokens(context_length: int) -> int:
+    """Claude Code's reply budget (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``) for a served context: a
+    16th of it, 256 to 8,192 tokens (Claude Code asks for 32,000: a small model wrote until
+    its 8K context was full, and the next request did not fit)."""
+    return max(256, min(8192, context_length // 16))
+
+
 def plan(client: str, url: str, home: Path, api_key: str | None, model: str | None, args: list[str],
-         binary: str | None = None) -> Launch:
-    """The launch of ``client`` against the server at ``url``.
+         binary: str | None = None, context_length: int | None = None) -> Launch:
+    """The launch of ``client`` against the server at ``url`` (``context_length``: the served
+    model's, which sizes Claude Code's reply budget unless the caller's environment sets one).
 
     Raises:
         ConfigError: the client is unknown or not installed.
@@ -78,6 +87,8 @@ def plan(client: str, url: str, home: Path, api_key: str | None, model: str | No
     if client == "claude":
         env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": key, **CLAUDE_QUIET, **CLAUDE_PATIENT,
                **({"ANTHROPIC_MODEL": model} if model else {})}
+        if context_length and CLAUDE_OUTPUT_TOKENS not in os.environ:
+            env[CLAUDE_OUTPUT_TOKENS] = str(output_tokens(context_length))
         return Launch([found, *args], env)
     codex_home = home / "clients" / "codex"
     return Launch([found, *args], {"CODEX_HOME": str(codex_home), CODEX_KEY_VARIABLE: key},

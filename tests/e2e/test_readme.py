@@ -104,7 +104,8 @@ def test_the_launch_lines_of_the_docs_run_as_written(fresh_server: ServerProcess
     bin_dir.mkdir()
     for client in ("claude", "codex"):
         stand_in = bin_dir / client
-        stand_in.write_text(f'#!/bin/sh\nprintf "%s\\n" "$ANTHROPIC_BASE_URL" "$@" > "{tmp_path}/{client}.args"\n')
+        stand_in.write_text(f'#!/bin/sh\nprintf "%s\\n" "$ANTHROPIC_BASE_URL" "$CLAUDE_CODE_MAX_OUTPUT_TOKENS" "$@" '
+                            f'> "{tmp_path}/{client}.args"\n')
         stand_in.chmod(0o755)
     port = fresh_server.url.rsplit(":", 1)[1]
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SEMANTIC_HOME": str(fresh_server.home), "SEMANTIC_PORT": port}
@@ -120,6 +121,6 @@ def test_the_launch_lines_of_the_docs_run_as_written(fresh_server: ServerProcess
             assert client in done.stdout and not recorded.exists(), line  # shown, not run
             continue
         given = recorded.read_text().splitlines()
-        assert given[1:] == words[words.index("--") + 1:], (line, given)  # the client's own arguments
-        if client == "claude":
-            assert given[0] == fresh_server.url.rstrip("/"), given
+        assert given[2:] == words[words.index("--") + 1:], (line, given)  # the client's own arguments
+        if client == "claude":  # the server, and a reply budget for its 8K context (a 16th)
+            assert given[:2] == [fresh_server.url.rstrip("/"), "512"], given
