@@ -8,7 +8,7 @@ from typing import Any, Callable
 import falcon
 from sqlalchemy.exc import OperationalError
 
-from app.errors import (ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
+from app.errors import (Cancelled, ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
                         ModelLoading, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
                         Unauthorized, UnsupportedMediaType)
 from app.protocol import anthropic, ollama, openai, responses_output
@@ -61,7 +61,9 @@ def handle_semantic(req: falcon.Request, resp: falcon.Response, exc: SemanticErr
     status = status_of(exc)
     if isinstance(exc, (Overloaded, ModelLoading)):
         resp.set_header("retry-after", str(exc.retry_after_s))
-    if status >= 500 and not isinstance(exc, ModelLoading):  # loading is logged as the request's 503 only
+    # Loading is logged as the request's 503 only; a cancelled request (its client left, the
+    # server stopping) has its own line from the engine and the request log.
+    if status >= 500 and not isinstance(exc, (ModelLoading, Cancelled)):
         log.error("request %s failed: %s", getattr(req.context, "request_id", "-"), exc)
     _respond(req, resp, status, str(exc), exc)
 

@@ -132,7 +132,7 @@ def test_a_request_refused_from_the_queue_gets_429_or_the_streams_error_event(  
 @pytest.mark.parametrize("path,stream", [("/v1/messages", False), ("/v1/messages", True),
                                          ("/v1/chat/completions", True), ("/api/chat", True)])
 def test_a_reply_cancelled_part_way_is_an_error_not_a_finished_reply(  # type: ignore[no-untyped-def]
-        app, path, stream) -> None:
+        app, path, stream, caplog) -> None:
     """Issue 62: a stream the server cancelled (Ctrl-C on the server) ended with
     ``stop_reason: end_turn``, and a client took the half answer as whole. Now a 503, or the
     protocol's error in the stream; the row says cancelled and no history is stored."""
@@ -154,6 +154,7 @@ def test_a_reply_cancelled_part_way_is_an_error_not_a_finished_reply(  # type: i
     assert query(db, "SELECT status, stop_reason FROM requests WHERE agent_id = ?", session) == \
         [("cancelled", "cancelled")]
     assert query(db, "SELECT count(*) FROM messages WHERE agent_id = ?", session) == [(0,)]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # a client leaving is no server error
 
 
 @pytest.mark.parametrize("refusal,status,kind,retry", [
