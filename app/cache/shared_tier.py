@@ -108,7 +108,7 @@ class S3Tier:
         try:
             response = self._client.get_object(Bucket=self.location.bucket, Key=self._key(key))
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            if _missing(exc):
                 return False
             raise
         partial = destination.with_name(f"{destination.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -121,18 +121,22 @@ class S3Tier:
             partial.unlink(missing_ok=True)
         return True
 
-    def holds(self, key: str) -> bool:
-        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
-        does not answer."""
+    def _head(self, key: str) -> dict | None:
+        """The object's HEAD answer, or None when there is no such object. Raises what boto3
+        raises when the store does not answer."""
         from botocore.exceptions import ClientError
 
         try:
-            self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+            return dict(self._client.head_object(Bucket=self.location.bucket, Key=self._key(key)))
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
+            if _missing(exc):
+                return None
             raise
-        return True
+
+    def holds(self, key: str) -> bool:
+        """Whether an object has the key (one HEAD). Raises what boto3 raises when the store
+        does not answer."""
+        return self._head(key) is not None
 
     def holds_copy(self, key: str, path: Path) -> bool:
         """Whether the object ``key`` has the bytes of the local file ``path``: its ETag (one
@@ -140,14 +144,9 @@ class S3Tier:
         file's; any other ETag (a multipart upload's) is checked by reading the object. A HEAD
         alone proves a key, not a readable copy. Raises what boto3 raises when the store does
         not answer, OSError when the file cannot be read."""
-        from botocore.exceptions import ClientError
-
-        try:
-            head = self._client.head_object(Bucket=self.location.bucket, Key=self._key(key))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
+        head = self._head(key)
+        if head is None:
+            return False
         local = _md5(path.open("rb"))
         etag = str(head.get("ETag", "")).strip('"')
         if re.fullmatch(r"[0-9a-f]{32}", etag):
@@ -306,3 +305,8 @@ def _md5(stream: Any) -> str:
         while piece := stream.read(1 << 20):
             digest.update(piece)
     return digest.hexdigest()
+
+
+def _missing(exc: Any) -> bool:
+    """Whether a boto3 ClientError says the object does not exist."""
+    return exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")

@@ -103,7 +103,6 @@ def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Pa
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_MAPPED: set[str] = set()  # unknown model names already logged as answered by the default
 
 
 def model_destination(models_dir: Path, name: str) -> Path:
@@ -176,6 +175,8 @@ class Catalog:
     any_installed: bool = False  # requests may name any installed model (settings.serve_installed_models)
     hf_cache: Path | None = None  # the Hugging Face hub cache (None: where huggingface_hub looks)
     imports: Mapping[str, Path] = field(default_factory=dict)  # name -> a stored GGUF it is imported from
+    # Unknown names already logged as answered by the default (once each).
+    _mapped: set[str] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def configure(cls, models_dir: Path, default: str, aliases: Mapping[str, str] | None = None,
@@ -234,8 +235,8 @@ class Catalog:
             raise NotFound(f"model: {requested!r} is installed but not served here (serve_installed_models is off; "
                            f"serving {self.default!r}, GET /v1/models lists them)")
         if self.map_unknown:
-            if requested not in _MAPPED:
-                _MAPPED.add(requested)
+            if requested not in self._mapped:
+                self._mapped.add(requested)
                 log.info("model %r is not installed: answered by %s (map_unknown_models)", requested, self.default)
             return self.default
         served = sorted({self.default, *self.paths, *self.aliases})
