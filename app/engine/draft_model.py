@@ -15,13 +15,17 @@ draft first cuts the tokens the served model rejected, feeds what the history ga
 (the whole prompt the first time, in chunks), then decodes ``k`` tokens. ``DraftModel``
 keeps the drafters of recent conversations between turns (in memory, never stored), so a
 warm turn feeds the draft model its new tokens only, as the served model's prefill does.
+
+Its caches are counted in ``cache_memory_bytes``: those kept between turns within
+``DRAFTS_SHARE`` of it (which the engine takes from the cache pool's budget), a running
+generation's in its working bytes (``admission.Admission.draft_bytes_per_token``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
-from collections import OrderedDict
 from typing import Iterable
 
 import mlx.core as mx
@@ -31,7 +35,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
-from app.engine.model import LoadedModel, compute_dtype
+from app.cache.pool import RecentWithin
+from app.engine.model import LoadedModel, compute_dtype, kv_bytes_per_token
 from app.engine.drafting import Drafter
 from app.engine.speculation import greedy_tokens
 from app.errors import ConfigError
@@ -39,6 +44,16 @@ from app.errors import ConfigError
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # the most history tokens one draft-model forward pass feeds
+DRAFTS_SHARE = 1 / 8  # of cache_memory_bytes: the draft caches kept between turns
+
+
+def draft_bytes_per_token(path: Path, dtype: str = "auto") -> int:
+    """What the draft model at ``path`` holds for a token of a history it drafts after: its
+    keys and values, at the dtype it runs in (``dtype``, else its weights')."""
+    config = json.loads((path / "config.json").read_text())
+    target = compute_dtype(dtype)
+    size = target.size if target is not None else 4 if config.get("torch_dtype") == "float32" else 2
+    return kv_bytes_per_token(config, size)
 
 
 def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn.Module:
@@ -67,35 +82,34 @@ def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn
 
 
 class DraftModel:
-    """A draft model and the drafters of the last ``KEEP`` conversations it drafted for, kept in
-    memory between turns: a conversation's next turn takes its drafter up again and feeds
-    the draft model only what the conversation gained (the reply's tail past the end and
-    anything that differs are cut first). The kept caches are not counted in
-    ``cache_memory_bytes``: each holds its conversation in the draft model's float keys
-    and values."""
+    """A draft model and the drafters of the conversations it drafted for last, kept in memory
+    between turns while their caches fit ``budget_bytes``: a conversation's next turn takes its
+    drafter up again and feeds the draft model only what the conversation gained (the reply's
+    tail past the end and anything that differs are cut first)."""
 
-    KEEP = 4
-
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, budget_bytes: int) -> None:
         self.model = model
-        self._kept: OrderedDict[str, ModelDraft] = OrderedDict()
+        self._kept: RecentWithin[ModelDraft] = RecentWithin(budget_bytes)
+
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of the caches kept between turns (within ``budget_bytes``)."""
+        return self._kept.nbytes
 
     def drafter(self, history: list[int], key: str | None) -> ModelDraft:
         """The drafter of a sequence whose history is ``history``: the one ``key`` released last, if kept."""
-        kept = self._kept.pop(key, None) if key is not None else None
+        kept = self._kept.take(key) if key is not None else None
         if kept is None:
             return ModelDraft(self.model, history)
         kept.restart(history)
         return kept
 
     def release(self, key: str | None, drafter: Drafter) -> None:
-        """Keep ``drafter`` for ``key``'s next turn (the least recently released beyond ``KEEP`` go)."""
-        if key is None or not isinstance(drafter, ModelDraft):
+        """Keep ``drafter`` for ``key``'s next turn; the least recently released go while the
+        kept caches exceed the budget (one larger than all of it is not kept)."""
+        if key is None or not isinstance(drafter, ModelDraft) or drafter.nbytes > self._kept.budget_bytes:
             return
-        self._kept[key] = drafter
-        self._kept.move_to_end(key)
-        while len(self._kept) > self.KEEP:
-            self._kept.popitem(last=False)
+        self._kept.keep(key, drafter)
 
 
 class ModelDraft:
@@ -110,6 +124,11 @@ class ModelDraft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its cache's arrays (as allocated, a step beyond what they hold)."""
+        return sum(layer.nbytes for layer in self._cache if layer.keys is not None)
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to the history."""

@@ -26,7 +26,7 @@ from app.engine.admission import Admission
 from app.engine.backend import detect, warmup_chunks
 from app.engine import grammar
 from app.engine.channel import Job
-from app.engine.draft_model import DraftModel, load_draft_model
+from app.engine.draft_model import DRAFTS_SHARE, DraftModel, draft_bytes_per_token, load_draft_model
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec
 from app.engine.prompting import check_fits, render_chat, render_completion, render_conversation_start
 from app.engine.runner import Runner
@@ -87,7 +87,10 @@ class Engine:
         self._kv_format_for = cache.kv_format_for
         self._specs: dict[str, ModelSpec] = {}
         self._specs_lock = threading.Lock()
-        self._admission = Admission(cache.budget_bytes, max_batch)
+        drafts_bytes = int(cache.budget_bytes * DRAFTS_SHARE) if draft_model is not None else 0
+        cache = replace(cache, budget_bytes=cache.budget_bytes - drafts_bytes)  # the draft caches' share
+        self._admission = Admission(cache.budget_bytes, max_batch,
+                                    draft_bytes_per_token(draft_model, dtype) if draft_model is not None else 0)
         self._stager = Stager(cache.blocks_dir, cache.sessions, cache.tier)
         warmup = warmup_chunks(detect(), prefill_step_size)
         self._runner = Runner(lambda name: load_model(name, catalog.install(name), dtype,
@@ -99,7 +102,7 @@ class Engine:
                               speculative_tokens=speculative_tokens, max_queue_wait_s=max_queue_wait_s,
                               prefill_checkpoint_s=prefill_checkpoint_s,
                               load_draft=None if draft_model is None else
-                              lambda loaded: DraftModel(load_draft_model(draft_model, loaded, dtype)))
+                              lambda loaded: DraftModel(load_draft_model(draft_model, loaded, dtype), drafts_bytes))
         self.started_at = time.time()
 
     def start(self, timeout_s: float | None = None) -> None:

@@ -17,7 +17,11 @@ COPY = ("Here is utils.py:\n```python\ndef add(a, b):\n    return a + b\n\n\ndef
 
 
 def test_a_server_with_a_draft_model_drafts_and_answers_as_without(smollm2_dir: Path, tmp_path: Path) -> None:
-    server = start_server(tmp_path / "home", smollm2_dir, {"SEMANTIC_DRAFT_MODEL": str(smollm2_dir)})
+    """It answers as without drafts, and the draft caches count in ``cache_memory_bytes``: the
+    hot tier keeps 7/8 of it."""
+    budget = 1 << 30
+    server = start_server(tmp_path / "home", smollm2_dir, {"SEMANTIC_DRAFT_MODEL": str(smollm2_dir),
+                                                           "SEMANTIC_CACHE_MEMORY_BYTES": str(budget)})
     try:
         replies = {}
         for session, speculate in (("plain", False), ("drafted", True)):
@@ -32,6 +36,8 @@ def test_a_server_with_a_draft_model_drafts_and_answers_as_without(smollm2_dir: 
         assert f"draft model {smollm2_dir} loaded for" in log
         kept = re.findall(r"\(drafts (\d+)/(\d+) kept\)", log)
         assert len(kept) == 1 and int(kept[0][0]) > 0, kept  # only the drafted request drafted
+        health = httpx.get(f"{server.url}/health", timeout=30).json()
+        assert health["cache"]["pool_budget_bytes"] == budget - budget // 8  # the kept drafts' share
     finally:
         stop_server(server)
 

