@@ -183,11 +183,11 @@ class AgentService:
 
         with_retries(write, attempts=1)
 
-    def accept(self, target: ConversationTarget, snapshot: str, *, ttl_seconds: int | None = None,
+    def accept(self, request_id: str, target: ConversationTarget, snapshot: str, *, ttl_seconds: int | None = None,
                hot_ttl_seconds: int | None = None) -> None:
         """The engine took the request: the agent (with the TTLs it asks for) and its
-        conversation exist from now on (before the engine can store a cache for them);
-        a new conversation pins ``snapshot``."""
+        conversation exist from now on (before the engine can store a cache for them), and
+        the request's row names them; a new conversation pins ``snapshot``."""
         now = utcnow()
 
         def write() -> None:
@@ -197,6 +197,7 @@ class AgentService:
                 history.ensure_conversation(session, target.conversation_id, target.agent.agent_id,
                                             target.agent.origin, now, target.system_digest, snapshot,
                                             target.agent.thread)
+                history.claim_request(session, request_id, target.agent.agent_id, target.conversation_id)
 
         with_retries(write, attempts=1)
 

@@ -169,7 +169,7 @@ class GenerationResource:
                 request_id, prompt, parsed.sampling, target.agent.agent_id, target.conversation_id,
                 whole_blocks=parsed.cache_mode == "prefix", persist=parsed.ttl_seconds != 0,
                 hot_ttl_s=parsed.hot_ttl_seconds, model=model, arrived_at=req.context.arrived))
-            self._agents.accept(target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
+            self._agents.accept(request_id, target, parsed.snapshot, ttl_seconds=parsed.ttl_seconds,
                                 hot_ttl_seconds=parsed.hot_ttl_seconds)
         except SemanticError as exc:
             if job is not None:  # submitted, then the store refused to record it

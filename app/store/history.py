@@ -138,10 +138,20 @@ def _text(value: str | None) -> str | None:
 def start_request(session: Session, request_id: str, *, protocol: str, model: str | None,
                   served_model: str | None, stream: bool, n_input_tokens: int | None, now: datetime,
                   server_id: str | None = None) -> None:
-    """The request's row, before the engine runs it (its agent is written when it ends)."""
+    """The request's row, before the engine runs it (its agent and conversation are written
+    when the engine takes it: ``claim_request``)."""
     session.add(Request(id=request_id, protocol=protocol, server_id=server_id, model=model,
                         served_model=served_model, stream=stream, n_input_tokens=n_input_tokens, status="running",
                         created_at=now))
+
+
+def claim_request(session: Session, request_id: str, agent_id: str, conversation_id: str | None) -> None:
+    """The engine took the request for ``agent_id``'s conversation: its row names them from
+    now on, so a request the server never finished (``interrupt_unfinished``) says whose it
+    was. A row that was never written (the store refused it) stays unwritten."""
+    row = session.get(Request, request_id)
+    if row is not None:
+        row.agent_id, row.conversation_id = agent_id, conversation_id
 
 
 def interrupt_unfinished(session: Session, server_id: str, now: datetime, *, alone: bool) -> int:

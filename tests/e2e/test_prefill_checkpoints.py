@@ -57,8 +57,7 @@ def test_a_sigkill_during_a_long_prefill_keeps_the_blocks_that_reached_disk(smol
         assert usage["cache_read_input_tokens"] >= on_disk // 256 * 256, (usage, on_disk)
         total = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
         assert usage["cache_read_input_tokens"] < total  # resumed part way, then prefilled the rest
-        # (the killed request's row names no agent yet: it is set when the turn ends)
-        statuses = query(server.db_path, "SELECT status FROM requests ORDER BY created_at")
-        assert statuses == [("interrupted",), ("ok",)], statuses
+        rows = query(server.db_path, "SELECT status, agent_id FROM requests ORDER BY created_at")
+        assert rows == [("interrupted", session), ("ok", session)], rows  # the killed one says whose it was
     finally:
         stop_server(server)
