@@ -12,6 +12,11 @@ them. A schema's own ``x-guidance`` options override that.
 The prompt says so too (``instructions``: the schema, written deterministically, after the
 system prompt), so the model knows what the mask allows; the mask is what holds.
 
+An object schema that lists ``properties`` and says nothing of others is held closed
+(``closed``: ``additionalProperties: false``), as llama.cpp and Ollama hold it: open, a
+small model adds keys until its token limit. A schema that wants other keys says so
+(``additionalProperties: true`` or a schema for them).
+
 When tools are offered (the generic tool format), the reply may be the JSON answer or one
 tool call (``with_tools``). A forced call in that format (``forced_call``) is held to the
 called tool's ``input_schema``, leniently: a keyword the grammar cannot express is left
@@ -43,9 +48,39 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}  # "JSON mode": any JSON object
 Tool = tuple[str, dict[str, Any]]  # (name, input JSON schema)
 
 
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")  # a schema each
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")  # a list of schemas each
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")  # schemas by name
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with each object that lists ``properties`` and says nothing of others
+    (no ``additionalProperties``, ``patternProperties`` or ``unevaluatedProperties``) closed
+    to them, at every depth. ``allOf`` branches stay as they are: each one's keys are the
+    others' additional ones."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = closed(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(value) for name, value in out[key].items()}
+    says_more = any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    if isinstance(out.get("properties"), dict) and not says_more:
+        out["additionalProperties"] = False
+    return out
+
+
 def _styled(schema: dict[str, Any]) -> dict[str, Any]:
     options = schema.get("x-guidance")
-    return {**schema, "x-guidance": {**JSON_STYLE, **(options if isinstance(options, dict) else {})}}
+    return {**closed(schema), "x-guidance": {**JSON_STYLE, **(options if isinstance(options, dict) else {})}}
 
 
 def _compiles(grammar: str) -> str:

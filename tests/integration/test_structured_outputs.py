@@ -24,7 +24,7 @@ from app.engine.engine import Engine
 from app.protocol import anthropic, openai
 from app.protocol.turn import ParsedTurn
 from app.types import Finished, GenerationRequest, RequestOptions, SamplingParams, TextDelta
-from support.engines import make_engine_at
+from support.engines import loaded_model, make_engine_at
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -134,3 +134,27 @@ def test_each_tokens_logprob_is_the_one_it_was_chosen_with(engine: Engine) -> No
         assert entry.top[0].bytes == entry.bytes and entry.top[0].logprob == pytest.approx(entry.logprob)
         assert entry.top[0].logprob >= entry.top[1].logprob >= entry.top[2].logprob
     assert finished.n_draft_tokens == 0
+
+
+def test_an_object_schema_that_says_nothing_of_other_keys_is_held_closed(engine: Engine) -> None:
+    """As llama.cpp and Ollama hold it: a schema listing ``properties`` without
+    ``additionalProperties`` allows no other key (open, a small model adds keys until its
+    limit); ``additionalProperties: true`` opens it, nested objects are closed too."""
+    from app.engine.grammar import matcher_for, tokenizer_for
+    from app.protocol.structured import response_format
+
+    spec = loaded_model(engine)
+    tokenizer = tokenizer_for(spec)
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "at": point}, "required": ["name", "at"]}
+
+    def accepts(schema: dict[str, Any], text: str) -> bool:
+        matcher = matcher_for(response_format(schema, "response_format"), spec)
+        return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+    assert accepts(schema, '{"name": "a", "at": {"x": 1}}')
+    assert not accepts(schema, '{"name": "a", "at": {"x": 1}, "extra": 2}')
+    assert not accepts(schema, '{"name": "a", "at": {"x": 1, "y": 2}}')
+    opened = {**schema, "additionalProperties": True}
+    assert accepts(opened, '{"name": "a", "at": {"x": 1}, "extra": 2}')
+    assert not accepts(opened, '{"name": "a", "at": {"x": 1, "y": 2}}')  # its nested object still closed
