@@ -118,10 +118,9 @@ class Settings(BaseSettings):
     cache_reuse: bool = Field(True, description="Reuse KV caches across turns (false: every prompt is prefilled cold).")
     cache_memory_bytes: int = Field(0, ge=0, le=1 << 50, description=(
         "Bytes of KV cache kept in memory (the hot tier): the stored blocks, plus the float working copies of the "
-        "4 most recent conversations; the rest waits on disk. The same budget bounds the working caches of the "
-        "generations running at once (admission), with a draft_model its caches too. 0 = from the machine "
-        "(app/engine/backend.py): a quarter of the RAM beside the weights on a CPU, half of the GPU's memory beside "
-        "them on a GPU, at least 1 GiB; startup logs the choice."))
+        "4 most recent conversations; the rest waits on disk. It bounds the running generations' working caches "
+        "too, and a draft_model's. 0 = from the machine (app/engine/backend.py): a quarter of the RAM beside the "
+        "weights on a CPU, half of the GPU's memory beside them on a GPU, at least 1 GiB; startup logs the choice."))
     kv_format: str = Field("auto", description=(
         "How stored KV caches are kept: auto = per model, the fewest bytes that keep its answers faithful (top-1 "
         "agreement with float KV >= 98%, perplexity within 1%), measured once per model "
