@@ -36,7 +36,7 @@ from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.cache.pool import RecentWithin
-from app.engine.model import LoadedModel, compute_dtype, kv_bytes_per_token
+from app.engine.model import LoadedModel, compute_dtype, kv_bytes_per_token, run_dtype
 from app.engine.drafting import Drafter
 from app.engine.speculation import greedy_tokens
 from app.errors import ConfigError
@@ -51,9 +51,7 @@ def draft_bytes_per_token(path: Path, dtype: str = "auto") -> int:
     """What the draft model at ``path`` holds for a token of a history it drafts after: its
     keys and values, at the dtype it runs in (``dtype``, else its weights')."""
     config = json.loads((path / "config.json").read_text())
-    target = compute_dtype(dtype)
-    size = target.size if target is not None else 4 if config.get("torch_dtype") == "float32" else 2
-    return kv_bytes_per_token(config, size)
+    return kv_bytes_per_token(config, run_dtype(config, dtype).size)
 
 
 def load_draft_model(path: Path, target: LoadedModel, dtype: str = "auto") -> nn.Module:

@@ -166,6 +166,11 @@ def compute_dtype(requested: str) -> Any:
         raise InvalidModelFile(f"unknown dtype {requested!r}") from None
 
 
+def run_dtype(config: dict[str, Any], requested: str) -> Any:
+    """The dtype a model of ``config`` computes (and caches) in: ``requested``'s, else its weights'."""
+    return compute_dtype(requested) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
+
+
 def calibration_key(path: Path) -> str:
     """What a model's KV calibration is valid for: its weights, tokenizer and template, and the calibration version."""
     return model_fingerprint(path, f"kv-calibration-v{CALIBRATION_VERSION}")
@@ -306,7 +311,7 @@ def load_spec(name: str, path: Path, dtype: str = "auto", kv_format: str = "auto
     context = int(config.get("max_position_embeddings") or tokenizer.model_max_length or 4096)
     eos = config.get("eos_token_id", [])
     stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(tokenizer.eos_token_ids)
-    target = compute_dtype(dtype) or getattr(mx, str(config.get("torch_dtype") or "bfloat16"), mx.bfloat16)
+    target = run_dtype(config, dtype)
     try:
         kv = kv_choice(path, kv_format)
     except InvalidModelFile as exc:
