@@ -24,6 +24,7 @@ from app.main import create_app
 from app.settings import Settings
 from app.store.db import make_engine, make_session_factory, upgrade
 
+from conftest import TEST_STORES
 from support.fake_engine import FakeEngine
 
 TOOL = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object", "properties": {
@@ -102,7 +103,7 @@ def mutated(draw: st.DrawFn, route: str) -> Any:
     return body
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=TEST_STORES)
 def fuzz_store(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[falcon.testing.TestClient, str, FakeEngine]]:
     """The app on each store: PostgreSQL refuses what SQLite keeps (NUL in text, values
