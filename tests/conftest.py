@@ -124,10 +124,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (counted as such in the summary), not run against nothing."""
     if "postgresql" in TEST_STORES:
         return
-    chosen = [item for item in items if "postgres" not in getattr(item, "fixturenames", ())]
-    if len(chosen) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
-        items[:] = chosen
+    needs = [item for item in items if "postgres" in getattr(item, "fixturenames", ())]
+    if needs:
+        config.hook.pytest_deselected(items=needs)
+        items[:] = [item for item in items if item not in needs]
 
 
 @pytest.fixture(params=TEST_STORES)
