@@ -2,8 +2,8 @@
 
 ``semantic serve`` starts itself again with huge pages for its large buffers where the
 machine gives them on request (``app.huge_pages``). Tunables are read when a process starts,
-so it does so first, before the command line's modules are imported (0.17 s of pydantic and
-settings on the 2-core CPU, which the new process would import again).
+so it does so first, before the command line's modules are imported (pydantic and the
+settings, which the new process would import again).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Transparent huge pages for the server's large buffers (Linux with glibc).
 
 A restored conversation's working copy is fresh memory: 1 GiB at 16K tokens of a 1B-class
-model. Faulted in 4 KiB pages, it was half the time of building it on the 2-core CPU: the
-working copy took 0.39 s with 4 KiB pages and 0.20 s with huge pages, and the whole restore
-0.58-0.61 s against 0.36-0.39 s (``benchmarks.restore``; docs/benchmarks.md, "Huge pages").
+model. Faulted in 4 KiB pages, it was about half the time of building it on the CPU
+(``benchmarks.restore``; docs/benchmarks.md, "Measured choices in the code").
 MLX allocates its arrays with ``malloc``. glibc 2.35 and later backs large allocations with
 transparent huge pages when the tunable ``glibc.malloc.hugetlb=1`` is set.
 

@@ -98,8 +98,7 @@ class KVBlock:
 
         Why stacked: a file of 6 arrays, not 6 a layer (192 in a 32-layer model), is parsed and
         verified with 6 steps of Python, not 192, so the threads that read a conversation's
-        files back wait less for the GIL (16K tokens of a 16-layer model: read and verify
-        0.10-0.14 s against 0.12-0.18 s, ``benchmarks.restore``)."""
+        files back wait less for the GIL (docs/benchmarks.md, "Measured choices in the code")."""
         per_layer = [[np.array(a, copy=False) for a in layer] for layer in self.layers]
         if all(len({(arrays[i].shape, arrays[i].dtype) for arrays in per_layer}) == 1 for i in range(len(self.names))):
             return {prefix + name: np.stack([arrays[i] for arrays in per_layer]) for i, name in enumerate(self.names)}
@@ -110,8 +109,8 @@ class KVBlock:
     def from_numpy(cls, arrays: dict[str, np.ndarray], n_layers: int, n_tokens: int) -> KVBlock:
         """Inverse of ``to_numpy`` (without a prefix), for either layout: a stacked array's
         layers are made into an MLX array each. (Views of one MLX array a name were tried: on
-        the CPU the working copy built from them took 0.60 s for 16K tokens, 0.41 s from
-        arrays of their own.) Raises KeyError or ValueError if the arrays are not such a
+        the CPU the working copy built from them was slower; docs/benchmarks.md, "Measured
+        choices in the code".) Raises KeyError or ValueError if the arrays are not such a
         block's."""
         stacked = _NAMES.get(len(arrays)) if all("." not in name for name in arrays) else None
         if stacked is None:
@@ -246,10 +245,10 @@ def dequantize_by_bytes(w: mx.array, s: mx.array, b: mx.array, bits: int, group_
 
     The CPU backend's ``mx.dequantize`` decodes one value at a time, and with float16 scales
     (``SCALE_DTYPE``) rounds the product and the sum to float16 on the way, in software on a
-    CPU without float16 arithmetic: a q8 span of 28M values took 0.35-0.49 s on the 2-core CPU,
-    this 0.06-0.08 s. The result differs from it by at most that float16 rounding (this one
-    rounds less), and every working copy on the CPU comes from here,
-    a turn's and one rebuilt from disk alike, so they stay equal. Values are packed from the
+    CPU without float16 arithmetic, several times slower than this (docs/benchmarks.md,
+    "Measured choices in the code"). The result differs from it by at most that float16
+    rounding (this one rounds less), and every working copy on the CPU comes from here, a
+    turn's and one rebuilt from disk alike, so they stay equal. Values are packed from the
     low bits of each uint32 up: on a little-endian machine byte ``i`` of a word holds values
     ``i * 8 // bits`` on."""
     raw = w.view(mx.uint8)

@@ -137,11 +137,10 @@ def checksum(arrays: Arrays, metadata: dict[str, str], like: str | None = None) 
     or a sha256 (64 hex digits, what files written before BLAKE3 carry) if ``like`` (a
     checksum to compare with) is one.
 
-    A restart reads a conversation's every byte through it, and BLAKE3 hashes ~2.4x faster than
-    sha256 on one core (4 against 1.7 GB/s on the 2-core CPU): 16K tokens of a 1B-class model
-    (286 MB in q8) are read and verified in 0.14 s, 0.20 s with sha256 (``benchmarks.restore``).
-    It is a cryptographic hash as sha256 is: a file that claims the checksum of an index row
-    holds that row's data (``CacheFiles.write_block`` adopts a file on it)."""
+    A restart reads a conversation's every byte through it, and BLAKE3 hashes faster than
+    sha256 on one core (docs/benchmarks.md, "Measured choices in the code"). It is a
+    cryptographic hash as sha256 is: a file that claims the checksum of an index row holds that
+    row's data (``CacheFiles.write_block`` adopts a file on it)."""
     return _digest(((name, arrays[name].dtype.str, arrays[name].shape, [arrays[name]]) for name in sorted(arrays)),
                    metadata, like)
 
@@ -220,9 +219,9 @@ def read_verified(path: Path, expected_checksum: str | None = None,
     The file is read whole in one call into one buffer; its arrays are views of that buffer
     (no copy), and hashing them runs outside the GIL, so reads on several threads use
     every core (a restore reads a conversation's blocks side by side). The buffer is not
-    cleared first (``np.empty``, not ``bytearray``): the read fills it, and clearing 286 MB
-    (16K tokens of a 1B-class model in q8) cost the restore 0.025 s of a core here
-    (``benchmarks.restore``). With ``reuse`` it is the calling thread's, kept for its next
+    cleared first (``np.empty``, not ``bytearray``): the read fills it, and clearing it cost
+    the restore a core's time for nothing (docs/benchmarks.md, "Measured choices in the
+    code"). With ``reuse`` it is the calling thread's, kept for its next
     read (``_thread_buffer``): the arrays are valid until then, and whoever keeps them copies
     them first."""
     arrays, metadata, stored = _read_unchecked(path, reuse)
@@ -326,8 +325,8 @@ _reading = threading.local()  # each reading thread's buffer (``_thread_buffer``
 def _thread_buffer(size: int) -> memoryview:
     """``size`` bytes of the calling thread's read buffer, grown as needed and freed with the
     thread. Reading each block file of a restore into its own buffer made the first restore
-    after a start fault in 286 MB of fresh memory more at 16K tokens of a 1B-class model,
-    0.2 s of a 0.7 s restore on this VM (docs/benchmarks.md)."""
+    after a start fault in fresh memory as large as the conversation (docs/benchmarks.md,
+    "Measured choices in the code")."""
     buffer = getattr(_reading, "buffer", None)
     if buffer is None or buffer.nbytes < size:
         buffer = _reading.buffer = np.empty(size, dtype=np.uint8)
@@ -431,8 +430,9 @@ def _checkpoints(arrays: Arrays, meta: dict[str, str],
 
 
 def _integers(array: np.ndarray) -> tuple[int, ...]:
-    """A record's token ids or char ends as Python ints (``tolist``: 16K of them in 0.6 ms,
-    one ``int()`` each took 3 ms). Raises ValueError unless the array is a list of integers."""
+    """A record's token ids or char ends as Python ints (``tolist``, not an ``int()`` each:
+    docs/benchmarks.md, "Measured choices in the code"). Raises ValueError unless the array
+    is a list of integers."""
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise ValueError(f"a record array of shape {array.shape} and dtype {array.dtype}, not integers")
     return tuple(array.tolist())

@@ -222,10 +222,9 @@ class Loader:
         as read while their checksums are checked beside it, on other threads; then, every one
         verified, put it in memory (hot from then on) and return it with its working copy.
 
-        Hashing the blocks (0.09-0.10 s of the cores for 286 MB: 16K tokens of a 1B-class model
-        in q8) runs while the dequantizing waits on memory: on the 2-core CPU the restore of 16K
-        tokens took 0.45-0.49 s, against 0.52-0.56 s with the checks on the reading threads
-        (``benchmarks.restore``, docs/benchmarks.md). Nothing read is where a request can see
+        Hashing the blocks runs while the dequantizing waits on memory, which made the restore
+        shorter than with the checks on the reading threads (docs/benchmarks.md, "Measured
+        choices in the code"). Nothing read is where a request can see
         it before it is verified: a block that fails its checksum drops the working copy built
         from it (or the error building it, if its data did not fit), and the cache is a miss,
         its damaged files quarantined.

@@ -33,9 +33,8 @@ WARMUP_SHORT_TOKENS = 32
 # Whether prompt-lookup drafts pay on a backend (setting speculative_tokens not set). On an NVIDIA
 # GPU a draft's check is a forward pass of a few tokens at a new cache length each step, and
 # mlx-cuda's attention for more than one query builds a cuDNN graph per shape (likely; not
-# profiled): on an H200 (synthetic Llama-3-8B, 4-bit, 10K tokens of context, at 75fbdf5) greedy
-# decode ran at 26.7 tok/s with drafts of up to 8 and 95.5 tok/s without (mlx_lm.server: 72.5);
-# docs/benchmarks.md, "On a GPU". On the CPU they pay (docs/benchmarks.md, "Speculative decoding").
+# profiled): on an H200 greedy decode with drafts was far slower than without (docs/benchmarks.md,
+# "On a GPU"). On the CPU they pay (docs/benchmarks.md, "Speculative decoding").
 DRAFTS_PAY: dict[Kind, bool] = {"cpu": True, "cuda": False, "metal": True}
 
 
@@ -65,9 +64,8 @@ def warmup_chunks(backend: Backend, step: int) -> tuple[int, ...]:
     after another on one cache: on an NVIDIA GPU a full prefill chunk of ``step`` tokens, a short
     chunk after it and a decode step, so that the first requests do not compile their kernels.
     mlx-cuda compiles a kernel on its first use per kind of shape (a long prefill, a few tokens,
-    one token) and keeps it in a disk cache: on a fresh H200 the first 8K-token prefill of an
-    8B shape took 61 s, the second 1.0 s, and a server's first 20-token turn 36-48 s
-    (docs/benchmarks.md, "On a GPU"). On the CPU and on Metal, nothing: the head-dims probe's
+    one token) and keeps it in a disk cache, so on a fresh GPU the first pass of each kind is
+    many times the next one (docs/benchmarks.md, "On a GPU"). On the CPU and on Metal, nothing: the head-dims probe's
     pass is the warm-up (``model.cached_head_dims``) and neither compiles per shape."""
     if backend.kind != "cuda":
         return ()

@@ -1,7 +1,7 @@
 """Load a fast BLAS before MLX on Linux CPU, and report which BLAS is in use.
 
-The ``mlx[cpu]`` wheel bundles netlib's reference BLAS (about 70x slower for
-float32 matmul on the development machine). Loading OpenBLAS with
+The ``mlx[cpu]`` wheel bundles netlib's reference BLAS, far slower for float32 matmul
+(docs/benchmarks.md, "Measured choices in the code"). Loading OpenBLAS with
 ``RTLD_GLOBAL`` before ``mlx.core`` is imported makes MLX bind to it. Must run
 before anything imports MLX; imports nothing heavy itself.
 """

@@ -10,8 +10,8 @@ measures again, and ``semantic models list`` and ``/health`` show it.
 
 The embedded models' records ship with Semantic (``calibrations/``, measured on the
 development machine): a model whose key one of them holds (the same weights, tokenizer
-and template, and this calibration) takes it, and its first load measures nothing (SmolLM2:
-a fresh home's first start was 37 s, 30 of them calibrating, on the 2-core CPU).
+and template, and this calibration) takes it, and its first load measures nothing (what a
+calibration costs a first start: docs/benchmarks.md, "Measured choices in the code").
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def is_postgres(bind: Engine | Connection | Session) -> bool:
 def insert_or_ignore(session: Session, model: type[Any], **values: Any) -> None:
     """INSERT a row unless one with its key exists (another writer may insert it first)."""
     if is_postgres(session):
-        from sqlalchemy.dialects.postgresql import insert  # a pool's store only: 25-35 ms at a start otherwise
+        from sqlalchemy.dialects.postgresql import insert  # a pool's store only: costly to import at every start
 
         session.execute(insert(model).values(**values).on_conflict_do_nothing())
     else:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -265,3 +267,30 @@ def test_every_benchmark_plot_is_shown() -> None:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     for png in sorted((ROOT / "benchmarks" / "results").glob("*.png")):
         assert f"](../benchmarks/results/{png.name})" in text, f"docs/benchmarks.md does not show {png.name}"
+
+
+# A measured time in the code's prose: a rate, "took N", milliseconds, a range of seconds,
+# "Nx faster". Timings rot where they are written; they live in docs/benchmarks.md.
+TIMING = re.compile(r"\d\s?(?:tok/s|[GMK]B/s)|\btook \d|\d(?:\.\d+)?\s?(?:ms|µs)\b|\d(?:\.\d+)?-\d+(?:\.\d+)?\s?s\b"
+                    r"|\d(?:\.\d+)?x (?:faster|slower)")
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The comments and docstrings of a module, with their lines."""
+    source = path.read_text()
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                out.append((node.body[0].lineno, docstring))
+    return out
+
+
+def test_no_docstring_or_comment_holds_a_measured_time() -> None:
+    found = [f"{path.relative_to(ROOT)}:{line}: {match[0]!r}"
+             for path in sorted([*(ROOT / "app").rglob("*.py"), *(ROOT / "worker").rglob("*.py")])
+             for line, text in _prose(path) for match in TIMING.finditer(text)]
+    assert not found, ("timings belong in docs/benchmarks.md (\"Measured choices in the code\"), not in the code:\n"
+                       + "\n".join(found))
