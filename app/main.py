@@ -86,11 +86,14 @@ def _serve(settings: Settings) -> None:
     load_fast_blas(settings.blas_library)
     import_mlx_lm()  # before anything else imports it: the open-files limit set in serve() stays
     # Imported only now: MLX must see OpenBLAS first.
-    from app.catalog.registry import Catalog, configured_model_dir
+    from app.catalog.registry import Catalog, configured_model_dir, install_configured_parts
     from app.cache.shared_tier import S3Tier
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import is_postgres_url, make_engine, make_session_factory, upgrade
 
+    for configured in (settings.model, settings.draft_model):
+        if configured:
+            install_configured_parts(settings.models_dir, configured)
     catalog = Catalog.configure(settings.models_dir, settings.model, settings.model_aliases,
                                 settings.map_unknown_models, settings.serve_installed_models)
     upgrade(settings.db_url)

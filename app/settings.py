@@ -26,7 +26,7 @@ from pydantic_settings import (BaseSettings, EnvSettingsSource, InitSettingsSour
 from app.errors import ConfigError
 from app.types import KV_FORMAT_NAMES, RequestOptions
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # why: README, "The model it serves"
 _YEAR_S = 365 * 24 * 3600
 _KV_FORMATS = ("auto", *KV_FORMAT_NAMES)
 _Source = PydanticBaseSettingsSource

