@@ -1,11 +1,12 @@
-"""One turn on a real engine in its own process, optionally killed at a persistence step.
+"""Turns on a real engine in its own process, the last optionally killed at a persistence step.
 
-    python crash_child.py HOME MODEL_DIR MESSAGES_JSON [POINT:N]
+    python crash_child.py HOME MODEL_DIR TURNS_JSON [POINT:N]
 
-Runs the turn (agent "crash", one conversation) on the cache stored under HOME, waits
-until its cache is on disk and prints the result as JSON. With ``POINT:N`` the process
-dies (``os._exit(70)``, as a kill would: no cleanup, no flush) at the N-th call of a
-persistence step of that turn:
+Runs each turn of TURNS_JSON (a list of turns, each a list of messages; agent "crash",
+one conversation) on the cache stored under HOME, waits until its cache is on disk and
+prints its result as a JSON line. With ``POINT:N`` the process dies (``os._exit(70)``,
+as a kill would: no cleanup, no flush) at the N-th call of a persistence step of the
+last turn:
 
 - ``save_file``: after a cache file's temporary copy is written, before its fsync;
 - ``fsync``: after an fsync (odd calls: the temporary file; even: its directory);
@@ -78,19 +79,21 @@ def main(home: Path, model_dir: Path, messages_path: Path, point: str | None) ->
         ensure_conversation(session, "crash-conv", "crash", "direct", utcnow())  # as the API does before a turn
     engine = Engine(Catalog.single("smollm2", model_dir), CacheConfig(home / "blocks", sessions, 1 << 30))
     engine.start()
-    messages = [ChatMessage(m["role"], m["content"]) for m in json.loads(messages_path.read_text())]
-    calls = arm(point)
-    job = engine.submit(GenerationRequest("crash-turn", engine.render(messages),
-                                          SamplingParams(temperature=0.0, max_tokens=16), "crash", "crash-conv"))
-    events = list(job.events())
-    finished = events[-1]
-    assert isinstance(finished, Finished)
-    assert flush_caches(engine)
+    turns = json.loads(messages_path.read_text())
+    for n, turn in enumerate(turns):
+        messages = [ChatMessage(m["role"], m["content"]) for m in turn]
+        calls = arm(point) if n == len(turns) - 1 else arm(None)
+        job = engine.submit(GenerationRequest(f"crash-turn-{n}", engine.render(messages),
+                                              SamplingParams(temperature=0.0, max_tokens=16), "crash", "crash-conv"))
+        events = list(job.events())
+        finished = events[-1]
+        assert isinstance(finished, Finished)
+        assert flush_caches(engine)
+        print(json.dumps({"text": "".join(e.text for e in events if isinstance(e, TextDelta)),
+                          "n_prompt": finished.n_prompt_tokens, "n_cached": finished.n_cached_tokens,
+                          "n_output": finished.n_output_tokens,
+                          "reuse": str(finished.reuse), "calls": dict(calls)}), flush=True)
     engine.stop()
-    print(json.dumps({"text": "".join(e.text for e in events if isinstance(e, TextDelta)),
-                      "n_prompt": finished.n_prompt_tokens, "n_cached": finished.n_cached_tokens,
-                      "n_output": finished.n_output_tokens,
-                      "reuse": str(finished.reuse), "calls": dict(calls)}), flush=True)
     os._exit(0)  # everything is on disk; skip interpreter teardown (MLX's threads may abort in it)
 
 

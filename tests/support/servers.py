@@ -76,21 +76,23 @@ def _keep_earlier_log(log_path: Path) -> None:
         log_path.rename(log_path.with_name(f"{log_path.name}.{n}"))
 
 
-def start_server(home: Path, model: Path | str, extra_env: dict[str, str] | None = None,
+def start_server(home: Path, model: Path | str | None, extra_env: dict[str, str] | None = None,
                  timeout_s: float = 180) -> ServerProcess:
-    """Start `semantic serve --model MODEL` (a directory, or any name `--model` takes) as a
-    real process on a free port and wait for /health."""
+    """Start `semantic serve --model MODEL` (a directory, or any name `--model` takes; None:
+    no model named, the default) as a real process on a free port and wait for /health."""
     port = free_port()
     # The worker child is off unless a test asks for it (it is tested on its own).
     env = {**os.environ, "SEMANTIC_HOME": str(home), "SEMANTIC_PORT": str(port), "SEMANTIC_WORKER": "0",
            **(extra_env or {})}
     env.pop("SEMANTIC_CONFIG", None)
+    if model is None:
+        env.pop("SEMANTIC_MODEL", None)
     log_path = home / "server.log"
     home.mkdir(parents=True, exist_ok=True)
     _keep_earlier_log(log_path)
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--model", str(model)],
+            [sys.executable, "-m", "app", "serve", *(["--model", str(model)] if model is not None else [])],
             cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", home, process, log_path)
