@@ -269,6 +269,13 @@ def _rotate(x: mx.array, rotate: bool) -> mx.array:
     return mx.hadamard_transform(x.astype(mx.float32), scale=x.shape[-1] ** -0.5).astype(x.dtype)
 
 
+def _filled(layer: KVCache) -> tuple[mx.array, mx.array]:
+    """A working cache layer's keys and values (a layer nothing was written to has None)."""
+    if layer.keys is None or layer.values is None:
+        raise ValueError("a working cache layer with no keys or values")
+    return layer.keys, layer.values
+
+
 def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVFormat = DEFAULT_KV_FORMAT) -> KVBlock:
     """Quantize tokens ``[start, end)`` of a float working cache into a block
     (per-channel keys: ``start`` on a group boundary, the newest keys left float16)."""
@@ -276,12 +283,13 @@ def quantize_span(cache: list[KVCache], start: int, end: int, kv_format: KVForma
         raise ValueError(f"per-channel key groups start at multiples of {TIME_GROUP}, not {start}")
     layers: list[tuple[mx.array, ...]] = []
     for layer in cache:
-        keys = _rotate(layer.keys[..., start:end, :], kv_format.rotate_keys)
+        all_keys, all_values = _filled(layer)
+        keys = _rotate(all_keys[..., start:end, :], kv_format.rotate_keys)
         if not kv_format.quantized:
-            values = layer.values[..., start:end, :]
-            layers.append((keys.astype(kv_format.float_dtype), values.astype(kv_format.float_dtype)))
+            float_dtype = kv_format.float_dtype
+            layers.append((keys.astype(float_dtype), all_values[..., start:end, :].astype(float_dtype)))
             continue
-        values = _quantize(_rotate(layer.values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits,
+        values = _quantize(_rotate(all_values[..., start:end, :], kv_format.rotate_values), kv_format.value_bits,
                            kv_format.group_size)
         if kv_format.channel_keys:
             whole = kv_format.grouped_tokens(end - start)
@@ -412,10 +420,11 @@ def overwrite_with_stored(cache: list[KVCache], block: KVBlock, start: int,
     disk would give (the next turn must not depend on which of the two it got)."""
     end = start + block.n_tokens
     for layer, data in zip(cache, block.layers):
-        keys, values = dequantize_layer(data, kv_format, layer.keys.dtype)
-        layer.keys[..., start:end, :] = keys
-        layer.values[..., start:end, :] = values
-    mx.eval([x for layer in cache for x in (layer.keys, layer.values)])
+        held_keys, held_values = _filled(layer)
+        keys, values = dequantize_layer(data, kv_format, held_keys.dtype)
+        held_keys[..., start:end, :] = keys
+        held_values[..., start:end, :] = values
+    mx.eval([x for layer in cache for x in _filled(layer)])
 
 
 def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
@@ -424,10 +433,16 @@ def copy_prefix(cache: list[KVCache], n_tokens: int) -> list[KVCache]:
     if n_tokens == 0:
         return [KVCache() for _ in cache]
     return working_cache(len(cache),
-                         lambda i: (with_room(cache[i].keys, n_tokens), with_room(cache[i].values, n_tokens)),
+                         lambda i: _with_room(_filled(cache[i]), n_tokens),
                          n_tokens)
+
+
+def _with_room(layer: tuple[mx.array, mx.array], n_tokens: int) -> tuple[mx.array, mx.array]:
+    keys, values = layer
+    return with_room(keys, n_tokens), with_room(values, n_tokens)
 
 
 def cache_nbytes(cache: list[KVCache]) -> int:
     """Memory a float working cache holds (its allocated buffers)."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache if layer.keys is not None)
+    return sum(keys.nbytes + values.nbytes for keys, values in ((layer.keys, layer.values) for layer in cache)
+               if keys is not None and values is not None)
