@@ -27,9 +27,10 @@ import sys
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, TextIO
+from typing import Any, TextIO
 
 HELP = ("/new [ID]  start a new agent (a new conversation)\n"
         "/agents    the server's agents, most recently used first\n"

@@ -9,8 +9,8 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from app import __version__
 from app.errors import ConfigError, InvalidModelFile, NotFound, SemanticError

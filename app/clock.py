@@ -6,9 +6,9 @@ row, or compares a row's time with now, reads this clock.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def utcnow() -> datetime:
     """Now, in UTC, without a time zone (as the store's columns hold it)."""
-    return datetime.now(timezone.utc).replace(tzinfo=None)
+    return datetime.now(UTC).replace(tzinfo=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from app.redaction import redact
 
@@ -18,7 +18,7 @@ class JsonFormatter(logging.Formatter):
     traceback as ``exception`` when there is one; the passwords of URLs masked."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+        entry = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
                  "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
         if record.exc_info:

@@ -21,8 +21,8 @@ from app.api.middleware import AuthMiddleware, BodyLimitMiddleware, RequestConte
 from app.api.routes import Deps, add_routes
 from app.errors import ConfigError, EngineUnavailable, SemanticError
 from app.http_server import HEAD_TIMEOUT_S, make_server
-from app.open_files import allow_open_files, import_mlx_lm, open_files_needed
 from app.interrupts import CtrlC
+from app.open_files import allow_open_files, import_mlx_lm, open_files_needed
 from app.settings import Settings
 from app.worker_process import start_worker, stop_worker
 
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
     from app.cache.janitor import Janitor
     from app.cache.shared_tier import S3Tier
-    from app.engine.engine import Engine
     from app.catalog.registry import Catalog
+    from app.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 _LOADED_AT = time.monotonic()
@@ -86,8 +86,8 @@ def _serve(settings: Settings) -> None:
     load_fast_blas(settings.blas_library)
     import_mlx_lm()  # before anything else imports it: the open-files limit set in serve() stays
     # Imported only now: MLX must see OpenBLAS first.
-    from app.catalog.registry import Catalog, configured_model_dir, install_configured_parts
     from app.cache.shared_tier import S3Tier
+    from app.catalog.registry import Catalog, configured_model_dir, install_configured_parts
     from app.engine.engine import CacheConfig, Engine
     from app.store.db import is_postgres_url, make_engine, make_session_factory, upgrade
 

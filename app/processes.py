@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:

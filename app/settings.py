@@ -15,13 +15,19 @@ from __future__ import annotations
 import os
 import socket
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
-from pydantic_settings import (BaseSettings, EnvSettingsSource, InitSettingsSource, PydanticBaseSettingsSource,
-                               SettingsConfigDict)
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from app.errors import ConfigError
 from app.types import KV_FORMAT_NAMES, RequestOptions

@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -99,7 +99,7 @@ def _mib(n: float) -> str:
 
 
 def _utc(value: datetime) -> str:
-    return value.replace(tzinfo=timezone.utc).isoformat()  # the store keeps naive UTC times
+    return value.replace(tzinfo=UTC).isoformat()  # the store keeps naive UTC times
 
 
 def format_json(report: StatusReport) -> str:

@@ -5,8 +5,9 @@ Pure: no MLX, no database, no threads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
 

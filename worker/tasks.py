@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 import glob
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from huey import crontab
 from huey.exceptions import TaskLockedException

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from app.errors import InvalidRequest
 from app.types import SESSION_ID_PATTERN

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import builtins
 import logging
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import falcon
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,9 +23,9 @@ from app.api.generation import GenerationResource
 from app.errors import InvalidRequest, SemanticError
 from app.protocol import anthropic, direct
 from app.protocol.validation import validate
-from app.store.history import new_conversation_id
 from app.store.agents import AgentView
 from app.store.cache_index import tier_of
+from app.store.history import new_conversation_id
 from app.types import MAX_TTL_SECONDS, SESSION_ID_PATTERN, Finished, GenerationRequest, Prompt, SamplingParams
 
 if TYPE_CHECKING:

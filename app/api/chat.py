@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from app.agents.identity import AgentKey, openai_agent
 from app.api.generation import Dialect

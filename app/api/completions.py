@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from app.api.chat import OPENAI
 from app.api.generation import Dialect

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import falcon
 from sqlalchemy.exc import OperationalError
 
-from app.errors import (Cancelled, ContextTooLong, EngineUnavailable, Forbidden, InvalidModelFile, InvalidRequest,
-                        ModelLoading, NotFound, Overloaded, RequestTooLarge, SemanticError, StoreBusy,
-                        Unauthorized, UnsupportedMediaType)
+from app.errors import (
+    Cancelled,
+    ContextTooLong,
+    EngineUnavailable,
+    Forbidden,
+    InvalidModelFile,
+    InvalidRequest,
+    ModelLoading,
+    NotFound,
+    Overloaded,
+    RequestTooLarge,
+    SemanticError,
+    StoreBusy,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from app.protocol import anthropic, ollama, openai, responses_output
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,10 @@ says how one protocol parses and renders; the resource does the rest.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import falcon
 
@@ -27,8 +28,16 @@ from app.protocol.reply import Reply
 from app.protocol.turn import ParsedTurn, locate_part
 from app.settings import Settings
 from app.store.history import StoredMessage
-from app.types import (Finished, GenerationEvent, GenerationRequest, Prompt, RequestOptions, ReuseReport, Started,
-                       TextDelta)
+from app.types import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    Prompt,
+    RequestOptions,
+    ReuseReport,
+    Started,
+    TextDelta,
+)
 
 if TYPE_CHECKING:
     from app.engine.surface import EngineSurface, GenerationJob

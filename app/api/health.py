@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import falcon
 
@@ -144,7 +143,7 @@ class ModelsResource:
         data = [
             {
                 "id": name, "type": "model", "object": "model", "display_name": name,
-                "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z"),
+                "created_at": datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z"),
                 "created": int(created), "owned_by": "semantic", "loaded": (alias_of or name) == served.name,
                 "default": (alias_of or name) == catalog.default, "alias_of": alias_of,
             }

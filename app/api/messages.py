@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import falcon
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import falcon
 
@@ -113,7 +114,7 @@ def _size(path: Path) -> int:
 
 def _model_entry(name: str, info: ModelInfo, modified: float) -> dict[str, Any]:
     return {"name": name, "model": name,
-            "modified_at": datetime.fromtimestamp(modified, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "modified_at": datetime.fromtimestamp(modified, UTC).isoformat().replace("+00:00", "Z"),
             "size": _size(info.path), "digest": info.fingerprint, "details": _details(_architecture(info))}
 
 
@@ -153,7 +154,7 @@ class ShowResource:
                       "model_info": {"general.architecture": architecture,
                                      f"{architecture}.context_length": info.context_length},
                       "capabilities": ["completion", "tools"],
-                      "modified_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+                      "modified_at": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
 
 
 class PsResource:

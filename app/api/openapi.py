@@ -26,9 +26,9 @@ from app.api.middleware import OPEN_PATHS, protocol_of
 from app.api.people_page import FILES as PAGE_FILES
 from app.errors import InvalidRequest
 from app.protocol.anthropic import MessagesBody
+from app.protocol.completions import CompletionBody
 from app.protocol.direct import SAMPLING_FIELDS
 from app.protocol.ollama import OllamaChatBody, OllamaGenerateBody, OllamaShowBody
-from app.protocol.completions import CompletionBody
 from app.protocol.openai import ChatBody
 from app.protocol.responses import ResponsesBody
 

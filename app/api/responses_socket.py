@@ -33,8 +33,9 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import falcon
 from websockets.datastructures import Headers

@@ -9,21 +9,28 @@ import falcon
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.agents.service import AgentService
-from app.api.health import HealthResource, ModelsResource, RootResource
+from app.api.agents import AgentForkResource, AgentGenerateResource, AgentHistoryResource, AgentResource, AgentsResource
 from app.api.api_docs import ApiDocument, DocsResource, OpenApiResource
-from app.api.agents import (AgentForkResource, AgentGenerateResource, AgentHistoryResource, AgentResource,
-                            AgentsResource)
 from app.api.chat import OPENAI
 from app.api.completions import COMPLETIONS
 from app.api.generation import GenerationResource, parse_for_model
+from app.api.health import HealthResource, ModelsResource, RootResource
 from app.api.messages import ANTHROPIC, CountTokensResource
-from app.api.ollama import (OLLAMA_CHAT, OLLAMA_GENERATE, OllamaGenerationResource, PsResource, ShowResource,
-                            TagsResource, VersionResource)
 from app.api.metrics import Metrics, MetricsResource
+from app.api.ollama import (
+    OLLAMA_CHAT,
+    OLLAMA_GENERATE,
+    OllamaGenerationResource,
+    PsResource,
+    ShowResource,
+    TagsResource,
+    VersionResource,
+)
+from app.api.page_key import KEY_FORM_PATH, PageKeyResource
+from app.api.people_page import FILES as PAGE_FILES
+from app.api.people_page import PageFileResource
 from app.api.responses import RESPONSES, ResponseResource, ResponsesResource
 from app.api.responses_socket import SOCKET, ResponsesSocket
-from app.api.page_key import KEY_FORM_PATH, PageKeyResource
-from app.api.people_page import FILES as PAGE_FILES, PageFileResource
 from app.api.status_page import StatusPageResource
 from app.settings import Settings
 from app.store import jobs

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
 
 from app.errors import SemanticError
 from app.protocol.reply import Reply

@@ -5,9 +5,10 @@ reasons, the worker's job runs."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import falcon
 from sqlalchemy.orm import Session, sessionmaker
@@ -77,7 +78,7 @@ def render_page(data: PageData) -> str:
                                        "stored text there", "new text there"], miss_rows, "No cache misses recorded."),
               ("Worker jobs (last run of each)", ["job", "status", "started (UTC)", "result"], run_rows,
                "No job has run yet.")]
-    return render("status.html", now=_time(datetime.now(timezone.utc)), cards=cards, tables=tables)
+    return render("status.html", now=_time(datetime.now(UTC)), cards=cards, tables=tables)
 
 
 class StatusPageResource:

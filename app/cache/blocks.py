@@ -36,8 +36,9 @@ half the time, and its first chunk does not copy it again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Callable, Generator, TypeVar
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np

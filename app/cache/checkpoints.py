@@ -35,8 +35,9 @@ tokens, those spaced geometrically back from its end. Bytes per checkpoint per m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np

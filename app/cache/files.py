@@ -45,10 +45,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Container, Generic, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import blake3
 import numpy as np

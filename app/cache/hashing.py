@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import NewType, Sequence
+from collections.abc import Sequence
+from typing import NewType
 
 BlockHash = NewType("BlockHash", str)
 

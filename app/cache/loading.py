@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 from collections import deque
-from datetime import timedelta
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from app.cache.blocks import BLOCK_TOKENS, KVBlock, finish, to_working_cache_steps
@@ -25,9 +25,9 @@ from app.cache.hot_set import HotSet
 from app.cache.ownership import Ownership
 from app.cache.persist import Forget, Persister
 from app.cache.records import ConversationCache
-from app.store.cache_index import CacheEntry, CacheIndex
 from app.clock import utcnow
 from app.errors import out_of_memory
+from app.store.cache_index import CacheEntry, CacheIndex
 
 if TYPE_CHECKING:
     import mlx.core as mx

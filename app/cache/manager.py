@@ -24,15 +24,24 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from app.cache.blocks import (BLOCK_TOKENS, KVBlock, copy_prefix, join_blocks, quantize_span, requantize_start,
-                              slice_block, to_working_cache)
+from app.cache.blocks import (
+    BLOCK_TOKENS,
+    KVBlock,
+    copy_prefix,
+    join_blocks,
+    quantize_span,
+    requantize_start,
+    slice_block,
+    to_working_cache,
+)
 from app.cache.checkpoints import CacheLayout, Checkpoint, CheckpointPlan, latest_at, resume
-from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.files import CacheFiles, DamagedFile, FileUnavailable
+from app.cache.formats import DEFAULT_KV_FORMAT, KVFormat
 from app.cache.hashing import block_hash, private_fingerprint
 from app.cache.hot_set import HotSet
 from app.cache.loading import Loader

@@ -14,8 +14,8 @@ own, and warm computes what cold computes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from app.cache.records import CacheRecord
 from app.types import Prompt, ReuseReason

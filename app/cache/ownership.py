@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from app.store.cache_index import CacheIndex
 from app.clock import utcnow
+from app.store.cache_index import CacheIndex
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ import logging
 import queue
 import threading
 import time
-from functools import partial
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 

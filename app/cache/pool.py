@@ -14,8 +14,9 @@ shared checkpoints, a draft model's caches) within a byte bound of their own.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Generic, Iterable, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 
 @dataclass
@@ -23,8 +24,8 @@ class BlockPool:
     budget_bytes: int
     _refs: Counter[str] = field(default_factory=Counter)
     _sizes: dict[str, int] = field(default_factory=dict)
-    _free: "OrderedDict[str, None]" = field(default_factory=OrderedDict)  # unreferenced, least recent first
-    _owners: "OrderedDict[str, int]" = field(default_factory=OrderedDict)  # owner -> private bytes
+    _free: OrderedDict[str, None] = field(default_factory=OrderedDict)  # unreferenced, least recent first
+    _owners: OrderedDict[str, int] = field(default_factory=OrderedDict)  # owner -> private bytes
 
     @property
     def nbytes(self) -> int:

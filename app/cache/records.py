@@ -12,8 +12,9 @@ spell exactly ``text[:ends[k-1]]``.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from app.cache.hashing import BLOCK_TOKENS
 

@@ -18,9 +18,9 @@ from app.cache.files import UNUSABLE, CacheFiles, FileMissing, FileUnavailable, 
 from app.cache.hashing import chain_hashes
 from app.cache.hot_set import HotSet
 from app.cache.pool import RecentWithin
+from app.errors import out_of_memory
 from app.store.cache_index import CacheIndex, SharedCheckpoint
 from app.types import CacheSource, Prompt
-from app.errors import out_of_memory
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import queue
+import re
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from app.cache import durable

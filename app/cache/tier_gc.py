@@ -12,7 +12,7 @@ never a wrong answer.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -33,7 +33,7 @@ def referenced_keys(session: Session) -> set[str]:
 def collect(sessions: sessionmaker[Session], tier: S3Tier, grace: timedelta = GRACE,
             now: datetime | None = None) -> dict[str, Any]:
     """Delete the tier's objects no row names, written more than ``grace`` ago."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     listed = list(tier.listing())
     with sessions() as session:
         referenced = referenced_keys(session)

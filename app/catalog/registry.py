@@ -9,9 +9,9 @@ import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from filelock import FileLock
 

@@ -11,8 +11,9 @@ the earlier's commit, so it reuses what that turn stored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from app.types import GenerationRequest
 

@@ -23,8 +23,9 @@ handed out, and the next token, decided and not yet handed out.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -12,9 +12,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from app.errors import EngineUnavailable, Overloaded, SemanticError
 from app.types import Finished, GenerationEvent, GenerationRequest, Heartbeat
@@ -44,7 +45,7 @@ class Job:
 
     request: GenerationRequest
     alive: Callable[[], bool]
-    _events: "queue.Queue[GenerationEvent | Failed]" = field(default_factory=queue.Queue)
+    _events: queue.Queue[GenerationEvent | Failed] = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # Its prefill's progress, (prompt tokens in the cache, the prompt's), set by the engine

@@ -24,8 +24,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,7 +134,7 @@ class Halves:
     second: mx.array
 
     @classmethod
-    def of(cls, weight: mx.array) -> "Halves":
+    def of(cls, weight: mx.array) -> Halves:
         half = weight.shape[0] // 2
         halves = cls(weight[:half], weight[half:])
         mx.eval(halves.first, halves.second)

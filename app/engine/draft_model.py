@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,8 +36,8 @@ from mlx_lm.utils import load_model as load_weights
 from mlx_lm.utils import load_tokenizer
 
 from app.cache.pool import RecentWithin
-from app.engine.model import LoadedModel, compute_dtype, kv_bytes_per_token, run_dtype
 from app.engine.drafting import Drafter
+from app.engine.model import LoadedModel, compute_dtype, kv_bytes_per_token, run_dtype
 from app.engine.speculation import greedy_tokens
 from app.errors import ConfigError
 

@@ -17,7 +17,8 @@ off after misses, so prose (where guesses rarely hold) costs almost nothing.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 
 class Drafter(Protocol):

@@ -11,20 +11,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.cache.hashing import scoped_fingerprint
-from app.cache.shared_tier import S3Tier
 from app.cache.manager import CacheManager
+from app.cache.shared_tier import S3Tier
 from app.cache.stager import Stager
 from app.catalog.registry import Catalog
+from app.engine import grammar
 from app.engine.admission import Admission
 from app.engine.backend import detect, warmup_chunks
-from app.engine import grammar
 from app.engine.channel import Job
 from app.engine.draft_model import DRAFTS_SHARE, DraftModel, draft_bytes_per_token, load_draft_model
 from app.engine.model import LoadedModel, ModelSpec, backend_name, load_model, load_spec

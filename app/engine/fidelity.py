@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn

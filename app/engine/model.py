@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
 from app.errors import ContextTooLong, InvalidRequest
 from app.types import ChatMessage, Prompt
-
 
 # Every text a request brings is data, not structure: only the chat template's own markup
 # becomes special tokens. A user or a tool result that writes "<|im_end|>" must not end its

@@ -18,7 +18,7 @@ again (``compacted``), which ``Lanes`` does when they pass a share of the buffer
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache

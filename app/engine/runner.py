@@ -29,11 +29,12 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
@@ -42,14 +43,14 @@ from app.cache.hashing import BLOCK_TOKENS
 from app.cache.manager import CacheManager
 from app.engine.admission import Admission
 from app.engine.batch import DecodeBatch, prefill
-from app.engine.drafting import DraftSource
 from app.engine.channel import Call, Failed, Job, JobQueue, cancelled_in_queue
+from app.engine.drafting import DraftSource
 from app.engine.model import LoadedModel
 from app.engine.sampling import token_logprobs
 from app.engine.scheduler import PrefillPolicy, queue_retry_after
 from app.engine.sequence import Sequence
-from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
 from app.engine.surface import EngineCounters
+from app.engine.timing import LONG_PREFILL_CHUNKS, PrefillProgress, TurnClock, quarter_reached
 from app.errors import EngineUnavailable, QueueTimeout
 from app.types import CacheStats, GenerationRequest, Started
 

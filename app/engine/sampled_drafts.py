@@ -12,7 +12,7 @@ sampler draws from (``token_distribution``: temperature, top-p, top-k as mlx-lm'
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np

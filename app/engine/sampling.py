@@ -10,7 +10,7 @@ as ``make_sampler`` does (top-p, then top-k, then the temperature).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler

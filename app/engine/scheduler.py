@@ -21,8 +21,9 @@ sequences get a token at least that often, and the queued one starts soon.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Prefilling(Protocol):

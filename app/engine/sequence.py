@@ -6,8 +6,9 @@ cache then holds. Holds no MLX arrays of its own but its working cache.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from app.cache import checkpoints
 from app.cache.manager import Lease

@@ -8,9 +8,10 @@ snapshot the engine thread last published, never state that thread owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from app.engine.kv_choice import KVChoice
 from app.engine.timing import PrefillProgress

@@ -31,8 +31,8 @@ from typing import Any
 from app.errors import ConfigError
 from app.pool.haproxy import Backend, RuntimeAPI, haproxy_binary, render_config
 from app.pool.postgres import LocalPostgres
-from app.pool.secrets import pool_secrets
 from app.pool.seaweed import LocalS3
+from app.pool.secrets import pool_secrets
 from app.processes import stop_processes
 from app.redaction import redact
 from app.settings import Settings, as_environment, variable_of

@@ -19,7 +19,8 @@ import hashlib
 import json
 import logging
 import uuid
-from typing import Annotated, Any, Iterator, Literal, Union
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,8 +29,20 @@ from app.protocol import claude_code, structured, tool_format, tools
 from app.protocol.reply import THINK_END, THINK_START, Reply, ReplyParser, Thinking, parse_reply
 from app.protocol.turn import ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, ChatMessage, Finished, Heartbeat, OutputConstraint,
-                       RequestOptions, SamplingParams, Started, TextDelta, ToolCall, ToolSyntax)
+from app.types import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    ChatMessage,
+    Finished,
+    Heartbeat,
+    OutputConstraint,
+    RequestOptions,
+    SamplingParams,
+    Started,
+    TextDelta,
+    ToolCall,
+    ToolSyntax,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +71,7 @@ class ToolUseBlock(_Strict):
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Union[str, list[Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]]] = ""
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
     is_error: bool = False
 
 
@@ -82,13 +95,13 @@ class UnsupportedBlock(_Strict):
     type: Literal["document"]
 
 
-Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
-                        UnsupportedBlock], Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+                  | UnsupportedBlock, Field(discriminator="type")]
 
 
 class MessageIn(_Strict):
     role: Literal["user", "assistant", "system"]
-    content: Union[str, list[Block]]
+    content: str | list[Block]
 
 
 class Metadata(_Strict):
@@ -126,7 +139,7 @@ class MessagesBody(_Strict):
     model: ModelName
     messages: list[MessageIn] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
-    system: Union[str, list[TextBlock], None] = None
+    system: str | list[TextBlock] | None = None
     stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Iterator, Union
+from collections.abc import Iterator
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,8 +26,17 @@ from app.protocol.openai import FINISH_REASONS, usage
 from app.protocol.reply import Reply
 from app.protocol.turn import CacheMode, Completion, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TTL_SECONDS, Finished, Heartbeat, RequestOptions,
-                       SamplingParams, Started, TextDelta)
+from app.types import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TTL_SECONDS,
+    Finished,
+    Heartbeat,
+    RequestOptions,
+    SamplingParams,
+    Started,
+    TextDelta,
+)
 
 DEFAULT_MAX_TOKENS = 16  # the API's own default for a completion
 
@@ -41,12 +51,12 @@ class StreamOptions(_Strict):
 
 class CompletionBody(_Strict):
     model: ModelName
-    prompt: Union[str, list[str]]
+    prompt: str | list[str]
     suffix: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)

@@ -8,7 +8,8 @@ shape, then the new messages.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from app.errors import InvalidRequest
 

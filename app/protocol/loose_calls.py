@@ -19,7 +19,8 @@ that starts with ``{`` (held to its end): either comes out as the call, or as th
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from app.protocol.tools import Segment, call_from, partial_suffix
 from app.types import ToolCall

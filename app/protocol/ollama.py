@@ -29,9 +29,10 @@ not served from the cache, as Ollama counts them), ``prompt_eval_duration`` thei
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from datetime import datetime, timezone
-from typing import Any, Iterator, Literal, Sequence, Union
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -82,11 +83,11 @@ class _Generation(_Body):
     options: dict[str, Any] | None = Field(default=None, description=(
         "temperature, top_p, top_k, num_predict, stop, seed; runtime options such as num_ctx and num_thread "
         "are accepted and change nothing; others are refused by name"))
-    format: Union[str, dict[str, Any], None] = None  # "json" or a JSON schema
-    think: Union[bool, str, None] = None  # refused unless false
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema
+    think: bool | str | None = None  # refused unless false
     logprobs: bool | None = None  # each output token's log-probability (as the OpenAI chat API's)
     top_logprobs: int | None = None  # with logprobs: how many alternatives (0 to 20)
-    keep_alive: Union[str, int, float, None] = None  # accepted, ignored
+    keep_alive: str | int | float | None = None  # accepted, ignored
     session_id: str | None = None
 
 
@@ -247,7 +248,7 @@ def is_load_only(body: Any) -> bool:
 
 def timestamp(now: float) -> str:
     """``created_at``: RFC 3339 in UTC."""
-    return datetime.fromtimestamp(now, timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _ns(seconds: float) -> int:

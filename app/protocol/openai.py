@@ -34,7 +34,8 @@ import hashlib
 import json
 import time
 import uuid
-from typing import Annotated, Any, Iterator, Literal, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,9 +44,23 @@ from app.protocol import structured, tool_format, tools
 from app.protocol.reply import Reply, ReplyParser, parse_reply
 from app.protocol.turn import CacheMode, ParsedTurn, content_digest
 from app.protocol.validation import ModelName, validate
-from app.types import (MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS, MAX_TTL_SECONDS, ChatMessage, Finished,
-                       Heartbeat, OutputConstraint, RequestOptions, SamplingParams, Started, TextDelta, TokenLogprob,
-                       ToolCall, ToolSyntax)
+from app.types import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+    MAX_TTL_SECONDS,
+    ChatMessage,
+    Finished,
+    Heartbeat,
+    OutputConstraint,
+    RequestOptions,
+    SamplingParams,
+    Started,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    ToolSyntax,
+)
 
 
 class _Strict(BaseModel):
@@ -63,7 +78,7 @@ class MediaPart(_Strict):
     type: Literal["image_url", "input_audio", "file"]
 
 
-Content = Union[str, list[Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]]]
+Content = str | list[Annotated[TextPart | MediaPart, Field(discriminator="type")]]
 
 
 class FunctionCall(_Strict):
@@ -99,7 +114,7 @@ class ToolMessage(_Strict):
     tool_call_id: str
 
 
-MessageIn = Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage]
+MessageIn = SystemMessage | UserMessage | AssistantMessage | ToolMessage
 
 
 class _OneMessage(_Strict):
@@ -150,7 +165,7 @@ class JsonSchemaFormat(_Strict):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class ChatBody(_Strict):
@@ -160,14 +175,13 @@ class ChatBody(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: Union[Annotated[str, Field(max_length=MAX_STOP_CHARS)],
-                list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], None] = Field(default=None,
-                                                                                     max_length=MAX_STOP_SEQUENCES)
+    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)] | list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]]
+           | None) = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     tools: list[ToolDefinition] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     session_id: str | None = None
     cache_mode: CacheMode = "full"
     ttl: int | None = Field(default=None, ge=0, le=MAX_TTL_SECONDS)

@@ -15,7 +15,7 @@ stream's closing ones). The API records it as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from app.protocol.loose_calls import LooseCalls
 from app.protocol.tool_format import ToolSpec, call_parser
@@ -34,7 +34,7 @@ class Thinking:
     text: str
 
 
-Part = Union[str, Thinking, ToolCall]
+Part = str | Thinking | ToolCall
 
 
 @dataclass(frozen=True, slots=True)

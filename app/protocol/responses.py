@@ -35,8 +35,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Mapping, Protocol, TypeVar, Union
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
@@ -71,7 +72,7 @@ class MediaPart(_Strict):
     type: Literal["input_image", "input_file", "input_audio"]
 
 
-Content = Union[str, list[Annotated[Union[TextPart, RefusalPart, MediaPart], Field(discriminator="type")]]]
+Content = str | list[Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]]
 
 
 class MessageItem(_Strict):
@@ -125,9 +126,9 @@ def _item_tag(value: Any) -> str | None:
     return kind if kind in ITEM_TYPES else "unsupported"
 
 
-Item = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                       Annotated[CustomToolCallItem, Tag("custom_tool_call")], Annotated[ToolOutputItem, Tag("output")],
-                       Annotated[ReasoningItem, Tag("reasoning")], Annotated[UnsupportedItem, Tag("unsupported")]],
+Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                 | Annotated[CustomToolCallItem, Tag("custom_tool_call")] | Annotated[ToolOutputItem, Tag("output")]
+                 | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[UnsupportedItem, Tag("unsupported")],
                  Discriminator(_item_tag)]
 
 
@@ -148,7 +149,7 @@ class NamespaceTool(_Strict):
     type: Literal["namespace"]
     name: str = Field(min_length=1)
     description: str = ""
-    tools: list[Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]]
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]]
 
 
 class HostedTool(_Strict):
@@ -164,8 +165,8 @@ def _tool_tag(value: Any) -> str | None:
     return kind if kind in ("function", "custom", "namespace") else "hosted"
 
 
-ToolIn = Annotated[Union[Annotated[FunctionTool, Tag("function")], Annotated[CustomTool, Tag("custom")],
-                         Annotated[NamespaceTool, Tag("namespace")], Annotated[HostedTool, Tag("hosted")]],
+ToolIn = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+                   | Annotated[NamespaceTool, Tag("namespace")] | Annotated[HostedTool, Tag("hosted")],
                    Discriminator(_tool_tag)]
 
 
@@ -198,9 +199,10 @@ def _choice_tag(value: Any) -> str | None:
     return {"function": "named", "custom": "named", "allowed_tools": "allowed"}.get(kind, "hosted")
 
 
-ToolChoice = Annotated[Union[Annotated[Literal["none", "auto", "required"], Tag("mode")],
-                             Annotated[NamedChoice, Tag("named")], Annotated[AllowedTools, Tag("allowed")],
-                             Annotated[HostedChoice, Tag("hosted")]], Discriminator(_choice_tag)]
+ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("mode")]
+                       | Annotated[NamedChoice, Tag("named")] | Annotated[AllowedTools, Tag("allowed")]
+                       | Annotated[HostedChoice, Tag("hosted")],
+                       Discriminator(_choice_tag)]
 
 
 class TextFormat(_Strict):
@@ -221,7 +223,7 @@ class PromptCacheOptions(_Strict):
 
 class ResponsesBody(_Strict):
     model: ModelName
-    input: Union[str, list[Item]] = ""
+    input: str | list[Item] = ""
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

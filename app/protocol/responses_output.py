@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
 
 from app.errors import ContextTooLong, InvalidRequest, NotFound, Overloaded, SemanticError
 from app.protocol import openai, tools
@@ -32,6 +33,7 @@ from app.protocol.reply import Reply, ReplyParser, Thinking, parse_reply
 from app.protocol.responses import ResponsesDetails
 from app.protocol.turn import ParsedTurn
 from app.types import Finished, GenerationEvent, Heartbeat, Started, TextDelta, TokenLogprob
+
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"

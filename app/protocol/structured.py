@@ -34,7 +34,8 @@ start, as before.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 

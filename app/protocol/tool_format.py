@@ -11,7 +11,8 @@ generic rendering, so history matches the same whatever model served it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from app.protocol import tools
 from app.protocol.tools import ToolCallParser, call_from

@@ -18,7 +18,8 @@ that format's markers and parser.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from app.types import ToolCall
 
@@ -73,16 +74,16 @@ def render_result(content: str, is_error: bool) -> str:
     return f"{RESULT_START}\n{'Error: ' if is_error else ''}{content}\n{RESULT_END}"
 
 
-Segment = Union[str, ToolCall]
+Segment = str | ToolCall
 # Reads the text between a call's markers: the calls it holds, or None if it is no call.
 # ``closed``: the closing marker came (else generation ended inside the call).
-Reader = Callable[[str, bool], Optional[list[ToolCall]]]
+Reader = Callable[[str, bool], list[ToolCall] | None]
 
 
 UNCLOSED_BRACES = 2  # small models often forget the outer closing brace(s)
 
 
-def repaired(read: Callable[[str], Optional[list[ToolCall]]], body: str, closed: bool) -> list[ToolCall] | None:
+def repaired(read: Callable[[str], list[ToolCall] | None], body: str, closed: bool) -> list[ToolCall] | None:
     """What ``read`` finds in a call's ``body``; in a call whose closing marker came, with
     up to ``UNCLOSED_BRACES`` forgotten closing braces added if it finds nothing (an
     unfinished call may be cut anywhere: never repaired)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 

@@ -3,16 +3,17 @@ archive (export reads them, import writes them). Functions take a Session."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 from sqlalchemy import and_, delete, func, select
 from sqlalchemy.orm import Session
 
 from app.errors import InvalidRequest
-from app.store.history import new_conversation_id
 from app.store import cache_index
+from app.store.history import new_conversation_id
 from app.store.models import Agent, Conversation, Message, Request, StoredResponse
 from app.types import ForkPoint
 

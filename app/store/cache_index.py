@@ -8,10 +8,11 @@ from ``cache_blocks`` for the blocks a change touched, so they cannot drift.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Collection, Iterable, Iterator, Literal, Sequence
+from typing import Literal
 
 from sqlalchemy import delete, distinct, func, select
 from sqlalchemy.orm import Session, sessionmaker

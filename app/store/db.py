@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
